@@ -1,0 +1,184 @@
+//! What a transport hands the runtime, and how the runtime hands it back.
+//!
+//! A transport is any [`Stream`] of [`Incoming`] deliveries. Each delivery carries an
+//! [`Acknowledger`] that settles exactly that delivery. This fits both broker families
+//! without the core knowing either:
+//!
+//! - RabbitMQ acks per delivery tag; its acknowledger acks (or publishes a retry / dead-letter
+//!   copy, then acks) the one tag.
+//! - Kafka commits one offset per partition; its acknowledger marks the offset settled, and the
+//!   transport commits only up to the last contiguous settled offset.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::Stream;
+
+use crate::TransportError;
+
+/// Where a delivery came from, for dead-letter reasons and logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// The transport, e.g. `memory`, `amqp`, `kafka`.
+    pub transport: &'static str,
+    /// Transport-specific location, e.g. a queue name or `topic/partition@offset`.
+    pub location: String,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.transport, self.location)
+    }
+}
+
+/// One message as received: the envelope every transport produces.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// The producer-assigned message id, if any (AMQP `message_id`, a Kafka header).
+    pub message_id: Option<String>,
+    /// The raw payload.
+    pub payload: Bytes,
+    /// String headers (transport properties the runtime or handlers may read).
+    pub headers: BTreeMap<String, String>,
+    /// The broker says it delivered this message before (not acked then).
+    pub redelivered: bool,
+    /// The delivery attempt as the transport counts it (1 for the first), from a retry header.
+    /// The inbox keeps the authoritative count, which also counts crashes.
+    pub attempt: u32,
+    /// Where it came from.
+    pub source: Source,
+}
+
+/// A delivery plus the means to settle it.
+pub struct Incoming {
+    /// The message.
+    pub delivery: Delivery,
+    /// Settles this delivery; used exactly once.
+    pub acker: Box<dyn Acknowledger>,
+}
+
+impl fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Incoming")
+            .field("delivery", &self.delivery)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How the runtime settles a delivery.
+#[derive(Debug, Clone)]
+pub enum Settlement {
+    /// Done (processed and committed, or a recorded duplicate): remove it from the broker.
+    Ack,
+    /// Deliver it again after `delay`, without blocking other messages. `attempt` is the number
+    /// the new copy should carry.
+    Retry {
+        /// How long to wait before the copy is delivered.
+        delay: Duration,
+        /// The attempt number of the redelivered copy.
+        attempt: u32,
+    },
+    /// Move it to the dead-letter destination with the reason, then remove it.
+    DeadLetter(DeadLetter),
+}
+
+/// Why a message was dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetterReason {
+    /// The payload could not be decoded into the handler's message type.
+    Undecodable,
+    /// No idempotency key could be derived (no message id, template field missing, hashing
+    /// not allowed).
+    MissingKey,
+    /// The key was seen before with a different payload.
+    KeyConflict,
+    /// The handler returned a permanent error.
+    PermanentError,
+    /// The handler failed on its last allowed attempt.
+    MaxAttemptsExceeded,
+    /// The attempt count was used up by attempts that never reported back (crashes): the
+    /// message is not run again.
+    Quarantined,
+}
+
+impl DeadLetterReason {
+    /// The stable, machine-readable name used in headers and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::Undecodable => "undecodable",
+            DeadLetterReason::MissingKey => "missing_key",
+            DeadLetterReason::KeyConflict => "key_conflict",
+            DeadLetterReason::PermanentError => "permanent_error",
+            DeadLetterReason::MaxAttemptsExceeded => "max_attempts_exceeded",
+            DeadLetterReason::Quarantined => "quarantined",
+        }
+    }
+
+    /// Parses [`DeadLetterReason::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            DeadLetterReason::Undecodable,
+            DeadLetterReason::MissingKey,
+            DeadLetterReason::KeyConflict,
+            DeadLetterReason::PermanentError,
+            DeadLetterReason::MaxAttemptsExceeded,
+            DeadLetterReason::Quarantined,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
+    }
+}
+
+impl fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Everything a dead-letter destination records about a failed message.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    /// The reason.
+    pub reason: DeadLetterReason,
+    /// The handler's stable name.
+    pub handler: String,
+    /// The idempotency key, when one was derived.
+    pub key: Option<String>,
+    /// Attempts counted by the inbox (0 when the handler never ran).
+    pub attempts: u32,
+    /// The error text.
+    pub error: String,
+    /// Where the message came from.
+    pub source: Source,
+}
+
+/// Settles one delivery with its broker.
+///
+/// Called at most once per delivery, and only after the handler's transaction has committed
+/// (or the runtime decided the message must not run). An implementation must not report
+/// success before the broker has the outcome (for instance a retry copy must be confirmed
+/// before the original is acked).
+pub trait Acknowledger: Send + 'static {
+    /// Applies `settlement` to the delivery.
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>>;
+}
+
+/// A source of deliveries: any stream of [`Incoming`].
+///
+/// An `Err` item is logged and consumption continues; the stream ending ends the worker.
+pub trait Transport:
+    Stream<Item = Result<Incoming, TransportError>> + Send + Unpin + 'static
+{
+}
+
+impl<S> Transport for S where
+    S: Stream<Item = Result<Incoming, TransportError>> + Send + Unpin + 'static
+{
+}

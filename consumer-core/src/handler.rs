@@ -1,0 +1,177 @@
+//! The handler contract: what `#[handler]` generates and what a handler receives.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
+
+use crate::delivery::Delivery;
+use crate::inbox::Backend;
+use crate::HandlerError;
+
+/// What to do when a key arrives again with a different payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConflictPolicy {
+    /// Dead-letter it with reason `key_conflict` (the default): a human should look.
+    #[default]
+    DeadLetter,
+    /// Ack it without running the handler, logging a warning and counting it.
+    Skip,
+}
+
+/// A handler's identity and retry settings. Built by `#[handler]`; validated when the worker
+/// starts (a bad value fails there, naming the option).
+#[derive(Debug, Clone)]
+pub struct HandlerOptions {
+    pub(crate) name: Cow<'static, str>,
+    pub(crate) key: Option<Cow<'static, str>>,
+    pub(crate) payload_hash: bool,
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: (Duration, Duration),
+    pub(crate) retention: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) on_conflict: ConflictPolicy,
+}
+
+impl HandlerOptions {
+    /// Defaults: no key template, no payload hashing, 5 attempts, backoff 500ms doubling to
+    /// 60s, 7 days of retention, a 30s timeout, conflicts dead-lettered.
+    ///
+    /// `name` is the stable identity stored in the inbox: renaming it makes every message new.
+    pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
+        HandlerOptions {
+            name: name.into(),
+            key: None,
+            payload_hash: false,
+            max_attempts: 5,
+            backoff: (Duration::from_millis(500), Duration::from_secs(60)),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            timeout: Duration::from_secs(30),
+            on_conflict: ConflictPolicy::DeadLetter,
+        }
+    }
+
+    /// A key template over the message's fields, e.g. `invoice-{order_id}`. It takes
+    /// precedence over the message id: a handler that names its key has said what makes two
+    /// messages the same job.
+    pub fn key(mut self, template: impl Into<Cow<'static, str>>) -> Self {
+        self.key = Some(template.into());
+        self
+    }
+
+    /// Allow a SHA-256 of the canonical payload as the key when there is neither a template
+    /// nor a message id.
+    pub fn payload_hash(mut self, allow: bool) -> Self {
+        self.payload_hash = allow;
+        self
+    }
+
+    /// Attempts before the message is dead-lettered (at least 1). Crashed attempts count.
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    /// Exponential backoff with full jitter from `base`, doubling, capped at `cap`.
+    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
+        self.backoff = (base, cap);
+        self
+    }
+
+    /// How long a completed key is remembered (duplicates within it are skipped).
+    pub fn retention(mut self, d: Duration) -> Self {
+        self.retention = d;
+        self
+    }
+
+    /// Longest a handler may run; past it the attempt fails (transiently) and rolls back.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = d;
+        self
+    }
+
+    /// What to do on a key conflict.
+    pub fn on_conflict(mut self, policy: ConflictPolicy) -> Self {
+        self.on_conflict = policy;
+        self
+    }
+
+    /// The handler's stable name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The configured attempt limit.
+    pub fn get_max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+}
+
+/// A message handler. Write an `async fn` and put `#[handler]` on it rather than
+/// implementing this by hand.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a message handler for database `{DB}`",
+    note = "put `#[consumer_core::handler]` on an `async fn(ctx: &mut Context<'_, {DB}>, message: M)`"
+)]
+pub trait Handler<DB: Backend>: Send + Sync + 'static {
+    /// The message type, decoded from the payload as JSON.
+    type Message: DeserializeOwned + Send + 'static;
+
+    /// Identity and retry settings.
+    fn options(&self) -> HandlerOptions;
+
+    /// Runs the handler inside the delivery's transaction.
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut Context<'c, DB>,
+        message: Self::Message,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>
+    where
+        'c: 'a;
+}
+
+/// What a handler receives: the open transaction and facts about the delivery.
+///
+/// Everything written through [`Context::db`] commits atomically with the inbox marking this
+/// key completed, and before the delivery is acked.
+pub struct Context<'c, DB: Backend> {
+    pub(crate) tx: sqlx::Transaction<'c, DB>,
+    pub(crate) handler: &'c str,
+    pub(crate) key: &'c str,
+    pub(crate) attempt: u32,
+    pub(crate) delivery: &'c Delivery,
+}
+
+impl<'c, DB: Backend> Context<'c, DB> {
+    /// The transaction's connection: use it as the executor for every write.
+    pub fn db(&mut self) -> &mut DB::Connection {
+        &mut self.tx
+    }
+
+    /// The idempotency key of this message.
+    pub fn key(&self) -> &str {
+        self.key
+    }
+
+    /// The handler's stable name.
+    pub fn handler(&self) -> &str {
+        self.handler
+    }
+
+    /// This attempt's number, as counted by the inbox (1 for the first; crashes count).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The delivery: message id, headers, source.
+    pub fn delivery(&self) -> &Delivery {
+        self.delivery
+    }
+
+    /// A stable key for an effect outside the database, e.g. a provider's
+    /// `Idempotency-Key` header: the same for every attempt and redelivery of this message.
+    pub fn idempotency_key(&self, effect: &str) -> String {
+        crate::guard::idempotency_key(self.handler, self.key, effect)
+    }
+}

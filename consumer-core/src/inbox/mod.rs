@@ -1,0 +1,433 @@
+//! The inbox: durable memory of which (handler, key) pairs were processed.
+//!
+//! One row per (handler, key) holds the payload hash, status (`pending`, `completed`,
+//! `dead`), attempts, first seen, completed at, expires at and the last error. The runtime
+//! uses it in two steps per delivery, both under a per-key lock (an in-process mutex, plus a
+//! PostgreSQL session advisory lock so workers in other processes wait too):
+//!
+//! 1. [`Backend::begin_attempt`] counts the attempt in its own small transaction and commits it
+//!    *before* the handler runs, so an attempt that kills the process is still counted.
+//! 2. The handler's transaction ends with [`Backend::complete`], which marks the key completed
+//!    in the same commit as the handler's writes.
+
+mod locks;
+mod postgres;
+mod sqlite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use sqlx::pool::PoolConnection;
+use sqlx::Pool;
+
+pub(crate) use locks::KeyLocks;
+
+use crate::guard::GuardValue;
+use crate::ident::Identifier;
+use crate::Error;
+
+/// Where the inbox lives.
+#[derive(Debug, Clone)]
+pub struct InboxConfig {
+    /// PostgreSQL schema (created if missing). Not supported on SQLite.
+    pub schema: Option<String>,
+    /// Table name; default `consumer_inbox`.
+    pub table: String,
+}
+
+impl Default for InboxConfig {
+    fn default() -> Self {
+        InboxConfig {
+            schema: None,
+            table: "consumer_inbox".to_owned(),
+        }
+    }
+}
+
+impl InboxConfig {
+    /// The default table in `schema`.
+    pub fn in_schema(schema: impl Into<String>) -> Self {
+        InboxConfig {
+            schema: Some(schema.into()),
+            ..InboxConfig::default()
+        }
+    }
+}
+
+/// Validated, quoted names of the inbox objects.
+#[derive(Debug, Clone)]
+#[doc(hidden)]
+pub struct TableNames {
+    pub(crate) schema: Option<Identifier>,
+    /// `"schema"."table"` or `"table"`.
+    pub(crate) inbox: String,
+    /// `"schema"."table_migrations"`.
+    pub(crate) migrations: String,
+    /// `"table_expires_at"` (indexes live in the table's schema).
+    pub(crate) expires_index: String,
+    /// Distinguishes this inbox in lock ids.
+    pub(crate) lock_namespace: String,
+}
+
+impl TableNames {
+    fn new(config: &InboxConfig) -> Result<Self, Error> {
+        let schema = config
+            .schema
+            .as_deref()
+            .map(|s| Identifier::parse("inbox.schema", s))
+            .transpose()?;
+        let table = Identifier::parse("inbox.table", &config.table)?;
+        let qualify = |name: &str| match &schema {
+            Some(s) => format!("{}.\"{name}\"", s.quoted()),
+            None => format!("\"{name}\""),
+        };
+        Ok(TableNames {
+            inbox: qualify(table.as_str()),
+            migrations: qualify(&format!("{table}_migrations")),
+            expires_index: format!("\"{table}_expires_at\""),
+            lock_namespace: qualify(table.as_str()),
+            schema,
+        })
+    }
+
+    pub(crate) fn render(&self, template: &str) -> String {
+        template
+            .replace("{inbox}", &self.inbox)
+            .replace("{expires_index}", &self.expires_index)
+    }
+}
+
+/// The state of one key in the inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryStatus {
+    /// Seen, not completed (in flight, failed, or crashed).
+    Pending,
+    /// Completed: later deliveries are duplicates.
+    Completed,
+    /// Dead-lettered.
+    Dead,
+}
+
+impl EntryStatus {
+    fn parse(s: &str) -> Self {
+        match s {
+            "completed" => EntryStatus::Completed,
+            "dead" => EntryStatus::Dead,
+            _ => EntryStatus::Pending,
+        }
+    }
+}
+
+/// One inbox row, for operators and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxEntry {
+    /// Status.
+    pub status: EntryStatus,
+    /// Attempts counted (crashed ones included).
+    pub attempts: u32,
+    /// SHA-256 of the canonical payload first seen with this key.
+    pub payload_hash: String,
+    /// The last failure, if any.
+    pub last_error: Option<String>,
+}
+
+/// The outcome of counting an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[doc(hidden)]
+pub enum Claim {
+    /// Run the handler; this is attempt `attempt`.
+    Run {
+        /// The attempt number, crashes included.
+        attempt: u32,
+    },
+    /// Already completed with the same payload.
+    Duplicate,
+    /// The key exists with another payload.
+    Conflict {
+        /// Status of the existing row.
+        status: EntryStatus,
+    },
+    /// Previously dead-lettered.
+    Dead {
+        /// Attempts counted.
+        attempts: u32,
+        /// Why.
+        last_error: Option<String>,
+    },
+    /// Attempts used up without a recorded outcome.
+    Exhausted {
+        /// Attempts counted.
+        attempts: u32,
+        /// The last recorded failure, if any.
+        last_error: Option<String>,
+    },
+}
+
+impl Claim {
+    /// Decides from an existing row when the attempt was not counted.
+    pub(crate) fn from_entry(entry: InboxEntry, payload_hash: &str) -> Claim {
+        if entry.payload_hash != payload_hash {
+            return Claim::Conflict {
+                status: entry.status,
+            };
+        }
+        match entry.status {
+            EntryStatus::Completed => Claim::Duplicate,
+            EntryStatus::Dead => Claim::Dead {
+                attempts: entry.attempts,
+                last_error: entry.last_error,
+            },
+            EntryStatus::Pending => Claim::Exhausted {
+                attempts: entry.attempts,
+                last_error: entry.last_error,
+            },
+        }
+    }
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for sqlx::Postgres {}
+    impl Sealed for sqlx::Sqlite {}
+}
+
+/// A database the inbox supports: PostgreSQL (production, many workers) or SQLite (embedded,
+/// one process). Sealed; its methods are the runtime's, not part of the public API.
+pub trait Backend: sqlx::Database + private::Sealed {
+    #[doc(hidden)]
+    const NAME: &'static str;
+
+    #[doc(hidden)]
+    fn placeholder(n: usize) -> String;
+
+    #[doc(hidden)]
+    fn check_config(names: &TableNames) -> Result<(), Error>;
+
+    #[doc(hidden)]
+    fn migrate<'a>(pool: &'a Pool<Self>, names: &'a TableNames)
+        -> BoxFuture<'a, Result<(), Error>>;
+
+    #[doc(hidden)]
+    fn lock_key(
+        conn: &mut Self::Connection,
+        lock_id: i64,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn unlock_key(
+        conn: &mut Self::Connection,
+        lock_id: i64,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn begin_attempt<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+        max_attempts: u32,
+    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn begin_handler(
+        conn: &mut Self::Connection,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn complete<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn record_failure<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        error: &'a str,
+        dead: bool,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn entry<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn purge_expired<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        batch: u32,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn execute_guard<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+        args: Vec<GuardValue>,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+}
+
+/// The inbox on a connection pool. Cheap to clone.
+pub struct Inbox<DB: Backend> {
+    pool: Pool<DB>,
+    names: Arc<TableNames>,
+    locks: Arc<KeyLocks>,
+}
+
+impl<DB: Backend> Clone for Inbox<DB> {
+    fn clone(&self) -> Self {
+        Inbox {
+            pool: self.pool.clone(),
+            names: self.names.clone(),
+            locks: self.locks.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Inbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox")
+            .field("backend", &<DB as Backend>::NAME)
+            .field("table", &self.names.inbox)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Inbox<DB> {
+    /// Validates `config`, runs the shipped migrations (idempotent, safe to race between
+    /// workers) and returns the inbox. A bad name fails here, naming the field.
+    pub async fn new(pool: Pool<DB>, config: InboxConfig) -> Result<Self, Error> {
+        let names = TableNames::new(&config)?;
+        DB::check_config(&names)?;
+        DB::migrate(&pool, &names).await?;
+        Ok(Inbox {
+            pool,
+            names: Arc::new(names),
+            locks: Arc::new(KeyLocks::default()),
+        })
+    }
+
+    /// The pool: use it for your own queries outside handlers.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The quoted, qualified inbox table name.
+    pub fn table(&self) -> &str {
+        &self.names.inbox
+    }
+
+    /// The row for (`handler`, `key`), if any.
+    pub async fn entry(&self, handler: &str, key: &str) -> Result<Option<InboxEntry>, Error> {
+        Ok(DB::entry(&self.pool, &self.names, handler, key).await?)
+    }
+
+    /// Deletes completed rows whose retention has expired, `batch` rows per statement, until
+    /// none are left. Returns how many were deleted.
+    pub async fn purge_expired(&self, batch: u32) -> Result<u64, Error> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let n = DB::purge_expired(&self.pool, &self.names, batch).await?;
+            total += n;
+            if n < u64::from(batch) {
+                return Ok(total);
+            }
+        }
+    }
+
+    pub(crate) fn names(&self) -> &TableNames {
+        &self.names
+    }
+
+    /// Takes the per-key lock (in process, then in the database) on a pooled connection.
+    pub(crate) async fn lease(&self, handler: &str, key: &str) -> Result<Lease<DB>, sqlx::Error> {
+        let lock_id = lock_id(&self.names.lock_namespace, handler, key);
+        let local = self.locks.lock(lock_id).await;
+        let conn = self.pool.acquire().await?;
+        let mut lease = Lease {
+            conn: Some(conn),
+            // Pessimistic: if this future is dropped while the lock request is in flight, the
+            // server may still grant it, so the connection must not go back to the pool.
+            db_locked: true,
+            lock_id,
+            _local: local,
+        };
+        DB::lock_key(lease.conn(), lock_id).await?;
+        Ok(lease)
+    }
+}
+
+impl Inbox<sqlx::Sqlite> {
+    /// The embedded default: an SQLite file at `path` (created if missing) in WAL mode, with
+    /// the default table.
+    pub async fn open_sqlite(path: impl AsRef<std::path::Path>) -> Result<Self, Error> {
+        use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await?;
+        Inbox::new(pool, InboxConfig::default()).await
+    }
+}
+
+/// A pooled connection holding the key's lock.
+///
+/// Dropped without [`Lease::release`] (a crash simulation, a cancelled task), it closes its
+/// connection instead of returning it to the pool: a pooled connection would keep the
+/// PostgreSQL session lock and block its key for good.
+pub(crate) struct Lease<DB: Backend> {
+    conn: Option<PoolConnection<DB>>,
+    db_locked: bool,
+    lock_id: i64,
+    _local: locks::LocalGuard,
+}
+
+impl<DB: Backend> Lease<DB> {
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+        match self.conn.as_mut() {
+            Some(c) => c,
+            None => unreachable!("the connection is only taken in Drop"),
+        }
+    }
+
+    /// Releases the database lock; the connection goes back to the pool.
+    pub(crate) async fn release(mut self) {
+        let lock_id = self.lock_id;
+        match DB::unlock_key(self.conn(), lock_id).await {
+            Ok(()) => self.db_locked = false,
+            Err(e) => tracing::warn!(error = %e, "could not release key lock; closing connection"),
+        }
+    }
+}
+
+impl<DB: Backend> Drop for Lease<DB> {
+    fn drop(&mut self) {
+        if let (true, Some(conn)) = (self.db_locked, self.conn.as_mut()) {
+            conn.close_on_drop();
+        }
+    }
+}
+
+fn lock_id(namespace: &str, handler: &str, key: &str) -> i64 {
+    let hex = crate::key::sha256_hex(&[namespace.as_bytes(), handler.as_bytes(), key.as_bytes()]);
+    let bytes = hex::decode(&hex[..16]).unwrap_or_default();
+    let mut arr = [0u8; 8];
+    arr.copy_from_slice(&bytes[..8.min(bytes.len())]);
+    i64::from_be_bytes(arr)
+}

@@ -1,0 +1,267 @@
+//! PostgreSQL: production, many workers in many processes.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
+
+use super::{Backend, Claim, EntryStatus, InboxEntry, TableNames};
+use crate::guard::GuardValue;
+use crate::Error;
+
+const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../migrations/postgres/0001_inbox.sql"))];
+
+impl Backend for Postgres {
+    const NAME: &'static str = "postgres";
+
+    fn placeholder(n: usize) -> String {
+        format!("${n}")
+    }
+
+    fn check_config(_names: &TableNames) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn migrate<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(migrate(pool, names))
+    }
+
+    fn lock_key(conn: &mut PgConnection, lock_id: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_advisory_lock($1)")
+                .bind(lock_id)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn unlock_key(conn: &mut PgConnection, lock_id: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(lock_id)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn begin_attempt<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+        max_attempts: u32,
+    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
+        Box::pin(async move {
+            let mut tx = conn.begin().await?;
+            // The count must survive the worker being killed, not the database server
+            // crashing: asynchronous commit keeps it off the fsync path. The handler's own
+            // transaction commits synchronously.
+            sqlx::query("SET LOCAL synchronous_commit = off")
+                .execute(&mut *tx)
+                .await?;
+            let counted: Option<i32> = sqlx::query_scalar(&format!(
+                "INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
+                 VALUES ($1, $2, $3, 'pending', 1) \
+                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
+                 WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
+                 RETURNING attempts",
+                t = names.inbox
+            ))
+            .bind(handler)
+            .bind(key)
+            .bind(payload_hash)
+            .bind(i64::from(max_attempts))
+            .fetch_optional(&mut *tx)
+            .await?;
+            let claim = match counted {
+                Some(attempt) => Claim::Run {
+                    attempt: attempt.max(0) as u32,
+                },
+                None => {
+                    let row = fetch_entry(&mut tx, names, handler, key).await?;
+                    match row {
+                        Some(entry) => Claim::from_entry(entry, payload_hash),
+                        None => return Err(sqlx::Error::RowNotFound),
+                    }
+                }
+            };
+            tx.commit().await?;
+            Ok(claim)
+        })
+    }
+
+    fn begin_handler(
+        conn: &mut PgConnection,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
+        conn.begin()
+    }
+
+    fn complete<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&format!(
+                "UPDATE {} SET status = 'completed', completed_at = now(), updated_at = now(), \
+                 expires_at = now() + $3 * interval '1 millisecond', last_error = NULL \
+                 WHERE handler = $1 AND key = $2",
+                names.inbox
+            ))
+            .bind(handler)
+            .bind(key)
+            .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn record_failure<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        error: &'a str,
+        dead: bool,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&format!(
+                "UPDATE {} SET last_error = $3, updated_at = now(), \
+                 status = CASE WHEN $4 THEN 'dead' ELSE status END \
+                 WHERE handler = $1 AND key = $2 AND status <> 'completed'",
+                names.inbox
+            ))
+            .bind(handler)
+            .bind(key)
+            .bind(error)
+            .bind(dead)
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn entry<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            fetch_entry(&mut conn, names, handler, key).await
+        })
+    }
+
+    fn purge_expired<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        batch: u32,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let r = sqlx::query(&format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(\
+                 SELECT ctid FROM {t} WHERE status = 'completed' AND expires_at < now() LIMIT $1))",
+                t = names.inbox
+            ))
+            .bind(i64::from(batch))
+            .execute(pool)
+            .await?;
+            Ok(r.rows_affected())
+        })
+    }
+
+    fn execute_guard<'a>(
+        conn: &'a mut PgConnection,
+        sql: &'a str,
+        args: Vec<GuardValue>,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut q = sqlx::query(sql);
+            for a in args {
+                q = match a {
+                    GuardValue::Int(v) => q.bind(v),
+                    GuardValue::Text(v) => q.bind(v),
+                };
+            }
+            Ok(q.execute(conn).await?.rows_affected())
+        })
+    }
+}
+
+async fn fetch_entry(
+    conn: &mut PgConnection,
+    names: &TableNames,
+    handler: &str,
+    key: &str,
+) -> Result<Option<InboxEntry>, sqlx::Error> {
+    let row = sqlx::query(&format!(
+        "SELECT status, attempts, payload_hash, last_error FROM {} WHERE handler = $1 AND key = $2",
+        names.inbox
+    ))
+    .bind(handler)
+    .bind(key)
+    .fetch_optional(conn)
+    .await?;
+    row.map(|r| {
+        Ok(InboxEntry {
+            status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
+            attempts: r.try_get::<i32, _>("attempts")?.max(0) as u32,
+            payload_hash: r.try_get("payload_hash")?,
+            last_error: r.try_get("last_error")?,
+        })
+    })
+    .transpose()
+}
+
+async fn migrate(pool: &Pool<Postgres>, names: &TableNames) -> Result<(), Error> {
+    let mut tx = pool.begin().await?;
+    // Workers starting together would race on CREATE ... IF NOT EXISTS (it is not
+    // atomic in PostgreSQL); one transaction-scoped lock serialises them.
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(super::lock_id("migrate", "", &names.inbox))
+        .execute(&mut *tx)
+        .await?;
+    if let Some(schema) = &names.schema {
+        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {}", schema.quoted()))
+            .execute(&mut *tx)
+            .await?;
+    }
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, \
+             applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        names.migrations
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let current: Option<i32> =
+        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
+            .fetch_one(&mut *tx)
+            .await?;
+    for (version, sql) in MIGRATIONS {
+        if current.is_some_and(|c| c >= *version) {
+            continue;
+        }
+        let script = names.render(sql);
+        // A plain string runs unprepared, so the script may hold several statements.
+        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
+        sqlx::query(&format!(
+            "INSERT INTO {} (version) VALUES ($1)",
+            names.migrations
+        ))
+        .bind(version)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

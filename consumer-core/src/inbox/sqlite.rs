@@ -1,0 +1,263 @@
+//! SQLite: the embedded default, one process. Cross-worker exclusion comes from the
+//! in-process key locks alone, so a database file must not be shared by two processes.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
+
+use super::{Backend, Claim, EntryStatus, InboxEntry, TableNames};
+use crate::guard::GuardValue;
+use crate::Error;
+
+const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/sqlite/0001_inbox.sql"))];
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or_default()
+}
+
+impl Backend for Sqlite {
+    const NAME: &'static str = "sqlite";
+
+    fn placeholder(n: usize) -> String {
+        format!("?{n}")
+    }
+
+    fn check_config(names: &TableNames) -> Result<(), Error> {
+        match names.schema {
+            Some(_) => Err(Error::config(
+                "inbox.schema",
+                "SQLite has no schemas; leave it unset and choose a table name",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn migrate<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(migrate(pool, names))
+    }
+
+    fn lock_key(
+        _conn: &mut SqliteConnection,
+        _lock_id: i64,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn unlock_key(
+        _conn: &mut SqliteConnection,
+        _lock_id: i64,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn begin_attempt<'a>(
+        conn: &'a mut SqliteConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+        max_attempts: u32,
+    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
+        Box::pin(async move {
+            let now = now_ms();
+            let counted: Option<i64> = sqlx::query_scalar(&format!(
+                "INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts, first_seen, updated_at) \
+                 VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5) \
+                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = ?5 \
+                 WHERE i.status = 'pending' AND i.payload_hash = excluded.payload_hash AND i.attempts < ?4 \
+                 RETURNING attempts",
+                t = names.inbox
+            ))
+            .bind(handler)
+            .bind(key)
+            .bind(payload_hash)
+            .bind(i64::from(max_attempts))
+            .bind(now)
+            .fetch_optional(&mut *conn)
+            .await?;
+            Ok(match counted {
+                Some(attempt) => Claim::Run {
+                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                },
+                None => match fetch_entry(conn, names, handler, key).await? {
+                    Some(entry) => Claim::from_entry(entry, payload_hash),
+                    None => return Err(sqlx::Error::RowNotFound),
+                },
+            })
+        })
+    }
+
+    fn begin_handler(
+        conn: &mut SqliteConnection,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
+        // A deferred transaction that reads, then writes, fails at once with SQLITE_BUSY when
+        // another connection wrote in between; IMMEDIATE waits for the write lock instead.
+        conn.begin_with("BEGIN IMMEDIATE")
+    }
+
+    fn complete<'a>(
+        conn: &'a mut SqliteConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let now = now_ms();
+            let expires =
+                now.saturating_add(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+            sqlx::query(&format!(
+                "UPDATE {} SET status = 'completed', completed_at = ?3, updated_at = ?3, \
+                 expires_at = ?4, last_error = NULL WHERE handler = ?1 AND key = ?2",
+                names.inbox
+            ))
+            .bind(handler)
+            .bind(key)
+            .bind(now)
+            .bind(expires)
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn record_failure<'a>(
+        conn: &'a mut SqliteConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        error: &'a str,
+        dead: bool,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&format!(
+                "UPDATE {} SET last_error = ?3, updated_at = ?5, \
+                 status = CASE WHEN ?4 THEN 'dead' ELSE status END \
+                 WHERE handler = ?1 AND key = ?2 AND status <> 'completed'",
+                names.inbox
+            ))
+            .bind(handler)
+            .bind(key)
+            .bind(error)
+            .bind(dead)
+            .bind(now_ms())
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn entry<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            fetch_entry(&mut conn, names, handler, key).await
+        })
+    }
+
+    fn purge_expired<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        batch: u32,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let r = sqlx::query(&format!(
+                "DELETE FROM {t} WHERE rowid IN (\
+                 SELECT rowid FROM {t} WHERE status = 'completed' AND expires_at < ?1 LIMIT ?2)",
+                t = names.inbox
+            ))
+            .bind(now_ms())
+            .bind(i64::from(batch))
+            .execute(pool)
+            .await?;
+            Ok(r.rows_affected())
+        })
+    }
+
+    fn execute_guard<'a>(
+        conn: &'a mut SqliteConnection,
+        sql: &'a str,
+        args: Vec<GuardValue>,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut q = sqlx::query(sql);
+            for a in args {
+                q = match a {
+                    GuardValue::Int(v) => q.bind(v),
+                    GuardValue::Text(v) => q.bind(v),
+                };
+            }
+            Ok(q.execute(conn).await?.rows_affected())
+        })
+    }
+}
+
+async fn fetch_entry(
+    conn: &mut SqliteConnection,
+    names: &TableNames,
+    handler: &str,
+    key: &str,
+) -> Result<Option<InboxEntry>, sqlx::Error> {
+    let row = sqlx::query(&format!(
+        "SELECT status, attempts, payload_hash, last_error FROM {} WHERE handler = ?1 AND key = ?2",
+        names.inbox
+    ))
+    .bind(handler)
+    .bind(key)
+    .fetch_optional(conn)
+    .await?;
+    row.map(|r| {
+        Ok(InboxEntry {
+            status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
+            attempts: u32::try_from(r.try_get::<i64, _>("attempts")?).unwrap_or(0),
+            payload_hash: r.try_get("payload_hash")?,
+            last_error: r.try_get("last_error")?,
+        })
+    })
+    .transpose()
+}
+
+async fn migrate(pool: &Pool<Sqlite>, names: &TableNames) -> Result<(), Error> {
+    let mut conn = pool.acquire().await?;
+    // IMMEDIATE takes the write lock up front: two starters serialise here.
+    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)",
+        names.migrations
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let current: Option<i64> =
+        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
+            .fetch_one(&mut *tx)
+            .await?;
+    for (version, sql) in MIGRATIONS {
+        if current.is_some_and(|c| c >= *version) {
+            continue;
+        }
+        let script = names.render(sql);
+        // A plain string runs unprepared, so the script may hold several statements.
+        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
+        sqlx::query(&format!(
+            "INSERT INTO {} (version, applied_at) VALUES (?1, ?2)",
+            names.migrations
+        ))
+        .bind(version)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

@@ -1,0 +1,207 @@
+//! Idempotency keys: from the message id, a template over the message's fields, or a hash of
+//! the canonical payload.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::Error;
+
+/// A deterministic task key built from a message's fields, e.g. `invoice-{order_id}`.
+///
+/// `{field}` takes a top-level field, `{a.b}` a nested one. Strings are inserted as they are,
+/// numbers and booleans in their JSON form; `{{` and `}}` are literal braces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyTemplate {
+    source: String,
+    parts: Vec<Part>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    Field(Vec<String>),
+}
+
+impl KeyTemplate {
+    /// Parses a template; the error names the `key` option.
+    pub fn parse(template: &str) -> Result<Self, Error> {
+        Self::parse_inner(template).map_err(|reason| Error::config("key", reason))
+    }
+
+    /// The check used by both the runtime and the `#[handler]` macro: `Err` is the reason.
+    #[doc(hidden)]
+    pub fn parse_inner(template: &str) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut literal = String::new();
+        let mut chars = template.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '{' if chars.peek() == Some(&'{') => {
+                    chars.next();
+                    literal.push('{');
+                }
+                '}' if chars.peek() == Some(&'}') => {
+                    chars.next();
+                    literal.push('}');
+                }
+                '{' => {
+                    let mut field = String::new();
+                    loop {
+                        match chars.next() {
+                            Some('}') => break,
+                            Some(c) if c.is_ascii_alphanumeric() || c == '_' || c == '.' => {
+                                field.push(c)
+                            }
+                            Some(c) => {
+                                return Err(format!(
+                                    "unexpected {c:?} inside `{{…}}` in key template {template:?}"
+                                ))
+                            }
+                            None => {
+                                return Err(format!("unclosed `{{` in key template {template:?}"))
+                            }
+                        }
+                    }
+                    let path: Vec<String> = field.split('.').map(str::to_owned).collect();
+                    if path.iter().any(String::is_empty) {
+                        return Err(format!("empty field name in key template {template:?}"));
+                    }
+                    if !literal.is_empty() {
+                        parts.push(Part::Literal(std::mem::take(&mut literal)));
+                    }
+                    parts.push(Part::Field(path));
+                }
+                '}' => return Err(format!("unmatched `}}` in key template {template:?}")),
+                c => literal.push(c),
+            }
+        }
+        if !literal.is_empty() {
+            parts.push(Part::Literal(literal));
+        }
+        if !parts.iter().any(|p| matches!(p, Part::Field(_))) {
+            return Err(format!(
+                "key template {template:?} names no field: every message would get the same key"
+            ));
+        }
+        Ok(KeyTemplate {
+            source: template.to_owned(),
+            parts,
+        })
+    }
+
+    /// The template as written.
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders the key from a decoded payload. `Err` names the missing field.
+    pub fn render(&self, payload: &Value) -> Result<String, String> {
+        let mut out = String::new();
+        for part in &self.parts {
+            match part {
+                Part::Literal(s) => out.push_str(s),
+                Part::Field(path) => {
+                    let mut v = payload;
+                    for name in path {
+                        v = v
+                            .get(name)
+                            .ok_or_else(|| format!("field `{}` is missing", path.join(".")))?;
+                    }
+                    match v {
+                        Value::String(s) => out.push_str(s),
+                        Value::Number(n) => out.push_str(&n.to_string()),
+                        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+                        _ => {
+                            return Err(format!(
+                                "field `{}` is not a string, number or boolean",
+                                path.join(".")
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// SHA-256 (hex) of the payload's canonical JSON: object keys sorted, no insignificant
+/// white space. Two payloads that differ only in key order or spacing hash the same.
+pub fn canonical_hash(payload: &Value) -> String {
+    // serde_json's `Map` is a BTreeMap unless `preserve_order` is on, so serialising a
+    // `Value` sorts keys; `canonicalize` makes that independent of the feature.
+    let canonical = serde_json::to_vec(&canonicalize(payload)).unwrap_or_default();
+    hex::encode(Sha256::digest(&canonical))
+}
+
+fn canonicalize(v: &Value) -> Value {
+    match v {
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k.clone(), canonicalize(v)))
+                    .collect(),
+            )
+        }
+        Value::Array(items) => Value::Array(items.iter().map(canonicalize).collect()),
+        other => other.clone(),
+    }
+}
+
+/// SHA-256 (hex) of raw bytes: the payload fingerprint for non-JSON-equal comparisons.
+pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    hex::encode(h.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn renders_fields_and_nested_fields() {
+        let t = KeyTemplate::parse("invoice-{order_id}-{customer.id}").unwrap();
+        let key = t
+            .render(&json!({"order_id": 42, "customer": {"id": "c7"}}))
+            .unwrap();
+        assert_eq!(key, "invoice-42-c7");
+    }
+
+    #[test]
+    fn missing_field_is_an_error_naming_it() {
+        let t = KeyTemplate::parse("invoice-{order_id}").unwrap();
+        let err = t.render(&json!({"amount": 1})).unwrap_err();
+        assert!(err.contains("order_id"), "{err}");
+    }
+
+    #[test]
+    fn rejects_bad_templates() {
+        for bad in ["invoice", "a-{", "a-}", "{}", "{a..b}", "{a b}"] {
+            assert!(KeyTemplate::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            KeyTemplate::parse("{{x}}-{id}")
+                .unwrap()
+                .render(&json!({"id": 1}))
+                .unwrap(),
+            "{x}-1"
+        );
+    }
+
+    #[test]
+    fn canonical_hash_ignores_key_order_and_spacing() {
+        let a: Value = serde_json::from_str(r#"{"b":1,"a":{"y":2,"x":[1,2]}}"#).unwrap();
+        let b: Value = serde_json::from_str(r#"{ "a": {"x": [1, 2], "y": 2}, "b": 1 }"#).unwrap();
+        assert_eq!(canonical_hash(&a), canonical_hash(&b));
+        let c: Value = serde_json::from_str(r#"{"b":2,"a":{"y":2,"x":[1,2]}}"#).unwrap();
+        assert_ne!(canonical_hash(&a), canonical_hash(&c));
+    }
+}

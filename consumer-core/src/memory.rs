@@ -1,0 +1,449 @@
+//! An in-memory broker with real at-least-once behaviour, for the embedded default and fast
+//! tests: unacked deliveries of a dropped consumer are redelivered (flagged `redelivered`),
+//! retries come back after their delay without blocking anything, and dead letters are kept
+//! with their reason.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
+use tokio::sync::Notify;
+
+use crate::delivery::{Acknowledger, DeadLetter, Delivery, Incoming, Settlement, Source};
+use crate::TransportError;
+
+/// The header carrying the attempt number of a retried copy.
+pub const ATTEMPT_HEADER: &str = "x-attempt";
+
+/// A message to publish.
+#[derive(Debug, Clone, Default)]
+pub struct Message {
+    /// Optional message id.
+    pub id: Option<String>,
+    /// Payload.
+    pub payload: Bytes,
+    /// Headers.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Message {
+    /// A message with an id and a JSON payload.
+    pub fn json(id: impl Into<String>, payload: &serde_json::Value) -> Self {
+        Message {
+            id: Some(id.into()),
+            payload: Bytes::from(payload.to_string()),
+            headers: BTreeMap::new(),
+        }
+    }
+}
+
+/// A dead-lettered message and why.
+#[derive(Debug, Clone)]
+pub struct DeadLettered {
+    /// The original message.
+    pub message: Message,
+    /// The reason and details.
+    pub dead_letter: DeadLetter,
+}
+
+/// How many messages a queue holds in each state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueDepth {
+    /// Waiting to be delivered.
+    pub ready: usize,
+    /// Delivered, not settled.
+    pub unacked: usize,
+    /// Waiting for a retry delay.
+    pub delayed: usize,
+    /// Dead-lettered.
+    pub dead: usize,
+}
+
+impl QueueDepth {
+    /// Nothing ready, in flight or delayed.
+    pub fn is_drained(&self) -> bool {
+        self.ready == 0 && self.unacked == 0 && self.delayed == 0
+    }
+}
+
+struct Stored {
+    message: Message,
+    redelivered: bool,
+    attempt: u32,
+}
+
+#[derive(Default)]
+struct Queue {
+    ready: VecDeque<Stored>,
+    unacked: HashMap<u64, (u64, Stored)>,
+    delayed: usize,
+    dead: Vec<DeadLettered>,
+    published: u64,
+}
+
+#[derive(Default)]
+struct State {
+    queues: HashMap<String, Queue>,
+    next_tag: u64,
+    next_consumer: u64,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    notify: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The broker. Cheap to clone; clones share queues.
+#[derive(Clone, Default)]
+pub struct MemoryBroker {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for MemoryBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryBroker").finish_non_exhaustive()
+    }
+}
+
+impl MemoryBroker {
+    /// An empty broker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `message` to `queue` (created on first use).
+    pub fn publish(&self, queue: &str, message: Message) {
+        self.push(
+            queue,
+            Stored {
+                message,
+                redelivered: false,
+                attempt: 1,
+            },
+        );
+    }
+
+    fn push(&self, queue: &str, stored: Stored) {
+        {
+            let mut state = self.shared.lock();
+            let q = state.queues.entry(queue.to_owned()).or_default();
+            q.published += 1;
+            q.ready.push_back(stored);
+        }
+        self.shared.notify.notify_waiters();
+    }
+
+    /// Starts a consumer on `queue`. Dropping it returns its unsettled deliveries to the front
+    /// of the queue, flagged redelivered, like a closed AMQP channel.
+    pub fn consume(&self, queue: &str) -> MemoryConsumer {
+        let id = {
+            let mut state = self.shared.lock();
+            state.queues.entry(queue.to_owned()).or_default();
+            state.next_consumer += 1;
+            state.next_consumer
+        };
+        let shared = self.shared.clone();
+        let name = queue.to_owned();
+        let stream = futures::stream::unfold((), move |()| {
+            let shared = shared.clone();
+            let name = name.clone();
+            async move {
+                loop {
+                    let notified = shared.notify.notified();
+                    futures::pin_mut!(notified);
+                    notified.as_mut().enable();
+                    if let Some(incoming) = take(&shared, &name, id) {
+                        return Some((Ok(incoming), ()));
+                    }
+                    notified.await;
+                }
+            }
+        })
+        .boxed();
+        MemoryConsumer {
+            shared: self.shared.clone(),
+            queue: queue.to_owned(),
+            id,
+            stream,
+        }
+    }
+
+    /// The dead letters of `queue`.
+    pub fn dead_letters(&self, queue: &str) -> Vec<DeadLettered> {
+        let state = self.shared.lock();
+        state
+            .queues
+            .get(queue)
+            .map(|q| q.dead.clone())
+            .unwrap_or_default()
+    }
+
+    /// The depth of `queue`.
+    pub fn depth(&self, queue: &str) -> QueueDepth {
+        let state = self.shared.lock();
+        state
+            .queues
+            .get(queue)
+            .map(|q| QueueDepth {
+                ready: q.ready.len(),
+                unacked: q.unacked.len(),
+                delayed: q.delayed,
+                dead: q.dead.len(),
+            })
+            .unwrap_or_default()
+    }
+
+    /// Waits until `queue` holds nothing ready, unacked or delayed.
+    pub async fn drained(&self, queue: &str) {
+        loop {
+            let notified = self.shared.notify.notified();
+            futures::pin_mut!(notified);
+            notified.as_mut().enable();
+            if self.depth(queue).is_drained() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
+    let mut state = shared.lock();
+    state.next_tag += 1;
+    let tag = state.next_tag;
+    let q = state.queues.get_mut(queue)?;
+    let stored = q.ready.pop_front()?;
+    let delivery = Delivery {
+        message_id: stored.message.id.clone(),
+        payload: stored.message.payload.clone(),
+        headers: stored.message.headers.clone(),
+        redelivered: stored.redelivered,
+        attempt: stored.attempt,
+        source: Source {
+            transport: "memory",
+            location: queue.to_owned(),
+        },
+    };
+    q.unacked.insert(tag, (consumer, stored));
+    Some(Incoming {
+        delivery,
+        acker: Box::new(MemoryAcker {
+            broker: MemoryBroker {
+                shared: shared.clone(),
+            },
+            queue: queue.to_owned(),
+            tag,
+            consumer,
+        }),
+    })
+}
+
+/// A consumer of one queue: a [`crate::Transport`].
+pub struct MemoryConsumer {
+    shared: Arc<Shared>,
+    queue: String,
+    id: u64,
+    stream: BoxStream<'static, Result<Incoming, TransportError>>,
+}
+
+impl std::fmt::Debug for MemoryConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryConsumer")
+            .field("queue", &self.queue)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream for MemoryConsumer {
+    type Item = Result<Incoming, TransportError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.stream.poll_next_unpin(cx)
+    }
+}
+
+impl Drop for MemoryConsumer {
+    fn drop(&mut self) {
+        {
+            let mut state = self.shared.lock();
+            if let Some(q) = state.queues.get_mut(&self.queue) {
+                let mut mine: Vec<u64> = q
+                    .unacked
+                    .iter()
+                    .filter(|(_, (c, _))| *c == self.id)
+                    .map(|(t, _)| *t)
+                    .collect();
+                // Back in delivery order, ahead of newer messages.
+                mine.sort_unstable();
+                for tag in mine.into_iter().rev() {
+                    if let Some((_, mut stored)) = q.unacked.remove(&tag) {
+                        stored.redelivered = true;
+                        q.ready.push_front(stored);
+                    }
+                }
+            }
+        }
+        self.shared.notify.notify_waiters();
+    }
+}
+
+struct MemoryAcker {
+    broker: MemoryBroker,
+    queue: String,
+    tag: u64,
+    consumer: u64,
+}
+
+impl Acknowledger for MemoryAcker {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let stored = {
+                let mut state = self.broker.shared.lock();
+                let q = state
+                    .queues
+                    .get_mut(&self.queue)
+                    .ok_or_else(|| TransportError::msg("queue vanished"))?;
+                match q.unacked.get(&self.tag) {
+                    // Like an AMQP delivery tag of a closed channel: it cannot be settled.
+                    Some((c, _)) if *c == self.consumer => {}
+                    _ => {
+                        return Err(TransportError::msg(
+                            "stale delivery tag: the consumer is gone",
+                        ))
+                    }
+                }
+                let Some((_, stored)) = q.unacked.remove(&self.tag) else {
+                    return Err(TransportError::msg("stale delivery tag"));
+                };
+                match settlement {
+                    Settlement::Ack => None,
+                    Settlement::DeadLetter(dead_letter) => {
+                        q.dead.push(DeadLettered {
+                            message: stored.message,
+                            dead_letter,
+                        });
+                        None
+                    }
+                    Settlement::Retry { delay, attempt } => {
+                        q.delayed += 1;
+                        Some((stored, delay, attempt))
+                    }
+                }
+            };
+            self.broker.shared.notify.notify_waiters();
+            if let Some((mut stored, delay, attempt)) = stored {
+                let broker = self.broker.clone();
+                let queue = self.queue.clone();
+                // The delay runs on its own task: nothing else waits for it.
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    stored.attempt = attempt;
+                    stored.redelivered = false;
+                    stored
+                        .message
+                        .headers
+                        .insert(ATTEMPT_HEADER.to_owned(), attempt.to_string());
+                    {
+                        let mut state = broker.shared.lock();
+                        let q = state.queues.entry(queue).or_default();
+                        q.delayed = q.delayed.saturating_sub(1);
+                        q.ready.push_back(stored);
+                    }
+                    broker.shared.notify.notify_waiters();
+                });
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn msg(id: &str) -> Message {
+        Message::json(id, &serde_json::json!({"id": id}))
+    }
+
+    #[tokio::test]
+    async fn unacked_deliveries_of_a_dropped_consumer_come_back_redelivered() {
+        let broker = MemoryBroker::new();
+        broker.publish("q", msg("a"));
+        broker.publish("q", msg("b"));
+        let mut c1 = broker.consume("q");
+        let a = c1.next().await.unwrap().unwrap();
+        assert!(!a.delivery.redelivered);
+        drop(a);
+        drop(c1);
+        let mut c2 = broker.consume("q");
+        let again = c2.next().await.unwrap().unwrap();
+        assert_eq!(again.delivery.message_id.as_deref(), Some("a"));
+        assert!(again.delivery.redelivered);
+        again.acker.settle(Settlement::Ack).await.unwrap();
+        let b = c2.next().await.unwrap().unwrap();
+        assert_eq!(b.delivery.message_id.as_deref(), Some("b"));
+        b.acker.settle(Settlement::Ack).await.unwrap();
+        assert!(broker.depth("q").is_drained());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_comes_back_after_its_delay_without_blocking_others() {
+        let broker = MemoryBroker::new();
+        broker.publish("q", msg("slow"));
+        let mut c = broker.consume("q");
+        let first = c.next().await.unwrap().unwrap();
+        first
+            .acker
+            .settle(Settlement::Retry {
+                delay: Duration::from_secs(5),
+                attempt: 2,
+            })
+            .await
+            .unwrap();
+        broker.publish("q", msg("fast"));
+        let fast = c.next().await.unwrap().unwrap();
+        assert_eq!(fast.delivery.message_id.as_deref(), Some("fast"));
+        assert_eq!(broker.depth("q").delayed, 1);
+        let start = tokio::time::Instant::now();
+        let retried = c.next().await.unwrap().unwrap();
+        assert!(start.elapsed() >= Duration::from_secs(4));
+        assert_eq!(retried.delivery.attempt, 2);
+        assert_eq!(
+            retried
+                .delivery
+                .headers
+                .get(ATTEMPT_HEADER)
+                .map(String::as_str),
+            Some("2")
+        );
+    }
+
+    #[tokio::test]
+    async fn stale_tags_cannot_be_settled() {
+        let broker = MemoryBroker::new();
+        broker.publish("q", msg("a"));
+        let mut c1 = broker.consume("q");
+        let a = c1.next().await.unwrap().unwrap();
+        drop(c1);
+        assert!(a.acker.settle(Settlement::Ack).await.is_err());
+        assert_eq!(broker.depth("q").ready, 1);
+    }
+}

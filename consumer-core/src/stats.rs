@@ -1,0 +1,59 @@
+//! Counters a worker keeps, for tallies, tests and metrics.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// Live counters of one worker (shared, lock-free).
+        #[derive(Debug, Default)]
+        pub struct Stats {
+            $($(#[$doc])* pub $name: AtomicU64,)*
+        }
+
+        /// A copy of [`Stats`] at one moment.
+        #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+        pub struct StatsSnapshot {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl Stats {
+            /// Reads every counter.
+            pub fn snapshot(&self) -> StatsSnapshot {
+                StatsSnapshot { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Deliveries received.
+    received,
+    /// Handler invocations (attempts that ran the handler).
+    handler_runs,
+    /// Deliveries whose handler committed.
+    completed,
+    /// Deliveries acked as duplicates without running the handler.
+    duplicates,
+    /// Key conflicts (same key, different payload).
+    conflicts,
+    /// Deliveries sent back for a delayed retry.
+    retries,
+    /// Deliveries dead-lettered (any reason).
+    dead_lettered,
+    /// Of those, quarantined: attempts used up by crashes.
+    quarantined,
+    /// Handler panics caught.
+    panics,
+    /// Handler timeouts.
+    timeouts,
+    /// Inbox database errors outside handlers.
+    db_errors,
+    /// Settlements the transport failed to apply (the broker will redeliver).
+    settle_errors,
+}
+
+impl Stats {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}

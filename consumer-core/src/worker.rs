@@ -1,0 +1,688 @@
+//! The runtime: takes deliveries from a transport, runs the handler exactly once per key, and
+//! settles each delivery only after its outcome is durable.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+use tracing::{field, Instrument};
+
+use crate::delivery::{DeadLetter, DeadLetterReason, Delivery, Incoming, Settlement, Transport};
+use crate::fault::{FaultAction, FaultInjector, FaultPoint};
+use crate::handler::{ConflictPolicy, Context, Handler, HandlerOptions};
+use crate::inbox::{Backend, Claim, Inbox};
+use crate::key::{canonical_hash, KeyTemplate};
+use crate::retry::{ExponentialBackoff, Jitter};
+use crate::stats::{Stats, StatsSnapshot};
+use crate::{Error, ErrorKind, HandlerError};
+
+/// Runtime settings of a worker (the handler's own settings come from `#[handler]`).
+#[derive(Clone)]
+pub struct WorkerConfig {
+    /// Deliveries processed at once (default 8).
+    pub concurrency: usize,
+    /// Overrides the handler's `max_attempts`.
+    pub max_attempts: Option<u32>,
+    /// Overrides the handler's timeout.
+    pub handler_timeout: Option<Duration>,
+    /// How often expired inbox rows are purged (default 60s; `None` disables the task).
+    pub retention_interval: Option<Duration>,
+    /// Rows deleted per purge statement (default 1000).
+    pub retention_batch: u32,
+    /// Replaces the backoff's randomness (tests).
+    pub jitter: Option<Arc<dyn Jitter>>,
+    /// Fault points (chaos tests); `None` in production.
+    pub faults: Option<Arc<dyn FaultInjector>>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            concurrency: 8,
+            max_attempts: None,
+            handler_timeout: None,
+            retention_interval: Some(Duration::from_secs(60)),
+            retention_batch: 1000,
+            jitter: None,
+            faults: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for WorkerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerConfig")
+            .field("concurrency", &self.concurrency)
+            .field("max_attempts", &self.max_attempts)
+            .field("handler_timeout", &self.handler_timeout)
+            .field("retention_interval", &self.retention_interval)
+            .field("retention_batch", &self.retention_batch)
+            .field("faults", &self.faults.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Handler settings after validation.
+#[derive(Debug)]
+struct Settings {
+    name: String,
+    key: Option<KeyTemplate>,
+    payload_hash: bool,
+    max_attempts: u32,
+    backoff: ExponentialBackoff,
+    retention: Duration,
+    timeout: Duration,
+    on_conflict: ConflictPolicy,
+}
+
+impl Settings {
+    fn validate(o: HandlerOptions, config: &WorkerConfig) -> Result<Self, Error> {
+        if o.name.is_empty()
+            || !o
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        {
+            return Err(Error::config(
+                "name",
+                format!(
+                    "{:?} must be non-empty letters, digits, `_`, `-` or `.`",
+                    o.name
+                ),
+            ));
+        }
+        let max_attempts = config.max_attempts.unwrap_or(o.max_attempts);
+        if max_attempts == 0 {
+            return Err(Error::config("max_attempts", "must be at least 1"));
+        }
+        if config.concurrency == 0 {
+            return Err(Error::config("concurrency", "must be at least 1"));
+        }
+        let timeout = config.handler_timeout.unwrap_or(o.timeout);
+        if timeout.is_zero() {
+            return Err(Error::config("timeout", "must be greater than zero"));
+        }
+        let mut backoff = ExponentialBackoff::new(o.backoff.0, o.backoff.1)?;
+        if let Some(j) = &config.jitter {
+            backoff = backoff.with_jitter(SharedJitter(j.clone()));
+        }
+        Ok(Settings {
+            key: o.key.as_deref().map(KeyTemplate::parse).transpose()?,
+            name: o.name.into_owned(),
+            payload_hash: o.payload_hash,
+            max_attempts,
+            backoff,
+            retention: o.retention,
+            timeout,
+            on_conflict: o.on_conflict,
+        })
+    }
+}
+
+struct SharedJitter(Arc<dyn Jitter>);
+
+impl Jitter for SharedJitter {
+    fn sample(&self) -> f64 {
+        self.0.sample()
+    }
+}
+
+/// Runs one handler over one transport. Cheap to clone; clones share counters.
+pub struct Worker<DB: Backend, H: Handler<DB>> {
+    inner: Arc<Inner<DB, H>>,
+}
+
+impl<DB: Backend, H: Handler<DB>> Clone for Worker<DB, H> {
+    fn clone(&self) -> Self {
+        Worker {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+struct Inner<DB: Backend, H: Handler<DB>> {
+    inbox: Inbox<DB>,
+    handler: H,
+    settings: Settings,
+    config: WorkerConfig,
+    stats: Arc<Stats>,
+}
+
+/// Why a delivery's processing stopped without settling (a simulated crash).
+struct Crash(FaultPoint);
+
+/// How one delivery ended, for the span and the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Completed,
+    Duplicate,
+    ConflictSkipped,
+    Retry,
+    DeadLettered,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::Duplicate => "duplicate",
+            Outcome::ConflictSkipped => "conflict_skipped",
+            Outcome::Retry => "retry",
+            Outcome::DeadLettered => "dead_lettered",
+        }
+    }
+}
+
+impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
+    /// A worker with the default [`WorkerConfig`]. Fails at once, naming the option, if the
+    /// handler's settings are invalid.
+    pub fn new(inbox: Inbox<DB>, handler: H) -> Result<Self, Error> {
+        Self::with_config(inbox, handler, WorkerConfig::default())
+    }
+
+    /// A worker with `config`. Fails at once, naming the option, on an invalid setting.
+    pub fn with_config(inbox: Inbox<DB>, handler: H, config: WorkerConfig) -> Result<Self, Error> {
+        let settings = Settings::validate(handler.options(), &config)?;
+        Ok(Worker {
+            inner: Arc::new(Inner {
+                inbox,
+                handler,
+                settings,
+                config,
+                stats: Arc::new(Stats::default()),
+            }),
+        })
+    }
+
+    /// The live counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.inner.stats.clone()
+    }
+
+    /// A copy of the counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+
+    /// The handler's stable name.
+    pub fn handler_name(&self) -> &str {
+        &self.inner.settings.name
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &Inbox<DB> {
+        &self.inner.inbox
+    }
+
+    /// Consumes `transport` until it ends or `shutdown` completes.
+    ///
+    /// On shutdown it stops taking deliveries, lets those in flight finish and settle, then
+    /// drops the transport and returns `Ok`. A fault point with [`FaultAction::StopWorker`]
+    /// drops everything in flight unsettled, as a crash would, and returns
+    /// [`Error::Crashed`].
+    pub async fn run<T: Transport>(
+        &self,
+        mut transport: T,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), Error> {
+        let permits = Arc::new(Semaphore::new(self.inner.config.concurrency));
+        let (crash_tx, mut crash_rx) = watch::channel(None::<FaultPoint>);
+        let mut tasks = JoinSet::new();
+        let retention = self.spawn_retention();
+        let shutdown = shutdown.fuse();
+        futures::pin_mut!(shutdown);
+
+        let crashed = loop {
+            let permit = tokio::select! {
+                biased;
+                _ = crash_rx.changed() => break *crash_rx.borrow(),
+                _ = &mut shutdown => break None,
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break None,
+                },
+            };
+            let next = tokio::select! {
+                biased;
+                _ = crash_rx.changed() => break *crash_rx.borrow(),
+                _ = &mut shutdown => break None,
+                next = transport.next() => next,
+            };
+            match next {
+                None => break None,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "transport error while receiving");
+                }
+                Some(Ok(incoming)) => {
+                    let worker = self.clone();
+                    let crash_tx = crash_tx.clone();
+                    tasks.spawn(async move {
+                        if let Err(Crash(point)) = worker.process(incoming).await {
+                            let _ = crash_tx.send(Some(point));
+                        }
+                        drop(permit);
+                    });
+                }
+            }
+            while let Some(done) = tasks.try_join_next() {
+                log_join(done);
+            }
+        };
+
+        let crashed = match crashed {
+            Some(point) => Some(point),
+            None => {
+                // Graceful: finish and settle what is in flight, unless one of them crashes.
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = crash_rx.changed() => break *crash_rx.borrow(),
+                        done = tasks.join_next() => match done {
+                            Some(done) => log_join(done),
+                            None => break None,
+                        },
+                    }
+                }
+            }
+        };
+        if let Some(r) = retention {
+            r.abort();
+        }
+        if let Some(point) = crashed {
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+            drop(transport);
+            tracing::error!(fault_point = point.as_str(), "worker crashed (simulated)");
+            return Err(Error::Crashed(point.as_str()));
+        }
+        drop(transport);
+        Ok(())
+    }
+
+    fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let interval = self.inner.config.retention_interval?;
+        let inbox = self.inner.inbox.clone();
+        let batch = self.inner.config.retention_batch;
+        Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match inbox.purge_expired(batch).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(deleted = n, "purged expired inbox rows"),
+                    Err(e) => tracing::warn!(error = %e, "inbox retention purge failed"),
+                }
+            }
+        }))
+    }
+
+    /// Processes and settles one delivery. `Err` is a simulated crash: nothing was settled.
+    async fn process(&self, incoming: Incoming) -> Result<(), Crash> {
+        let Incoming { delivery, acker } = incoming;
+        let s = &self.inner.settings;
+        let span = tracing::info_span!(
+            "delivery",
+            handler = %s.name,
+            source = %delivery.source,
+            key = field::Empty,
+            attempt = field::Empty,
+            outcome = field::Empty,
+        );
+        async move {
+            let stats = &self.inner.stats;
+            Stats::bump(&stats.received);
+            let mut key = None;
+            let (settlement, outcome) = self.decide(&delivery, &mut key).await?;
+            let key = key.unwrap_or_default();
+            tracing::Span::current().record("outcome", outcome.as_str());
+            Stats::bump(match outcome {
+                Outcome::Completed => &stats.completed,
+                Outcome::Duplicate => &stats.duplicates,
+                Outcome::ConflictSkipped => &stats.conflicts,
+                Outcome::Retry => &stats.retries,
+                Outcome::DeadLettered => &stats.dead_lettered,
+            });
+            self.fault(FaultPoint::AfterCommit, &key)?;
+            if let Err(e) = acker.settle(settlement).await {
+                Stats::bump(&stats.settle_errors);
+                tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
+            }
+            self.fault(FaultPoint::AfterAck, &key)?;
+            tracing::debug!("settled");
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    fn fault(&self, point: FaultPoint, key: &str) -> Result<(), Crash> {
+        let Some(faults) = &self.inner.config.faults else {
+            return Ok(());
+        };
+        match faults.check(point, &self.inner.settings.name, key) {
+            None => Ok(()),
+            Some(FaultAction::Abort) => {
+                tracing::error!(
+                    fault_point = point.as_str(),
+                    key,
+                    "fault point: aborting the process"
+                );
+                std::process::abort()
+            }
+            Some(FaultAction::StopWorker) => Err(Crash(point)),
+        }
+    }
+
+    fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        reason: DeadLetterReason,
+        key: Option<&str>,
+        attempts: u32,
+        error: String,
+    ) -> (Settlement, Outcome) {
+        tracing::warn!(reason = reason.as_str(), error = %error, "dead-lettering");
+        let settlement = Settlement::DeadLetter(DeadLetter {
+            reason,
+            handler: self.inner.settings.name.clone(),
+            key: key.map(str::to_owned),
+            attempts,
+            error,
+            source: delivery.source.clone(),
+        });
+        (settlement, Outcome::DeadLettered)
+    }
+
+    /// A retry when the inbox itself failed: the handler did not run, so no attempt is
+    /// counted; the broker's attempt number paces the backoff.
+    fn retry_after_db_error(&self, delivery: &Delivery, e: &sqlx::Error) -> (Settlement, Outcome) {
+        Stats::bump(&self.inner.stats.db_errors);
+        tracing::error!(error = %e, "inbox unavailable; delivery will be retried");
+        let attempt = delivery.attempt.max(1);
+        (
+            Settlement::Retry {
+                delay: self.inner.settings.backoff.next_delay(attempt),
+                attempt: attempt.saturating_add(1),
+            },
+            Outcome::Retry,
+        )
+    }
+
+    fn derive_key(&self, delivery: &Delivery, payload: &Value) -> Result<String, String> {
+        let s = &self.inner.settings;
+        if let Some(template) = &s.key {
+            return template
+                .render(payload)
+                .map_err(|e| format!("key template {:?}: {e}", template.as_str()));
+        }
+        if let Some(id) = delivery.message_id.as_deref().filter(|id| !id.is_empty()) {
+            return Ok(id.to_owned());
+        }
+        if s.payload_hash {
+            return Ok(format!("sha256:{}", canonical_hash(payload)));
+        }
+        Err("the message has no message id, the handler has no key template, and payload hashing is not allowed".to_owned())
+    }
+
+    /// Decides how to settle `delivery`, running the handler if the key is new. `key_out`
+    /// receives the key once derived (for fault points).
+    async fn decide(
+        &self,
+        delivery: &Delivery,
+        key_out: &mut Option<String>,
+    ) -> Result<(Settlement, Outcome), Crash> {
+        let s = &self.inner.settings;
+        let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|v| {
+            let m = H::Message::deserialize(&v)?;
+            Ok((v, m))
+        });
+        let (value, message) = match decoded {
+            Ok(d) => d,
+            Err(e) => {
+                return Ok(self.dead_letter(
+                    delivery,
+                    DeadLetterReason::Undecodable,
+                    delivery.message_id.as_deref(),
+                    0,
+                    e.to_string(),
+                ))
+            }
+        };
+        let key = match self.derive_key(delivery, &value) {
+            Ok(k) => k,
+            Err(e) => {
+                return Ok(self.dead_letter(delivery, DeadLetterReason::MissingKey, None, 0, e))
+            }
+        };
+        tracing::Span::current().record("key", key.as_str());
+        *key_out = Some(key.clone());
+        let hash = canonical_hash(&value);
+        drop(value);
+
+        let mut lease = match self.inner.inbox.lease(&s.name, &key).await {
+            Ok(l) => l,
+            Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+        };
+        let names = self.inner.inbox.names();
+        let claim = match DB::begin_attempt(
+            lease.conn(),
+            names,
+            &s.name,
+            &key,
+            &hash,
+            s.max_attempts,
+        )
+        .await
+        {
+            Ok(c) => c,
+            Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+        };
+        let attempt = match claim {
+            Claim::Run { attempt } => attempt,
+            Claim::Duplicate => {
+                lease.release().await;
+                return Ok((Settlement::Ack, Outcome::Duplicate));
+            }
+            Claim::Conflict { status } => {
+                lease.release().await;
+                let error = format!(
+                    "key {key:?} was first seen with a different payload (that one is {status:?})"
+                );
+                return Ok(match s.on_conflict {
+                    ConflictPolicy::DeadLetter => {
+                        Stats::bump(&self.inner.stats.conflicts);
+                        self.dead_letter(
+                            delivery,
+                            DeadLetterReason::KeyConflict,
+                            Some(&key),
+                            0,
+                            error,
+                        )
+                    }
+                    ConflictPolicy::Skip => {
+                        tracing::warn!(%error, "key conflict skipped by policy");
+                        (Settlement::Ack, Outcome::ConflictSkipped)
+                    }
+                });
+            }
+            Claim::Dead {
+                attempts,
+                last_error,
+            } => {
+                lease.release().await;
+                let text = last_error.unwrap_or_default();
+                let (reason, error) = split_reason(&text);
+                return Ok(self.dead_letter(
+                    delivery,
+                    reason,
+                    Some(&key),
+                    attempts,
+                    error.to_owned(),
+                ));
+            }
+            Claim::Exhausted {
+                attempts,
+                last_error,
+            } => {
+                let error = format!(
+                    "{attempts} attempts were used up without an outcome (the worker crashed); last error: {}",
+                    last_error.as_deref().unwrap_or("none recorded")
+                );
+                self.record_failure(
+                    &mut lease,
+                    &key,
+                    DeadLetterReason::Quarantined,
+                    &error,
+                    true,
+                )
+                .await;
+                lease.release().await;
+                Stats::bump(&self.inner.stats.quarantined);
+                return Ok(self.dead_letter(
+                    delivery,
+                    DeadLetterReason::Quarantined,
+                    Some(&key),
+                    attempts,
+                    error,
+                ));
+            }
+        };
+        tracing::Span::current().record("attempt", attempt);
+
+        // The handler's transaction: its writes and the inbox completion commit together.
+        let failure = {
+            let mut ctx = match DB::begin_handler(lease.conn()).await {
+                Ok(tx) => Context {
+                    tx,
+                    handler: &s.name,
+                    key: &key,
+                    attempt,
+                    delivery,
+                },
+                Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+            };
+            Stats::bump(&self.inner.stats.handler_runs);
+            let run = AssertUnwindSafe(self.inner.handler.handle(&mut ctx, message)).catch_unwind();
+            let result = match tokio::time::timeout(s.timeout, run).await {
+                Ok(Ok(Ok(()))) => Ok(()),
+                Ok(Ok(Err(e))) => Err(e),
+                Ok(Err(panic)) => {
+                    Stats::bump(&self.inner.stats.panics);
+                    Err(HandlerError::transient(format!(
+                        "handler panicked: {}",
+                        panic_message(&*panic)
+                    )))
+                }
+                Err(_) => {
+                    Stats::bump(&self.inner.stats.timeouts);
+                    Err(HandlerError::transient(format!(
+                        "handler timed out after {:?}",
+                        s.timeout
+                    )))
+                }
+            };
+            match result {
+                Ok(()) => {
+                    self.fault(FaultPoint::BeforeCommit, &key)?;
+                    let committed = async {
+                        DB::complete(ctx.db(), names, &s.name, &key, s.retention).await?;
+                        ctx.tx.commit().await
+                    }
+                    .await;
+                    committed
+                        .err()
+                        .map(|e| HandlerError::transient(CommitFailed(e)))
+                }
+                Err(e) => {
+                    if let Err(rb) = ctx.tx.rollback().await {
+                        tracing::warn!(error = %rb, "rollback failed");
+                    }
+                    Some(e)
+                }
+            }
+        };
+
+        let Some(failure) = failure else {
+            lease.release().await;
+            return Ok((Settlement::Ack, Outcome::Completed));
+        };
+        let error = failure.to_string();
+        let reason = if failure.kind() == ErrorKind::Permanent {
+            Some(DeadLetterReason::PermanentError)
+        } else if attempt >= s.max_attempts {
+            Some(DeadLetterReason::MaxAttemptsExceeded)
+        } else {
+            None
+        };
+        let reason_for_row = reason.unwrap_or(DeadLetterReason::MaxAttemptsExceeded);
+        self.record_failure(&mut lease, &key, reason_for_row, &error, reason.is_some())
+            .await;
+        lease.release().await;
+        tracing::warn!(attempt, error = %error, "handler failed");
+        Ok(match reason {
+            Some(reason) => self.dead_letter(delivery, reason, Some(&key), attempt, error),
+            None => (
+                Settlement::Retry {
+                    delay: s.backoff.next_delay(attempt),
+                    attempt: attempt + 1,
+                },
+                Outcome::Retry,
+            ),
+        })
+    }
+
+    async fn record_failure(
+        &self,
+        lease: &mut crate::inbox::Lease<DB>,
+        key: &str,
+        reason: DeadLetterReason,
+        error: &str,
+        dead: bool,
+    ) {
+        let s = &self.inner.settings;
+        // Stored as "reason: error" so a redelivery of a dead message reports the same reason.
+        let text = format!("{}: {error}", reason.as_str());
+        let names = self.inner.inbox.names();
+        if let Err(e) = DB::record_failure(lease.conn(), names, &s.name, key, &text, dead).await {
+            Stats::bump(&self.inner.stats.db_errors);
+            tracing::warn!(error = %e, "could not record the failure in the inbox");
+        }
+    }
+}
+
+/// The commit of a handler's transaction failed: the outcome is unknown, so retry; if it did
+/// commit, the redelivery is recognised as a duplicate.
+#[derive(Debug, thiserror::Error)]
+#[error("commit failed")]
+struct CommitFailed(#[source] sqlx::Error);
+
+fn split_reason(text: &str) -> (DeadLetterReason, &str) {
+    text.split_once(": ")
+        .and_then(|(r, e)| DeadLetterReason::parse(r).map(|r| (r, e)))
+        .unwrap_or((DeadLetterReason::MaxAttemptsExceeded, text))
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+fn log_join(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        if e.is_panic() {
+            tracing::error!(error = %e, "delivery task panicked outside the handler");
+        }
+    }
+}

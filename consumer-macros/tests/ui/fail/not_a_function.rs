@@ -1,0 +1,6 @@
+use consumer_core::handler;
+
+#[handler]
+struct SendInvoice;
+
+fn main() {}

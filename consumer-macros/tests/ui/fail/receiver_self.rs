@@ -1,0 +1,19 @@
+use consumer_core::{handler, Context, HandlerError};
+use sqlx::Postgres;
+
+#[derive(serde::Deserialize)]
+struct InvoiceJob {
+    order_id: u64,
+}
+
+struct Invoices;
+
+impl Invoices {
+    #[handler]
+    async fn send_invoice(&self, ctx: &mut Context<'_, Postgres>, job: InvoiceJob) -> Result<(), HandlerError> {
+        let _ = (ctx.key(), job.order_id);
+        Ok(())
+    }
+}
+
+fn main() {}

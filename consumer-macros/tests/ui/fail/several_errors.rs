@@ -1,0 +1,15 @@
+use consumer_core::{handler, Context, HandlerError};
+use sqlx::Postgres;
+
+#[derive(serde::Deserialize)]
+struct InvoiceJob {
+    order_id: u64,
+}
+
+#[handler(max_attempts = 0, timeout = "0s")]
+fn send_invoice(ctx: &Context<'_, Postgres>, job: InvoiceJob) -> Result<(), HandlerError> {
+    let _ = (ctx.key(), job.order_id);
+    Ok(())
+}
+
+fn main() {}
