@@ -93,11 +93,12 @@ install_pg() {
 # initdb refuses to run as root, so root runs the server as the postgres user.
 # cd to our dir first: postgres tools complain when the cwd (e.g. /root) is
 # unreadable for them.
+# 9>&-: the lock fd must not leak into the server, or the lock outlives us.
 as_pg() {
     if [[ $EUID -eq 0 ]]; then
-        (cd "$PG_DIR" && runuser -u postgres -- "$@")
+        (cd "$PG_DIR" && runuser -u postgres -- "$@" 9>&-)
     else
-        (cd "$PG_DIR" && "$@")
+        (cd "$PG_DIR" && "$@" 9>&-)
     fi
 }
 

@@ -31,6 +31,8 @@ pub struct WorkerConfig {
     pub max_attempts: Option<u32>,
     /// Overrides the handler's timeout.
     pub handler_timeout: Option<Duration>,
+    /// Overrides the handler's retention of completed keys.
+    pub retention: Option<Duration>,
     /// How often expired inbox rows are purged (default 60s; `None` disables the task).
     pub retention_interval: Option<Duration>,
     /// Rows deleted per purge statement (default 1000).
@@ -47,6 +49,7 @@ impl Default for WorkerConfig {
             concurrency: 8,
             max_attempts: None,
             handler_timeout: None,
+            retention: None,
             retention_interval: Some(Duration::from_secs(60)),
             retention_batch: 1000,
             jitter: None,
@@ -61,6 +64,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("concurrency", &self.concurrency)
             .field("max_attempts", &self.max_attempts)
             .field("handler_timeout", &self.handler_timeout)
+            .field("retention", &self.retention)
             .field("retention_interval", &self.retention_interval)
             .field("retention_batch", &self.retention_batch)
             .field("faults", &self.faults.is_some())
@@ -118,7 +122,7 @@ impl Settings {
             payload_hash: o.payload_hash,
             max_attempts,
             backoff,
-            retention: o.retention,
+            retention: config.retention.unwrap_or(o.retention),
             timeout,
             on_conflict: o.on_conflict,
         })

@@ -4,7 +4,7 @@
 //! Generated code names consumer-core only through `::consumer_core::__private`, and std only
 //! through absolute paths, so it works whatever the user has imported or shadowed.
 
-use proc_macro2::{Literal, TokenStream};
+use proc_macro2::{Literal, Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{Attribute, ItemFn};
@@ -61,9 +61,19 @@ fn expand(handler: &Handler) -> TokenStream {
     call_sig.ident = format_ident!("call", span = ident.span());
 
     let options = options(&handler.options);
-    // Spanned on the declared return type, so an error type that does not convert into
-    // `HandlerError` is reported there rather than on the attribute.
-    let into = quote_spanned!(handler.output.span()=> ::core::convert::Into::into);
+    // Located on the user's tokens (keeping the macro's hygiene) so that type errors land
+    // there rather than on the attribute: an error type that does not convert into
+    // `HandlerError` on the declared return type, a body that is not `Send` on `async`.
+    let output = Span::call_site().located_at(handler.output.span());
+    let run = quote_spanned! {output=>
+        Self::call(ctx, message).await.map_err(::core::convert::Into::into)
+    };
+    let asyncness = sig
+        .asyncness
+        .map_or_else(Span::call_site, |token| token.span);
+    let future = quote_spanned! {Span::call_site().located_at(asyncness)=>
+        ::std::boxed::Box::pin(async move { #run })
+    };
 
     quote! {
         #(#docs)*
@@ -105,9 +115,7 @@ fn expand(handler: &Handler) -> TokenStream {
             where
                 'c: 'a,
             {
-                ::std::boxed::Box::pin(async move {
-                    Self::call(ctx, message).await.map_err(#into)
-                })
+                #future
             }
         }
     }

@@ -300,15 +300,15 @@ fn check_signature(item: &ItemFn, errors: &mut Errors) -> Option<(Type, Type, Ty
         errors.at(unsafety.span, "a handler cannot be `unsafe`");
     }
     if let Some(abi) = &sig.abi {
-        errors.at(abi.span(), "a handler cannot declare an ABI");
+        errors.spanned(abi, "a handler cannot declare an ABI");
     }
 
     // Lifetime parameters are fine (`Context<'c, DB>` may name its lifetime); type and const
     // parameters are not: a handler is one message type on one database.
     for param in &sig.generics.params {
         if !matches!(param, GenericParam::Lifetime(_)) {
-            errors.at(
-                param.span(),
+            errors.spanned(
+                param,
                 "generic handlers are not supported: a handler takes one message type on one \
                  database; write a handler per type, each calling a shared generic function",
             );
@@ -317,8 +317,8 @@ fn check_signature(item: &ItemFn, errors: &mut Errors) -> Option<(Type, Type, Ty
     if let Some(where_clause) = &sig.generics.where_clause {
         for predicate in &where_clause.predicates {
             if !matches!(predicate, WherePredicate::Lifetime(_)) {
-                errors.at(
-                    predicate.span(),
+                errors.spanned(
+                    predicate,
                     "generic handlers are not supported: `where` bounds may only relate lifetimes",
                 );
             }
@@ -328,8 +328,8 @@ fn check_signature(item: &ItemFn, errors: &mut Errors) -> Option<(Type, Type, Ty
     let mut typed = Vec::new();
     for arg in &sig.inputs {
         match arg {
-            FnArg::Receiver(receiver) => errors.at(
-                receiver.span(),
+            FnArg::Receiver(receiver) => errors.spanned(
+                receiver,
                 "a handler is a free `async fn`, not a method: remove `self`",
             ),
             FnArg::Typed(pat_type) => typed.push(pat_type),

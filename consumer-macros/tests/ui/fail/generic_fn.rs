@@ -1,5 +1,4 @@
 use consumer_core::{handler, Context, HandlerError};
-use sqlx::Postgres;
 
 #[derive(serde::Deserialize)]
 struct InvoiceJob {

@@ -7,7 +7,7 @@ struct InvoiceJob {
 }
 
 #[handler]
-async fn send_invoice(ctx: &mut Context<'_, Postgres>, job: InvoiceJob, retries: u32, dry_run: bool) -> Result<(), HandlerError> {
+async fn send_invoice(ctx: &mut Context<'_, Postgres>, job: InvoiceJob, _retries: u32, _dry_run: bool) -> Result<(), HandlerError> {
     let _ = (ctx.key(), job.order_id);
     Ok(())
 }

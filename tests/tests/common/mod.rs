@@ -1,0 +1,112 @@
+//! Shared helpers for the integration tests: real PostgreSQL (a fresh schema per test) and
+//! SQLite (a fresh file per test).
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use consumer_core::{Inbox, InboxConfig};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Postgres, Sqlite};
+
+/// The longest any test waits for a condition.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The PostgreSQL URL started by `scripts/postgres.sh` (see the README's test command).
+pub(crate) fn database_url() -> String {
+    std::env::var("DATABASE_URL").expect(
+        "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
+    )
+}
+
+/// A name unique to this test run and call, usable as a schema, queue or topic name.
+pub(crate) fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or_default();
+    format!("{prefix}_{}_{t}_{n}", std::process::id())
+}
+
+/// Waits for `cond` with [`DEADLINE`], polling; panics naming `what` on timeout.
+pub(crate) async fn wait_until<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = tokio::time::Instant::now();
+    while !cond().await {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A fresh PostgreSQL schema with the test tables; connections use it as `search_path`.
+pub(crate) struct PgEnv {
+    pub(crate) schema: String,
+}
+
+impl PgEnv {
+    pub(crate) async fn new() -> PgEnv {
+        let schema = unique("t");
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&database_url())
+            .await
+            .expect("connect to PostgreSQL");
+        sqlx::raw_sql(&format!(
+            "CREATE SCHEMA \"{schema}\";
+             CREATE TABLE \"{schema}\".ledger (job_id TEXT NOT NULL, attempt INTEGER NOT NULL);
+             CREATE TABLE \"{schema}\".orders (id BIGINT PRIMARY KEY, invoice_sent BOOLEAN NOT NULL DEFAULT false, status TEXT NOT NULL DEFAULT 'created');"
+        ))
+        .execute(&pool)
+        .await
+        .expect("create test schema");
+        pool.close().await;
+        PgEnv { schema }
+    }
+
+    /// A new pool and inbox, as another process would have (own pool, own in-process locks).
+    pub(crate) async fn inbox(&self) -> Inbox<Postgres> {
+        let options = PgConnectOptions::from_str(&database_url())
+            .expect("DATABASE_URL")
+            .options([("search_path", self.schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(6)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await
+            .expect("connect to PostgreSQL");
+        Inbox::new(pool, InboxConfig::in_schema(self.schema.clone()))
+            .await
+            .expect("inbox")
+    }
+}
+
+/// A fresh SQLite file.
+pub(crate) struct SqliteEnv {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) inbox: Inbox<Sqlite>,
+}
+
+impl SqliteEnv {
+    pub(crate) async fn new() -> SqliteEnv {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let inbox = Inbox::open_sqlite(dir.path().join("inbox.db"))
+            .await
+            .expect("inbox");
+        sqlx::raw_sql(
+            "CREATE TABLE ledger (job_id TEXT NOT NULL, attempt INTEGER NOT NULL);
+             CREATE TABLE orders (id INTEGER PRIMARY KEY, invoice_sent BOOLEAN NOT NULL DEFAULT false, status TEXT NOT NULL DEFAULT 'created');",
+        )
+        .execute(inbox.pool())
+        .await
+        .expect("create test tables");
+        SqliteEnv { dir, inbox }
+    }
+}

@@ -1,0 +1,600 @@
+//! The runtime's exactly-once guarantees, against real PostgreSQL (a fresh schema per test,
+//! several independent pools standing in for several worker processes) and SQLite.
+//!
+//! Each scenario is written once, generic over the backend, and instantiated for both.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{wait_until, PgEnv, SqliteEnv, DEADLINE};
+use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
+use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::{
+    handler, Backend, Context, DeadLetterReason, EntryStatus, Error, FlagGuard, Handler,
+    HandlerError, Inbox, NoJitter, StatsSnapshot, Transition, Worker, WorkerConfig,
+};
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::{Postgres, Sqlite};
+
+/// A test job. Its fields script the handler's behaviour, so handlers stay stateless.
+#[derive(Debug, Deserialize)]
+struct Job {
+    id: String,
+    /// Fail (transiently) while the attempt number is at most this.
+    #[serde(default)]
+    fail_times: u32,
+    #[serde(default)]
+    panic: bool,
+    #[serde(default)]
+    permanent: bool,
+    /// Hold the transaction open this long, so concurrent deliveries overlap.
+    #[serde(default)]
+    sleep_ms: u64,
+    /// Also run the guards for this order.
+    #[serde(default)]
+    order_id: Option<i64>,
+}
+
+impl Job {
+    fn behave(&self, attempt: u32) -> Result<(), HandlerError> {
+        if self.panic {
+            panic!("job {} always panics", self.id);
+        }
+        if self.permanent {
+            return Err(HandlerError::permanent(format!(
+                "job {} is invalid",
+                self.id
+            )));
+        }
+        if attempt <= self.fail_times {
+            return Err(HandlerError::transient(format!(
+                "transient failure on attempt {attempt}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One handler per backend: identical but for the placeholder syntax.
+macro_rules! record_handler {
+    ($name:ident, $db:ty, $insert:literal) => {
+        #[handler(name = "record", max_attempts = 3, backoff = "5ms..20ms")]
+        async fn $name(ctx: &mut Context<'_, $db>, job: Job) -> Result<(), HandlerError> {
+            job.behave(ctx.attempt())?;
+            tokio::time::sleep(Duration::from_millis(job.sleep_ms)).await;
+            let attempt = i32::try_from(ctx.attempt()).unwrap_or(i32::MAX);
+            sqlx::query($insert)
+                .bind(&job.id)
+                .bind(attempt)
+                .execute(ctx.db())
+                .await?;
+            if let Some(order) = job.order_id {
+                // Two different jobs for one order: the flag and the transition are won once.
+                let moved = Transition::new("orders", "status", "id")?
+                    .apply(ctx, order, "created", "invoiced")
+                    .await?;
+                if FlagGuard::new("orders", "invoice_sent", "id")?
+                    .set(ctx, order)
+                    .await?
+                {
+                    assert!(moved, "the flag and the transition are won by the same job");
+                    sqlx::query($insert)
+                        .bind(format!("email-{order}"))
+                        .bind(attempt)
+                        .execute(ctx.db())
+                        .await?;
+                }
+            }
+            Ok(())
+        }
+    };
+}
+
+record_handler!(
+    record_pg,
+    Postgres,
+    "INSERT INTO ledger (job_id, attempt) VALUES ($1, $2)"
+);
+record_handler!(
+    record_sqlite,
+    Sqlite,
+    "INSERT INTO ledger (job_id, attempt) VALUES (?1, ?2)"
+);
+
+/// What a scenario needs from a backend.
+struct Harness<DB: Backend, H> {
+    handler: H,
+    /// An inbox as a separate worker process would have it (PostgreSQL: its own pool;
+    /// SQLite, one process only: the same inbox).
+    new_inbox: Box<dyn Fn() -> BoxFuture<'static, Inbox<DB>> + Send + Sync>,
+    /// `SELECT count(*) FROM ledger WHERE job_id = ?`.
+    ledger: fn(Inbox<DB>, String) -> BoxFuture<'static, i64>,
+    /// `SELECT status FROM orders WHERE id = ?`, inserting the order first if `create`.
+    order: fn(Inbox<DB>, i64, bool) -> BoxFuture<'static, String>,
+}
+
+async fn pg_harness() -> Harness<Postgres, record_pg> {
+    let env = Arc::new(PgEnv::new().await);
+    Harness {
+        handler: record_pg,
+        new_inbox: Box::new(move || {
+            let env = env.clone();
+            Box::pin(async move { env.inbox().await })
+        }),
+        ledger: |inbox, id| {
+            Box::pin(async move {
+                sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = $1")
+                    .bind(id)
+                    .fetch_one(inbox.pool())
+                    .await
+                    .expect("count ledger")
+            })
+        },
+        order: |inbox, id, create| {
+            Box::pin(async move {
+                if create {
+                    sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+                        .bind(id)
+                        .execute(inbox.pool())
+                        .await
+                        .expect("insert order");
+                }
+                sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
+                    .bind(id)
+                    .fetch_one(inbox.pool())
+                    .await
+                    .expect("order status")
+            })
+        },
+    }
+}
+
+async fn sqlite_harness() -> Harness<Sqlite, record_sqlite> {
+    let env = Arc::new(SqliteEnv::new().await);
+    Harness {
+        handler: record_sqlite,
+        new_inbox: Box::new(move || {
+            let env = env.clone();
+            Box::pin(async move { env.inbox.clone() })
+        }),
+        ledger: |inbox, id| {
+            Box::pin(async move {
+                sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = ?1")
+                    .bind(id)
+                    .fetch_one(inbox.pool())
+                    .await
+                    .expect("count ledger")
+            })
+        },
+        order: |inbox, id, create| {
+            Box::pin(async move {
+                if create {
+                    sqlx::query("INSERT INTO orders (id) VALUES (?1)")
+                        .bind(id)
+                        .execute(inbox.pool())
+                        .await
+                        .expect("insert order");
+                }
+                sqlx::query_scalar("SELECT status FROM orders WHERE id = ?1")
+                    .bind(id)
+                    .fetch_one(inbox.pool())
+                    .await
+                    .expect("order status")
+            })
+        },
+    }
+}
+
+fn config() -> WorkerConfig {
+    WorkerConfig {
+        concurrency: 4,
+        retention_interval: None,
+        jitter: Some(Arc::new(NoJitter)),
+        ..WorkerConfig::default()
+    }
+}
+
+fn msg(id: &str, body: serde_json::Value) -> Message {
+    Message::json(id, &body)
+}
+
+/// Runs one worker on `queue` until the queue is drained (or the worker crashes).
+async fn run_until_drained<DB: Backend, H: Handler<DB>>(
+    worker: &Worker<DB, H>,
+    broker: &MemoryBroker,
+    queue: &str,
+) -> Result<(), Error> {
+    tokio::time::timeout(
+        DEADLINE,
+        worker.run(broker.consume(queue), broker.drained(queue)),
+    )
+    .await
+    .expect("worker did not drain the queue in time")
+}
+
+fn sum(a: StatsSnapshot, b: StatsSnapshot) -> StatsSnapshot {
+    StatsSnapshot {
+        received: a.received + b.received,
+        handler_runs: a.handler_runs + b.handler_runs,
+        completed: a.completed + b.completed,
+        duplicates: a.duplicates + b.duplicates,
+        retries: a.retries + b.retries,
+        dead_lettered: a.dead_lettered + b.dead_lettered,
+        quarantined: a.quarantined + b.quarantined,
+        ..StatsSnapshot::default()
+    }
+}
+
+async fn same_key_over_four_workers<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    for _ in 0..100 {
+        broker.publish(
+            &queue,
+            msg("job-1", json!({"id": "job-1", "sleep_ms": 300})),
+        );
+    }
+    let mut runs = Vec::new();
+    for _ in 0..4 {
+        let worker =
+            Worker::with_config((h.new_inbox)().await, h.handler.clone(), config()).unwrap();
+        let broker = broker.clone();
+        let queue = queue.clone();
+        runs.push(tokio::spawn(async move {
+            run_until_drained(&worker, &broker, &queue).await.unwrap();
+            worker.snapshot()
+        }));
+    }
+    let mut total = StatsSnapshot::default();
+    for r in runs {
+        total = sum(total, r.await.unwrap());
+    }
+    let inbox = (h.new_inbox)().await;
+    assert_eq!(total.received, 100);
+    assert_eq!(total.handler_runs, 1, "{total:?}");
+    assert_eq!(total.duplicates, 99, "{total:?}");
+    assert_eq!((h.ledger)(inbox, "job-1".into()).await, 1);
+}
+
+async fn crash_after_commit_is_skipped_on_redelivery<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, msg("a", json!({"id": "a"})));
+    let crash = Arc::new(CrashOnce::new(
+        FaultAction::StopWorker,
+        [(FaultPoint::AfterCommit, "a".to_owned())],
+    ));
+    let inbox = (h.new_inbox)().await;
+    let cfg = WorkerConfig {
+        faults: Some(crash.clone()),
+        ..config()
+    };
+    let first = Worker::with_config(inbox.clone(), h.handler.clone(), cfg.clone()).unwrap();
+    let r = run_until_drained(&first, &broker, &queue).await;
+    assert!(matches!(r, Err(Error::Crashed("after_commit"))), "{r:?}");
+    assert_eq!(
+        broker.depth(&queue).ready,
+        1,
+        "the unacked delivery is back"
+    );
+
+    let second = Worker::with_config(inbox.clone(), h.handler.clone(), cfg).unwrap();
+    run_until_drained(&second, &broker, &queue).await.unwrap();
+    let s = second.snapshot();
+    assert_eq!((s.handler_runs, s.duplicates), (0, 1), "{s:?}");
+    assert_eq!((h.ledger)(inbox, "a".into()).await, 1);
+}
+
+async fn crash_before_commit_gives_one_effect<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, msg("b", json!({"id": "b"})));
+    let crash = Arc::new(CrashOnce::new(
+        FaultAction::StopWorker,
+        [(FaultPoint::BeforeCommit, "b".to_owned())],
+    ));
+    let inbox = (h.new_inbox)().await;
+    let cfg = WorkerConfig {
+        faults: Some(crash),
+        ..config()
+    };
+    let first = Worker::with_config(inbox.clone(), h.handler.clone(), cfg.clone()).unwrap();
+    let r = run_until_drained(&first, &broker, &queue).await;
+    assert!(matches!(r, Err(Error::Crashed("before_commit"))), "{r:?}");
+    assert_eq!(
+        (h.ledger)(inbox.clone(), "b".into()).await,
+        0,
+        "rolled back"
+    );
+
+    // A new process: the crashed one's connection (and its key lock) are gone.
+    let second = Worker::with_config((h.new_inbox)().await, h.handler.clone(), cfg).unwrap();
+    run_until_drained(&second, &broker, &queue).await.unwrap();
+    assert_eq!(second.snapshot().handler_runs, 1);
+    assert_eq!((h.ledger)(inbox.clone(), "b".into()).await, 1);
+    let entry = inbox.entry("record", "b").await.unwrap().unwrap();
+    assert_eq!(entry.status, EntryStatus::Completed);
+    assert_eq!(entry.attempts, 2, "the crashed attempt was counted");
+}
+
+async fn key_reused_with_other_payload_is_a_conflict<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, msg("c", json!({"id": "c"})));
+    broker.publish(
+        &queue,
+        msg("c", json!({"id": "c", "order_id": null, "fail_times": 0})),
+    );
+    broker.publish(&queue, msg("c", json!({"id": "c-other"})));
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(
+        inbox.clone(),
+        h.handler.clone(),
+        WorkerConfig {
+            concurrency: 1,
+            ..config()
+        },
+    )
+    .unwrap();
+    run_until_drained(&w, &broker, &queue).await.unwrap();
+    let dead = broker.dead_letters(&queue);
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(dead
+        .iter()
+        .all(|d| d.dead_letter.reason == DeadLetterReason::KeyConflict));
+    assert_eq!(w.snapshot().handler_runs, 1);
+    assert_eq!((h.ledger)(inbox, "c".into()).await, 1);
+}
+
+async fn panicking_handler_is_dead_lettered_after_max_attempts<
+    DB: Backend,
+    H: Handler<DB> + Clone,
+>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, msg("p", json!({"id": "p", "panic": true})));
+    broker.publish(&queue, msg("ok", json!({"id": "ok"})));
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config()).unwrap();
+    run_until_drained(&w, &broker, &queue).await.unwrap();
+    let s = w.snapshot();
+    assert_eq!(s.panics, 3, "{s:?}");
+    assert_eq!(s.retries, 2, "{s:?}");
+    let dead = broker.dead_letters(&queue);
+    assert_eq!(dead.len(), 1, "only the panicking job: {dead:?}");
+    let d = &dead[0].dead_letter;
+    assert_eq!(d.reason, DeadLetterReason::MaxAttemptsExceeded);
+    assert_eq!(
+        (d.handler.as_str(), d.key.as_deref(), d.attempts),
+        ("record", Some("p"), 3)
+    );
+    assert!(
+        d.error.contains("panicked") && d.error.contains("always panics"),
+        "{}",
+        d.error
+    );
+    assert_eq!(d.source.transport, "memory");
+    assert_eq!((h.ledger)(inbox.clone(), "ok".into()).await, 1);
+    let entry = inbox.entry("record", "p").await.unwrap().unwrap();
+    assert_eq!(entry.status, EntryStatus::Dead);
+}
+
+async fn crash_loop_is_quarantined<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, msg("k", json!({"id": "k"})));
+    let cfg = WorkerConfig {
+        faults: Some(Arc::new(CrashAlways {
+            point: FaultPoint::BeforeCommit,
+            key: "k".to_owned(),
+            action: FaultAction::StopWorker,
+        })),
+        ..config()
+    };
+    let mut crashes = 0;
+    let mut runs = 0;
+    loop {
+        // Every restart is a new "process": new pool, new in-process state.
+        let w = Worker::with_config((h.new_inbox)().await, h.handler.clone(), cfg.clone()).unwrap();
+        let r = run_until_drained(&w, &broker, &queue).await;
+        runs += w.snapshot().handler_runs;
+        match r {
+            Err(Error::Crashed(_)) => crashes += 1,
+            Ok(()) => break,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            crashes <= 3,
+            "the message loops instead of being quarantined"
+        );
+    }
+    assert_eq!((crashes, runs), (3, 3));
+    let dead = broker.dead_letters(&queue);
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].dead_letter.reason, DeadLetterReason::Quarantined);
+    assert_eq!(dead[0].dead_letter.attempts, 3);
+    assert_eq!((h.ledger)((h.new_inbox)().await, "k".into()).await, 0);
+}
+
+async fn retries_then_succeeds<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, msg("r", json!({"id": "r", "fail_times": 2})));
+    broker.publish(
+        &queue,
+        msg("perm", json!({"id": "perm", "permanent": true})),
+    );
+    broker.publish(
+        &queue,
+        Message {
+            id: Some("bad".into()),
+            payload: "{not json".into(),
+            ..Message::default()
+        },
+    );
+    broker.publish(&queue, msg("wrong", json!({"no_id_field": 1})));
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config()).unwrap();
+    run_until_drained(&w, &broker, &queue).await.unwrap();
+    let s = w.snapshot();
+    assert_eq!((s.handler_runs, s.retries), (4, 2), "{s:?}");
+    assert_eq!((h.ledger)(inbox, "r".into()).await, 1);
+    let mut reasons: Vec<_> = broker
+        .dead_letters(&queue)
+        .iter()
+        .map(|d| {
+            (
+                d.message.id.clone().unwrap_or_default(),
+                d.dead_letter.reason,
+                d.dead_letter.attempts,
+            )
+        })
+        .collect();
+    reasons.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        reasons,
+        vec![
+            ("bad".to_owned(), DeadLetterReason::Undecodable, 0),
+            ("perm".to_owned(), DeadLetterReason::PermanentError, 1),
+            ("wrong".to_owned(), DeadLetterReason::Undecodable, 0),
+        ]
+    );
+}
+
+async fn guards_are_won_once<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    assert_eq!((h.order)(inbox.clone(), 7, true).await, "created");
+    // Two different jobs (different keys, both run) touching the same order.
+    broker.publish(&queue, msg("g1", json!({"id": "g1", "order_id": 7})));
+    broker.publish(&queue, msg("g2", json!({"id": "g2", "order_id": 7})));
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config()).unwrap();
+    run_until_drained(&w, &broker, &queue).await.unwrap();
+    assert_eq!(w.snapshot().completed, 2);
+    assert_eq!((h.ledger)(inbox.clone(), "email-7".into()).await, 1);
+    assert_eq!((h.order)(inbox, 7, false).await, "invoiced");
+}
+
+async fn expired_rows_are_purged<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    for i in 0..5 {
+        broker.publish(
+            &queue,
+            msg(&format!("e{i}"), json!({"id": format!("e{i}")})),
+        );
+    }
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(
+        inbox.clone(),
+        h.handler.clone(),
+        WorkerConfig {
+            retention: Some(Duration::from_millis(1)),
+            retention_interval: Some(Duration::from_millis(50)),
+            retention_batch: 2,
+            ..config()
+        },
+    )
+    .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = {
+        let w = w.clone();
+        let broker = broker.clone();
+        let queue = queue.clone();
+        tokio::spawn(async move {
+            w.run(broker.consume(&queue), async {
+                let _ = stopped.await;
+            })
+            .await
+        })
+    };
+    wait_until("the background task to purge every expired row", || {
+        let inbox = inbox.clone();
+        async move {
+            let mut left = 0;
+            for i in 0..5 {
+                left += usize::from(
+                    inbox
+                        .entry("record", &format!("e{i}"))
+                        .await
+                        .unwrap()
+                        .is_some(),
+                );
+            }
+            left == 0
+        }
+    })
+    .await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(w.snapshot().completed, 5);
+}
+
+macro_rules! scenarios {
+    ($backend:ident, $harness:ident) => {
+        mod $backend {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn same_key_over_four_workers_runs_once() {
+                same_key_over_four_workers($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn crash_between_commit_and_ack_is_skipped() {
+                crash_after_commit_is_skipped_on_redelivery($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn crash_before_commit_gives_exactly_one_effect() {
+                crash_before_commit_gives_one_effect($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn key_conflict_is_dead_lettered() {
+                key_reused_with_other_payload_is_a_conflict($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn panic_every_time_ends_dead_lettered() {
+                panicking_handler_is_dead_lettered_after_max_attempts($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn crash_every_time_is_quarantined() {
+                crash_loop_is_quarantined($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn transient_failures_retry_permanent_and_undecodable_do_not() {
+                retries_then_succeeds($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn flag_and_transition_guards_win_once() {
+                guards_are_won_once($harness().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn expired_inbox_rows_are_cleaned_up() {
+                expired_rows_are_purged($harness().await).await;
+            }
+        }
+    };
+}
+
+scenarios!(postgres, pg_harness);
+scenarios!(sqlite, sqlite_harness);
