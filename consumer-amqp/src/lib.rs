@@ -1,0 +1,1 @@
+//! The amqp transport for consumer-core (work in progress).

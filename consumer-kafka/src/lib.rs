@@ -1,0 +1,1 @@
+//! The kafka transport for consumer-core (work in progress).
