@@ -62,11 +62,6 @@ usage() {
 # Newest /usr/lib/postgresql/<ver>/bin; /usr/local/bin/pg_ctl may be a
 # wrapper or symlink, so the versioned directory is preferred.
 find_pg_bin() {
-    if [[ -n "${CONSUMER_PG_BIN:-}" ]]; then
-        [[ -x "$CONSUMER_PG_BIN/postgres" ]] || die "no postgres in CONSUMER_PG_BIN=$CONSUMER_PG_BIN"
-        printf '%s\n' "$CONSUMER_PG_BIN"
-        return 0
-    fi
     local d best=""
     while IFS= read -r d; do
         if [[ -x "$d/postgres" && -x "$d/initdb" && -x "$d/pg_ctl" ]]; then
@@ -254,7 +249,13 @@ main() {
     esac
 
     mkdir -p "$STATE_DIR"
-    PG_BIN=$(find_pg_bin) || { install_pg; PG_BIN=$(find_pg_bin) || die "no PostgreSQL binaries after install"; }
+    if [[ -n "${CONSUMER_PG_BIN:-}" ]]; then
+        [[ -x "$CONSUMER_PG_BIN/postgres" ]] || die "no postgres in CONSUMER_PG_BIN=$CONSUMER_PG_BIN"
+        PG_BIN="$CONSUMER_PG_BIN"
+    elif ! PG_BIN=$(find_pg_bin); then
+        install_pg
+        PG_BIN=$(find_pg_bin) || die "no PostgreSQL binaries after install"
+    fi
     mkdir -p "$PG_DIR"
     if [[ $EUID -eq 0 ]]; then
         chown postgres:postgres "$PG_DIR"

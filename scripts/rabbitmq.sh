@@ -253,9 +253,14 @@ start_rmq() {
         # Foreground-mode rabbitmq-server in the background, in its own session
         # so a terminal's Ctrl-C or the caller's exit does not kill it; stdio to
         # a file so `$(...)` callers don't wait for it. (`-detached` is
-        # deprecated and loses the pid file on some versions.)
+        # deprecated since 3.8.)
+        # The fd limit is raised after runuser, whose pam_limits resets the
+        # soft limit to 1024 (the broker would cap itself at ~830 sockets).
         set_rmq_prefix
-        (cd "$RMQ_DIR" && exec setsid "${RMQ_PREFIX[@]}" "$RMQ_BIN/rabbitmq-server") \
+        # shellcheck disable=SC2016 # expanded by the inner sh, on purpose
+        (cd "$RMQ_DIR" && exec setsid "${RMQ_PREFIX[@]}" sh -c \
+            'ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"; exec "$0"' \
+            "$RMQ_BIN/rabbitmq-server") \
             </dev/null >>"$LOG_DIR/startup.log" 2>&1 9>&- &
         server_pid=$!
     fi
@@ -287,7 +292,7 @@ stop_rmq() {
         log "stopping broker $NODE (pid $pid)"
         # `stop <pidfile>` returns once the VM has exited; SIGTERM (a clean
         # shutdown too since 3.8) is the fallback if the CLI can't connect.
-        if ! ctl -q stop "$PID_FILE" >&2; then
+        if ! ctl -q stop "$PID_FILE" >/dev/null; then
             log "rabbitmqctl stop failed; sending SIGTERM"
             kill -TERM "$pid" 2>/dev/null || true
         fi
