@@ -90,6 +90,8 @@ pub enum ErrorKind {
 pub struct HandlerError {
     kind: ErrorKind,
     inner: Box<dyn std::error::Error + Send + Sync>,
+    /// Set by a fault point inside the handler: the runtime stops as if the process died.
+    pub(crate) crash: Option<crate::fault::FaultPoint>,
 }
 
 impl HandlerError {
@@ -98,6 +100,7 @@ impl HandlerError {
         HandlerError {
             kind: ErrorKind::Transient,
             inner: error.into(),
+            crash: None,
         }
     }
 
@@ -106,6 +109,14 @@ impl HandlerError {
         HandlerError {
             kind: ErrorKind::Permanent,
             inner: error.into(),
+            crash: None,
+        }
+    }
+
+    pub(crate) fn crash(point: crate::fault::FaultPoint) -> Self {
+        HandlerError {
+            crash: Some(point),
+            ..HandlerError::transient(format!("simulated crash at {}", point.as_str()))
         }
     }
 

@@ -5,6 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::retry::{Jitter, ThreadSafeRng};
+use crate::Error;
+
 /// A moment in the processing of one delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -15,6 +18,9 @@ pub enum FaultPoint {
     AfterCommit,
     /// The delivery was settled.
     AfterAck,
+    /// Inside an external effect, after the provider was called but before the handler's
+    /// transaction recorded it. Reached only where a handler calls [`crate::Context::fault_point`].
+    InEffect,
 }
 
 impl FaultPoint {
@@ -24,6 +30,7 @@ impl FaultPoint {
             FaultPoint::BeforeCommit => "before_commit",
             FaultPoint::AfterCommit => "after_commit",
             FaultPoint::AfterAck => "after_ack",
+            FaultPoint::InEffect => "in_effect",
         }
     }
 
@@ -33,6 +40,7 @@ impl FaultPoint {
             FaultPoint::BeforeCommit,
             FaultPoint::AfterCommit,
             FaultPoint::AfterAck,
+            FaultPoint::InEffect,
         ]
         .into_iter()
         .find(|p| p.as_str() == s)
@@ -104,5 +112,131 @@ pub struct CrashAlways {
 impl FaultInjector for CrashAlways {
     fn check(&self, point: FaultPoint, _handler: &str, key: &str) -> Option<FaultAction> {
         (point == self.point && key == self.key).then_some(self.action)
+    }
+}
+
+/// The environment variable [`RandomFaults::from_env`] reads: `point=rate` pairs, e.g.
+/// `before_commit=0.01,after_commit=0.01,after_ack=0.01,in_effect=0.01`.
+pub const FAULTS_ENV: &str = "CONSUMER_FAULTS";
+/// The environment variable with the seed of [`RandomFaults::from_env`] (default: random).
+pub const FAULT_SEED_ENV: &str = "CONSUMER_FAULT_SEED";
+
+/// Crashes at each point with a probability: the chaos suite's injector.
+#[derive(Debug)]
+pub struct RandomFaults {
+    rates: Vec<(FaultPoint, f64)>,
+    action: FaultAction,
+    rng: ThreadSafeRng,
+    fired: AtomicU64,
+}
+
+impl RandomFaults {
+    /// Parses `point=rate,...` (rates in `[0, 1]`); the error names the `faults` field.
+    pub fn parse(spec: &str, seed: u64, action: FaultAction) -> Result<Self, Error> {
+        let mut rates = Vec::new();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (point, rate) = part
+                .split_once('=')
+                .ok_or_else(|| Error::config("faults", format!("{part:?} is not `point=rate`")))?;
+            let point = FaultPoint::parse(point.trim()).ok_or_else(|| {
+                Error::config(
+                    "faults",
+                    format!(
+                        "unknown fault point {point:?}; valid: before_commit, after_commit, after_ack, in_effect"
+                    ),
+                )
+            })?;
+            let rate: f64 = rate
+                .trim()
+                .parse()
+                .ok()
+                .filter(|r: &f64| (0.0..=1.0).contains(r))
+                .ok_or_else(|| {
+                    Error::config("faults", format!("rate {rate:?} is not in [0, 1]"))
+                })?;
+            rates.push((point, rate));
+        }
+        Ok(RandomFaults {
+            rates,
+            action,
+            rng: ThreadSafeRng::seeded(seed),
+            fired: AtomicU64::new(0),
+        })
+    }
+
+    /// From [`FAULTS_ENV`] and [`FAULT_SEED_ENV`], aborting the process when triggered;
+    /// `Ok(None)` when the variable is unset or empty.
+    pub fn from_env() -> Result<Option<Self>, Error> {
+        let Some(spec) = std::env::var(FAULTS_ENV)
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+        else {
+            return Ok(None);
+        };
+        let seed = match std::env::var(FAULT_SEED_ENV) {
+            Ok(s) => s
+                .trim()
+                .parse()
+                .map_err(|_| Error::config("fault_seed", format!("{s:?} is not an integer")))?,
+            Err(_) => ThreadSafeRng::from_entropy().next_u64(),
+        };
+        Self::parse(&spec, seed, FaultAction::Abort).map(Some)
+    }
+
+    /// How many times a fault fired (only observable with [`FaultAction::StopWorker`]).
+    pub fn fired(&self) -> u64 {
+        self.fired.load(Ordering::Relaxed)
+    }
+}
+
+impl FaultInjector for RandomFaults {
+    fn check(&self, point: FaultPoint, _handler: &str, _key: &str) -> Option<FaultAction> {
+        let rate = self.rates.iter().find(|(p, _)| *p == point)?.1;
+        if rate > 0.0 && self.rng.sample() < rate {
+            self.fired.fetch_add(1, Ordering::Relaxed);
+            Some(self.action)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_rates_and_rejects_bad_specs() {
+        let f = RandomFaults::parse("before_commit=1, after_ack=0", 1, FaultAction::StopWorker)
+            .unwrap();
+        assert_eq!(
+            f.check(FaultPoint::BeforeCommit, "h", "k"),
+            Some(FaultAction::StopWorker)
+        );
+        assert_eq!(f.check(FaultPoint::AfterAck, "h", "k"), None);
+        assert_eq!(f.check(FaultPoint::AfterCommit, "h", "k"), None);
+        for bad in [
+            "nowhere=0.1",
+            "before_commit",
+            "before_commit=2",
+            "after_ack=x",
+        ] {
+            let e = RandomFaults::parse(bad, 1, FaultAction::Abort).unwrap_err();
+            assert!(e.to_string().contains("faults"), "{e}");
+        }
+    }
+
+    #[test]
+    fn rate_is_roughly_respected_and_seed_reproducible() {
+        let run = |seed| {
+            let f = RandomFaults::parse("after_commit=0.1", seed, FaultAction::StopWorker).unwrap();
+            (0..10_000)
+                .map(|_| f.check(FaultPoint::AfterCommit, "h", "k").is_some())
+                .collect::<Vec<_>>()
+        };
+        let a = run(42);
+        assert_eq!(a, run(42));
+        let hits = a.iter().filter(|h| **h).count();
+        assert!((800..1200).contains(&hits), "{hits}");
     }
 }

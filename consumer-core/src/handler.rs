@@ -141,6 +141,7 @@ pub struct Context<'c, DB: Backend> {
     pub(crate) key: &'c str,
     pub(crate) attempt: u32,
     pub(crate) delivery: &'c Delivery,
+    pub(crate) faults: Option<&'c dyn crate::fault::FaultInjector>,
 }
 
 impl<'c, DB: Backend> Context<'c, DB> {
@@ -167,6 +168,29 @@ impl<'c, DB: Backend> Context<'c, DB> {
     /// The delivery: message id, headers, source.
     pub fn delivery(&self) -> &Delivery {
         self.delivery
+    }
+
+    /// A named fault point inside the handler, for chaos tests: call it right after an
+    /// external effect, before its transaction records it ([`FaultPoint::InEffect`]). Does
+    /// nothing unless the worker was configured with a fault injector.
+    ///
+    /// [`FaultPoint::InEffect`]: crate::fault::FaultPoint::InEffect
+    pub fn fault_point(&self, point: crate::fault::FaultPoint) -> Result<(), HandlerError> {
+        let Some(faults) = self.faults else {
+            return Ok(());
+        };
+        match faults.check(point, self.handler, self.key) {
+            None => Ok(()),
+            Some(crate::fault::FaultAction::Abort) => {
+                tracing::error!(
+                    fault_point = point.as_str(),
+                    key = self.key,
+                    "fault point: aborting the process"
+                );
+                std::process::abort()
+            }
+            Some(crate::fault::FaultAction::StopWorker) => Err(HandlerError::crash(point)),
+        }
     }
 
     /// A stable key for an effect outside the database, e.g. a provider's

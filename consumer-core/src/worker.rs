@@ -41,6 +41,10 @@ pub struct WorkerConfig {
     pub jitter: Option<Arc<dyn Jitter>>,
     /// Fault points (chaos tests); `None` in production.
     pub faults: Option<Arc<dyn FaultInjector>>,
+    /// DELIBERATELY BROKEN, for proving the chaos suite can fail: ack every delivery before
+    /// its handler runs. Never set this outside that test.
+    #[doc(hidden)]
+    pub broken_ack_before_commit: bool,
 }
 
 impl Default for WorkerConfig {
@@ -54,6 +58,7 @@ impl Default for WorkerConfig {
             retention_batch: 1000,
             jitter: None,
             faults: None,
+            broken_ack_before_commit: false,
         }
     }
 }
@@ -342,6 +347,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         async move {
             let stats = &self.inner.stats;
             Stats::bump(&stats.received);
+            let mut acker = Some(acker);
+            if self.inner.config.broken_ack_before_commit {
+                if let Some(early) = acker.take() {
+                    let _ = early.settle(Settlement::Ack).await;
+                }
+            }
             let mut key = None;
             let (settlement, outcome) = self.decide(&delivery, &mut key).await?;
             let key = key.unwrap_or_default();
@@ -354,6 +365,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 Outcome::DeadLettered => &stats.dead_lettered,
             });
             self.fault(FaultPoint::AfterCommit, &key)?;
+            let Some(acker) = acker else {
+                return Ok(());
+            };
             if let Err(e) = acker.settle(settlement).await {
                 Stats::bump(&stats.settle_errors);
                 tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
@@ -569,6 +583,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     key: &key,
                     attempt,
                     delivery,
+                    faults: self.inner.config.faults.as_deref(),
                 },
                 Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
             };
@@ -592,6 +607,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     )))
                 }
             };
+            if let Err(HandlerError {
+                crash: Some(point), ..
+            }) = &result
+            {
+                return Err(Crash(*point));
+            }
             match result {
                 Ok(()) => {
                     self.fault(FaultPoint::BeforeCommit, &key)?;
