@@ -163,6 +163,13 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     stats: Arc<Stats>,
 }
 
+/// A decoded message and its key.
+struct Prepared<M> {
+    message: M,
+    key: String,
+    hash: String,
+}
+
 /// Why a delivery's processing stopped without settling (a simulated crash).
 struct Crash(FaultPoint);
 
@@ -449,6 +456,157 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         Err("the message has no message id, the handler has no key template, and payload hashing is not allowed".to_owned())
     }
 
+    /// Decodes the payload and derives the key; `Err` is the settlement of a message that
+    /// cannot run (undecodable, no key).
+    // The `Err` is a settlement, not an error: moved once, on a cold path.
+    #[allow(clippy::result_large_err)]
+    fn prepare(&self, delivery: &Delivery) -> Result<Prepared<H::Message>, (Settlement, Outcome)> {
+        let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|v| {
+            let m = H::Message::deserialize(&v)?;
+            Ok((v, m))
+        });
+        let (value, message) = decoded.map_err(|e| {
+            self.dead_letter(
+                delivery,
+                DeadLetterReason::Undecodable,
+                delivery.message_id.as_deref(),
+                0,
+                e.to_string(),
+            )
+        })?;
+        let key = self
+            .derive_key(delivery, &value)
+            .map_err(|e| self.dead_letter(delivery, DeadLetterReason::MissingKey, None, 0, e))?;
+        Ok(Prepared {
+            hash: canonical_hash(&value),
+            message,
+            key,
+        })
+    }
+
+    /// Turns a claim into the attempt number to run, or the settlement of a message that must
+    /// not run (duplicate, conflict, dead, quarantined).
+    async fn check_claim(
+        &self,
+        conn: &mut DB::Connection,
+        delivery: &Delivery,
+        key: &str,
+        claim: Claim,
+    ) -> Result<u32, (Settlement, Outcome)> {
+        let s = &self.inner.settings;
+        match claim {
+            Claim::Run { attempt } => Ok(attempt),
+            Claim::Duplicate => Err((Settlement::Ack, Outcome::Duplicate)),
+            Claim::Conflict { status } => {
+                let error = format!(
+                    "key {key:?} was first seen with a different payload (that one is {status:?})"
+                );
+                Stats::bump(&self.inner.stats.conflicts);
+                Err(match s.on_conflict {
+                    ConflictPolicy::DeadLetter => self.dead_letter(
+                        delivery,
+                        DeadLetterReason::KeyConflict,
+                        Some(key),
+                        0,
+                        error,
+                    ),
+                    ConflictPolicy::Skip => {
+                        tracing::warn!(%error, "key conflict skipped by policy");
+                        (Settlement::Ack, Outcome::ConflictSkipped)
+                    }
+                })
+            }
+            Claim::Dead {
+                attempts,
+                last_error,
+            } => {
+                let text = last_error.unwrap_or_default();
+                let (reason, error) = split_reason(&text);
+                Err(self.dead_letter(delivery, reason, Some(key), attempts, error.to_owned()))
+            }
+            Claim::Exhausted {
+                attempts,
+                last_error,
+            } => {
+                let error = format!(
+                    "{attempts} attempts were used up without an outcome (the worker crashed); last error: {}",
+                    last_error.as_deref().unwrap_or("none recorded")
+                );
+                self.record_failure(conn, key, DeadLetterReason::Quarantined, &error, true)
+                    .await;
+                Stats::bump(&self.inner.stats.quarantined);
+                Err(self.dead_letter(
+                    delivery,
+                    DeadLetterReason::Quarantined,
+                    Some(key),
+                    attempts,
+                    error,
+                ))
+            }
+        }
+    }
+
+    /// Runs the handler in `ctx`, turning a panic or a timeout into a transient failure.
+    async fn invoke(
+        &self,
+        ctx: &mut Context<'_, DB>,
+        message: H::Message,
+    ) -> Result<(), HandlerError> {
+        let timeout = self.inner.settings.timeout;
+        Stats::bump(&self.inner.stats.handler_runs);
+        let run = AssertUnwindSafe(self.inner.handler.handle(ctx, message)).catch_unwind();
+        match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => {
+                Stats::bump(&self.inner.stats.panics);
+                Err(HandlerError::transient(format!(
+                    "handler panicked: {}",
+                    panic_message(&*panic)
+                )))
+            }
+            Err(_) => {
+                Stats::bump(&self.inner.stats.timeouts);
+                Err(HandlerError::transient(format!(
+                    "handler timed out after {timeout:?}"
+                )))
+            }
+        }
+    }
+
+    /// Records a failed attempt and decides: retry after backoff, or dead-letter.
+    async fn fail(
+        &self,
+        conn: &mut DB::Connection,
+        delivery: &Delivery,
+        key: &str,
+        attempt: u32,
+        failure: &HandlerError,
+    ) -> (Settlement, Outcome) {
+        let s = &self.inner.settings;
+        let error = failure.to_string();
+        let reason = if failure.kind() == ErrorKind::Permanent {
+            Some(DeadLetterReason::PermanentError)
+        } else if attempt >= s.max_attempts {
+            Some(DeadLetterReason::MaxAttemptsExceeded)
+        } else {
+            None
+        };
+        let reason_for_row = reason.unwrap_or(DeadLetterReason::MaxAttemptsExceeded);
+        self.record_failure(conn, key, reason_for_row, &error, reason.is_some())
+            .await;
+        tracing::warn!(key, attempt, error = %error, "handler failed");
+        match reason {
+            Some(reason) => self.dead_letter(delivery, reason, Some(key), attempt, error),
+            None => (
+                Settlement::Retry {
+                    delay: s.backoff.next_delay(attempt),
+                    attempt: attempt + 1,
+                },
+                Outcome::Retry,
+            ),
+        }
+    }
+
     /// Decides how to settle `delivery`, running the handler if the key is new. `key_out`
     /// receives the key once derived (for fault points).
     async fn decide(
@@ -457,32 +615,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         key_out: &mut Option<String>,
     ) -> Result<(Settlement, Outcome), Crash> {
         let s = &self.inner.settings;
-        let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|v| {
-            let m = H::Message::deserialize(&v)?;
-            Ok((v, m))
-        });
-        let (value, message) = match decoded {
-            Ok(d) => d,
-            Err(e) => {
-                return Ok(self.dead_letter(
-                    delivery,
-                    DeadLetterReason::Undecodable,
-                    delivery.message_id.as_deref(),
-                    0,
-                    e.to_string(),
-                ))
-            }
-        };
-        let key = match self.derive_key(delivery, &value) {
-            Ok(k) => k,
-            Err(e) => {
-                return Ok(self.dead_letter(delivery, DeadLetterReason::MissingKey, None, 0, e))
-            }
+        let Prepared { message, key, hash } = match self.prepare(delivery) {
+            Ok(p) => p,
+            Err(settled) => return Ok(settled),
         };
         tracing::Span::current().record("key", key.as_str());
         *key_out = Some(key.clone());
-        let hash = canonical_hash(&value);
-        drop(value);
 
         let mut lease = match self.inner.inbox.lease(&s.name, &key).await {
             Ok(l) => l,
@@ -502,74 +640,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Ok(c) => c,
             Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
         };
-        let attempt = match claim {
-            Claim::Run { attempt } => attempt,
-            Claim::Duplicate => {
+        let attempt = match self.check_claim(lease.conn(), delivery, &key, claim).await {
+            Ok(attempt) => attempt,
+            Err(settled) => {
                 lease.release().await;
-                return Ok((Settlement::Ack, Outcome::Duplicate));
-            }
-            Claim::Conflict { status } => {
-                lease.release().await;
-                let error = format!(
-                    "key {key:?} was first seen with a different payload (that one is {status:?})"
-                );
-                return Ok(match s.on_conflict {
-                    ConflictPolicy::DeadLetter => {
-                        Stats::bump(&self.inner.stats.conflicts);
-                        self.dead_letter(
-                            delivery,
-                            DeadLetterReason::KeyConflict,
-                            Some(&key),
-                            0,
-                            error,
-                        )
-                    }
-                    ConflictPolicy::Skip => {
-                        tracing::warn!(%error, "key conflict skipped by policy");
-                        (Settlement::Ack, Outcome::ConflictSkipped)
-                    }
-                });
-            }
-            Claim::Dead {
-                attempts,
-                last_error,
-            } => {
-                lease.release().await;
-                let text = last_error.unwrap_or_default();
-                let (reason, error) = split_reason(&text);
-                return Ok(self.dead_letter(
-                    delivery,
-                    reason,
-                    Some(&key),
-                    attempts,
-                    error.to_owned(),
-                ));
-            }
-            Claim::Exhausted {
-                attempts,
-                last_error,
-            } => {
-                let error = format!(
-                    "{attempts} attempts were used up without an outcome (the worker crashed); last error: {}",
-                    last_error.as_deref().unwrap_or("none recorded")
-                );
-                self.record_failure(
-                    &mut lease,
-                    &key,
-                    DeadLetterReason::Quarantined,
-                    &error,
-                    true,
-                )
-                .await;
-                lease.release().await;
-                Stats::bump(&self.inner.stats.quarantined);
-                return Ok(self.dead_letter(
-                    delivery,
-                    DeadLetterReason::Quarantined,
-                    Some(&key),
-                    attempts,
-                    error,
-                ));
+                return Ok(settled);
             }
         };
         tracing::Span::current().record("attempt", attempt);
@@ -577,36 +652,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         // The handler's transaction: its writes and the inbox completion commit together.
         let failure = {
             let mut ctx = match DB::begin_handler(lease.conn()).await {
-                Ok(tx) => Context {
-                    tx,
-                    handler: &s.name,
-                    key: &key,
-                    attempt,
-                    delivery,
-                    faults: self.inner.config.faults.as_deref(),
-                },
+                Ok(tx) => self.context(tx, &key, attempt, delivery),
                 Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
             };
-            Stats::bump(&self.inner.stats.handler_runs);
-            let run = AssertUnwindSafe(self.inner.handler.handle(&mut ctx, message)).catch_unwind();
-            let result = match tokio::time::timeout(s.timeout, run).await {
-                Ok(Ok(Ok(()))) => Ok(()),
-                Ok(Ok(Err(e))) => Err(e),
-                Ok(Err(panic)) => {
-                    Stats::bump(&self.inner.stats.panics);
-                    Err(HandlerError::transient(format!(
-                        "handler panicked: {}",
-                        panic_message(&*panic)
-                    )))
-                }
-                Err(_) => {
-                    Stats::bump(&self.inner.stats.timeouts);
-                    Err(HandlerError::transient(format!(
-                        "handler timed out after {:?}",
-                        s.timeout
-                    )))
-                }
-            };
+            let result = self.invoke(&mut ctx, message).await;
             if let Err(HandlerError {
                 crash: Some(point), ..
             }) = &result
@@ -633,39 +682,37 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 }
             }
         };
-
-        let Some(failure) = failure else {
-            lease.release().await;
-            return Ok((Settlement::Ack, Outcome::Completed));
+        let settled = match failure {
+            None => (Settlement::Ack, Outcome::Completed),
+            Some(failure) => {
+                self.fail(lease.conn(), delivery, &key, attempt, &failure)
+                    .await
+            }
         };
-        let error = failure.to_string();
-        let reason = if failure.kind() == ErrorKind::Permanent {
-            Some(DeadLetterReason::PermanentError)
-        } else if attempt >= s.max_attempts {
-            Some(DeadLetterReason::MaxAttemptsExceeded)
-        } else {
-            None
-        };
-        let reason_for_row = reason.unwrap_or(DeadLetterReason::MaxAttemptsExceeded);
-        self.record_failure(&mut lease, &key, reason_for_row, &error, reason.is_some())
-            .await;
         lease.release().await;
-        tracing::warn!(attempt, error = %error, "handler failed");
-        Ok(match reason {
-            Some(reason) => self.dead_letter(delivery, reason, Some(&key), attempt, error),
-            None => (
-                Settlement::Retry {
-                    delay: s.backoff.next_delay(attempt),
-                    attempt: attempt + 1,
-                },
-                Outcome::Retry,
-            ),
-        })
+        Ok(settled)
+    }
+
+    fn context<'c>(
+        &'c self,
+        tx: sqlx::Transaction<'c, DB>,
+        key: &'c str,
+        attempt: u32,
+        delivery: &'c Delivery,
+    ) -> Context<'c, DB> {
+        Context {
+            tx,
+            handler: &self.inner.settings.name,
+            key,
+            attempt,
+            delivery,
+            faults: self.inner.config.faults.as_deref(),
+        }
     }
 
     async fn record_failure(
         &self,
-        lease: &mut crate::inbox::Lease<DB>,
+        conn: &mut DB::Connection,
         key: &str,
         reason: DeadLetterReason,
         error: &str,
@@ -675,7 +722,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         // Stored as "reason: error" so a redelivery of a dead message reports the same reason.
         let text = format!("{}: {error}", reason.as_str());
         let names = self.inner.inbox.names();
-        if let Err(e) = DB::record_failure(lease.conn(), names, &s.name, key, &text, dead).await {
+        if let Err(e) = DB::record_failure(conn, names, &s.name, key, &text, dead).await {
             Stats::bump(&self.inner.stats.db_errors);
             tracing::warn!(error = %e, "could not record the failure in the inbox");
         }

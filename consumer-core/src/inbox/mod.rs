@@ -208,17 +208,18 @@ pub trait Backend: sqlx::Database + private::Sealed {
     fn migrate<'a>(pool: &'a Pool<Self>, names: &'a TableNames)
         -> BoxFuture<'a, Result<(), Error>>;
 
+    /// Takes the session locks of `lock_ids` (sorted, distinct) in that order.
     #[doc(hidden)]
-    fn lock_key(
-        conn: &mut Self::Connection,
-        lock_id: i64,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    fn lock_keys<'a>(
+        conn: &'a mut Self::Connection,
+        lock_ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
     #[doc(hidden)]
-    fn unlock_key(
-        conn: &mut Self::Connection,
-        lock_id: i64,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    fn unlock_keys<'a>(
+        conn: &'a mut Self::Connection,
+        lock_ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
     #[doc(hidden)]
     fn begin_attempt<'a>(
@@ -229,6 +230,44 @@ pub trait Backend: sqlx::Database + private::Sealed {
         payload_hash: &'a str,
         max_attempts: u32,
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>>;
+
+    /// [`Backend::begin_attempt`] for several distinct keys (`(key, payload_hash)` pairs);
+    /// claims in the same order.
+    #[doc(hidden)]
+    fn begin_attempts<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        items: &'a [(String, String)],
+        max_attempts: u32,
+    ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut claims = Vec::with_capacity(items.len());
+            for (key, hash) in items {
+                claims.push(
+                    Self::begin_attempt(conn, names, handler, key, hash, max_attempts).await?,
+                );
+            }
+            Ok(claims)
+        })
+    }
+
+    /// [`Backend::complete`] for several keys, in the handler's transaction.
+    #[doc(hidden)]
+    fn complete_many<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        keys: &'a [String],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            for key in keys {
+                Self::complete(conn, names, handler, key, retention).await?;
+            }
+            Ok(())
+        })
+    }
 
     #[doc(hidden)]
     fn begin_handler(
@@ -352,18 +391,39 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Takes the per-key lock (in process, then in the database) on a pooled connection.
     pub(crate) async fn lease(&self, handler: &str, key: &str) -> Result<Lease<DB>, sqlx::Error> {
-        let lock_id = lock_id(&self.names.lock_namespace, handler, key);
-        let local = self.locks.lock(lock_id).await;
+        self.lease_many(handler, std::slice::from_ref(&key)).await
+    }
+
+    /// Takes the locks of several keys, always in ascending lock id order so that two
+    /// batches sharing keys cannot deadlock.
+    pub(crate) async fn lease_many(
+        &self,
+        handler: &str,
+        keys: &[impl AsRef<str>],
+    ) -> Result<Lease<DB>, sqlx::Error> {
+        let mut lock_ids: Vec<i64> = keys
+            .iter()
+            .map(|k| lock_id(&self.names.lock_namespace, handler, k.as_ref()))
+            .collect();
+        lock_ids.sort_unstable();
+        lock_ids.dedup();
+        let mut local = Vec::with_capacity(lock_ids.len());
+        for id in &lock_ids {
+            local.push(self.locks.lock(*id).await);
+        }
         let conn = self.pool.acquire().await?;
         let mut lease = Lease {
             conn: Some(conn),
             // Pessimistic: if this future is dropped while the lock request is in flight, the
             // server may still grant it, so the connection must not go back to the pool.
             db_locked: true,
-            lock_id,
+            lock_ids,
             _local: local,
         };
-        DB::lock_key(lease.conn(), lock_id).await?;
+        let Lease { conn, lock_ids, .. } = &mut lease;
+        if let Some(conn) = conn.as_mut() {
+            DB::lock_keys(conn, lock_ids).await?;
+        }
         Ok(lease)
     }
 }
@@ -394,8 +454,8 @@ impl Inbox<sqlx::Sqlite> {
 pub(crate) struct Lease<DB: Backend> {
     conn: Option<PoolConnection<DB>>,
     db_locked: bool,
-    lock_id: i64,
-    _local: locks::LocalGuard,
+    lock_ids: Vec<i64>,
+    _local: Vec<locks::LocalGuard>,
 }
 
 impl<DB: Backend> Lease<DB> {
@@ -408,8 +468,8 @@ impl<DB: Backend> Lease<DB> {
 
     /// Releases the database lock; the connection goes back to the pool.
     pub(crate) async fn release(mut self) {
-        let lock_id = self.lock_id;
-        match DB::unlock_key(self.conn(), lock_id).await {
+        let lock_ids = std::mem::take(&mut self.lock_ids);
+        match DB::unlock_keys(self.conn(), &lock_ids).await {
             Ok(()) => self.db_locked = false,
             Err(e) => tracing::warn!(error = %e, "could not release key lock; closing connection"),
         }

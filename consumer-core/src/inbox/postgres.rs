@@ -29,22 +29,129 @@ impl Backend for Postgres {
         Box::pin(migrate(pool, names))
     }
 
-    fn lock_key(conn: &mut PgConnection, lock_id: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+    fn lock_keys<'a>(
+        conn: &'a mut PgConnection,
+        lock_ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query("SELECT pg_advisory_lock($1)")
-                .bind(lock_id)
+            if let [id] = lock_ids {
+                sqlx::query("SELECT pg_advisory_lock($1)")
+                    .bind(id)
+                    .execute(conn)
+                    .await?;
+            } else {
+                // The sorted subquery makes the locks be taken in ascending order (two batches
+                // sharing keys then cannot deadlock; if they ever did, PostgreSQL's deadlock
+                // detector fails one and its deliveries are retried).
+                sqlx::query(
+                    "SELECT pg_advisory_lock(id) FROM \
+                     (SELECT id FROM unnest($1::bigint[]) AS u(id) ORDER BY id) AS s",
+                )
+                .bind(lock_ids)
+                .execute(conn)
+                .await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn unlock_keys<'a>(
+        conn: &'a mut PgConnection,
+        lock_ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_advisory_unlock(id) FROM unnest($1::bigint[]) AS u(id)")
+                .bind(lock_ids)
                 .execute(conn)
                 .await?;
             Ok(())
         })
     }
 
-    fn unlock_key(conn: &mut PgConnection, lock_id: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+    fn begin_attempts<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        items: &'a [(String, String)],
+        max_attempts: u32,
+    ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(lock_id)
-                .execute(conn)
+            let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+            let hashes: Vec<&str> = items.iter().map(|(_, h)| h.as_str()).collect();
+            let mut tx = conn.begin().await?;
+            sqlx::query("SET LOCAL synchronous_commit = off")
+                .execute(&mut *tx)
                 .await?;
+            let counted: Vec<(String, i32)> = sqlx::query_as(&format!(
+                "INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
+                 SELECT $1, u.key, u.hash, 'pending', 1 FROM unnest($2::text[], $3::text[]) AS u(key, hash) \
+                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
+                 WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
+                 RETURNING key, attempts",
+                t = names.inbox
+            ))
+            .bind(handler)
+            .bind(&keys)
+            .bind(&hashes)
+            .bind(i64::from(max_attempts))
+            .fetch_all(&mut *tx)
+            .await?;
+            let counted: std::collections::HashMap<String, i32> = counted.into_iter().collect();
+            let missing: Vec<&str> = keys
+                .iter()
+                .copied()
+                .filter(|k| !counted.contains_key(*k))
+                .collect();
+            let mut existing = std::collections::HashMap::new();
+            if !missing.is_empty() {
+                let rows = sqlx::query(&format!(
+                    "SELECT key, status, attempts, payload_hash, last_error FROM {} \
+                     WHERE handler = $1 AND key = ANY($2)",
+                    names.inbox
+                ))
+                .bind(handler)
+                .bind(&missing)
+                .fetch_all(&mut *tx)
+                .await?;
+                for r in rows {
+                    existing.insert(r.try_get::<String, _>("key")?, entry_from_row(&r)?);
+                }
+            }
+            tx.commit().await?;
+            items
+                .iter()
+                .map(|(key, hash)| match counted.get(key) {
+                    Some(attempt) => Ok(Claim::Run {
+                        attempt: (*attempt).max(0) as u32,
+                    }),
+                    None => existing
+                        .remove(key)
+                        .map(|e| Claim::from_entry(e, hash))
+                        .ok_or(sqlx::Error::RowNotFound),
+                })
+                .collect()
+        })
+    }
+
+    fn complete_many<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        keys: &'a [String],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&format!(
+                "UPDATE {} SET status = 'completed', completed_at = now(), updated_at = now(), \
+                 expires_at = now() + $3 * interval '1 millisecond', last_error = NULL \
+                 WHERE handler = $1 AND key = ANY($2)",
+                names.inbox
+            ))
+            .bind(handler)
+            .bind(keys)
+            .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+            .execute(conn)
+            .await?;
             Ok(())
         })
     }
@@ -212,15 +319,16 @@ async fn fetch_entry(
     .bind(key)
     .fetch_optional(conn)
     .await?;
-    row.map(|r| {
-        Ok(InboxEntry {
-            status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
-            attempts: r.try_get::<i32, _>("attempts")?.max(0) as u32,
-            payload_hash: r.try_get("payload_hash")?,
-            last_error: r.try_get("last_error")?,
-        })
+    row.as_ref().map(entry_from_row).transpose()
+}
+
+fn entry_from_row(r: &sqlx::postgres::PgRow) -> Result<InboxEntry, sqlx::Error> {
+    Ok(InboxEntry {
+        status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
+        attempts: r.try_get::<i32, _>("attempts")?.max(0) as u32,
+        payload_hash: r.try_get("payload_hash")?,
+        last_error: r.try_get("last_error")?,
     })
-    .transpose()
 }
 
 async fn migrate(pool: &Pool<Postgres>, names: &TableNames) -> Result<(), Error> {

@@ -43,17 +43,18 @@ impl Backend for Sqlite {
         Box::pin(migrate(pool, names))
     }
 
-    fn lock_key(
-        _conn: &mut SqliteConnection,
-        _lock_id: i64,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+    fn lock_keys<'a>(
+        _conn: &'a mut SqliteConnection,
+        _lock_ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        // One process: the in-process key locks are the whole story.
         Box::pin(async { Ok(()) })
     }
 
-    fn unlock_key(
-        _conn: &mut SqliteConnection,
-        _lock_id: i64,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+    fn unlock_keys<'a>(
+        _conn: &'a mut SqliteConnection,
+        _lock_ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async { Ok(()) })
     }
 
