@@ -39,8 +39,9 @@ fn expand(handler: &Handler) -> TokenStream {
     let db = &handler.db;
     let message = &handler.message;
 
-    // Docs describe the struct; `cfg` must hold for every generated item alike; anything
-    // else (`allow`, `tracing::instrument`, ...) was written for the body, so it goes on `call`.
+    // Docs go on the struct and on `call` (which keeps sections such as `# Errors`); `cfg` must
+    // hold for every generated item alike; anything else (`allow`, `tracing::instrument`, ...)
+    // was written for the body, so it goes on `call`.
     let docs: Vec<&Attribute> = attrs.iter().filter(|a| a.path().is_ident("doc")).collect();
     let cfgs: Vec<&Attribute> = attrs.iter().filter(|a| a.path().is_ident("cfg")).collect();
     let body_attrs = attrs
@@ -91,7 +92,11 @@ fn expand(handler: &Handler) -> TokenStream {
 
         #(#cfgs)*
         impl #ident {
+            #(#docs)*
+            #separator
             #[doc = #call_doc]
+            // `#[handler]` requires `async` even when the body has nothing to await.
+            #[allow(clippy::unused_async)]
             #(#body_attrs)*
             #vis #call_sig #block
         }
@@ -206,7 +211,10 @@ mod tests {
             pub struct send_invoice;
 
             impl send_invoice {
+                #[doc = r" Sends the invoice for an order."]
+                #[doc = ""]
                 #[doc = " The body of the `send_invoice` handler, callable without a worker (e.g. in a unit test)."]
+                #[allow(clippy::unused_async)]
                 pub async fn call(
                     ctx: &mut Context<'_, Postgres>,
                     job: InvoiceJob,
@@ -301,7 +309,9 @@ mod tests {
         .to_string();
         let cfg = quote!(#[cfg(feature = "billing")]).to_string();
         assert_eq!(out.matches(&cfg).count(), 3, "{out}");
-        let on_call = quote!(#[allow(clippy::too_many_lines)] async fn call).to_string();
+        let on_call =
+            quote!(#[allow(clippy::unused_async)] #[allow(clippy::too_many_lines)] async fn call)
+                .to_string();
         assert!(out.contains(&on_call), "{out}");
         assert_eq!(out.matches("too_many_lines").count(), 1, "{out}");
     }

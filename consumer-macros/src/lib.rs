@@ -3,7 +3,7 @@
 //!
 //! The macro turns an `async fn(ctx: &mut Context<'_, DB>, message: M) -> Result<(), E>` into
 //! a unit struct of the same name that implements `consumer_core::Handler<DB>`, so a worker
-//! can take the function's name as a value: `worker.handler(send_invoice)`. The original body
+//! can take the function's name as a value: `Worker::new(inbox, send_invoice)`. The original body
 //! stays callable as `send_invoice::call(ctx, message)`, e.g. from a unit test.
 //!
 //! # Layout
@@ -40,7 +40,7 @@ use proc_macro::TokenStream;
 ///     Ok(())
 /// }
 ///
-/// worker.handler(send_invoice);
+/// let worker = Worker::new(inbox, send_invoice)?;
 /// ```
 ///
 /// The function must be `async`, take exactly `(ctx: &mut Context<'_, DB>, message: M)` and

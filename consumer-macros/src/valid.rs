@@ -5,7 +5,6 @@
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::ext::IdentExt;
-use syn::spanned::Spanned;
 use syn::{
     Expr, FnArg, GenericArgument, GenericParam, Ident, ItemFn, Lit, LitBool, LitInt, LitStr, Meta,
     PathArguments, ReturnType, Type, WherePredicate,
@@ -336,6 +335,13 @@ fn check_signature(item: &ItemFn, errors: &mut Errors) -> Option<(Type, Type, Ty
         }
     }
     let (db, message) = match typed.as_slice() {
+        [ctx, message] if names_context(&message.ty) && !names_context(&ctx.ty) => {
+            errors.spanned(
+                &sig.inputs,
+                "the context comes first: `(ctx: &mut Context<'_, DB>, message: M)`",
+            );
+            (None, None)
+        }
         [ctx, message] => (
             context_db(&ctx.ty, errors),
             message_type(&message.ty, errors),
@@ -391,6 +397,18 @@ fn ungroup_type(mut ty: &Type) -> &Type {
             Type::Paren(paren) => ty = &paren.elem,
             _ => return ty,
         }
+    }
+}
+
+/// Whether `ty` is a reference to something called `Context`: tells swapped arguments apart
+/// from a wrong first argument.
+fn names_context(ty: &Type) -> bool {
+    match ungroup_type(ty) {
+        Type::Reference(reference) => matches!(
+            ungroup_type(&reference.elem),
+            Type::Path(path) if path.path.segments.last().is_some_and(|s| s.ident == "Context")
+        ),
+        _ => false,
     }
 }
 
@@ -714,6 +732,10 @@ mod tests {
             (
                 quote!(async fn f(ctx: &mut Context<'_>, m: M) -> Result<(), E> { Ok(()) }),
                 &["the first argument must be `ctx: &mut Context<'_, DB>`: name the database as its last generic argument, e.g. `Context<'_, sqlx::Postgres>`"],
+            ),
+            (
+                quote!(async fn f(m: M, ctx: &mut Context<'_, P>) -> Result<(), E> { Ok(()) }),
+                &["the context comes first: `(ctx: &mut Context<'_, DB>, message: M)`"],
             ),
             (
                 quote!(async fn f(ctx: &mut Context<'_, P>, m: &M) -> Result<(), E> { Ok(()) }),

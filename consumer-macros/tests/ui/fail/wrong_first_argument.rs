@@ -1,5 +1,5 @@
 use consumer_core::{handler, Context, HandlerError};
-use sqlx::Postgres;
+use sqlx::{PgConnection, Postgres};
 
 #[derive(serde::Deserialize)]
 struct InvoiceJob {
@@ -8,6 +8,18 @@ struct InvoiceJob {
 
 #[handler]
 async fn send_invoice(ctx: &Context<'_, Postgres>, job: InvoiceJob) -> Result<(), HandlerError> {
+    let _ = (ctx.key(), job.order_id);
+    Ok(())
+}
+
+#[handler]
+async fn send_receipt(db: &mut PgConnection, job: InvoiceJob) -> Result<(), HandlerError> {
+    let _ = (db, job.order_id);
+    Ok(())
+}
+
+#[handler]
+async fn send_reminder(job: InvoiceJob, ctx: &mut Context<'_, Postgres>) -> Result<(), HandlerError> {
     let _ = (ctx.key(), job.order_id);
     Ok(())
 }
