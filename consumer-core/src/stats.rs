@@ -50,6 +50,8 @@ counters! {
     db_errors,
     /// Settlements the transport failed to apply (the broker will redeliver).
     settle_errors,
+    /// Batched mode: transactions that committed a batch.
+    batches,
 }
 
 impl Stats {

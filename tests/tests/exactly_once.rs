@@ -1,7 +1,11 @@
 //! The runtime's exactly-once guarantees, against real PostgreSQL (a fresh schema per test,
 //! several independent pools standing in for several worker processes) and SQLite.
 //!
-//! Each scenario is written once, generic over the backend, and instantiated for both.
+//! Each scenario is written once, generic over the backend, and instantiated for both, each
+//! with one transaction per delivery and in batched mode.
+
+// Test helpers may panic: a panic is how a test fails.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
@@ -12,8 +16,8 @@ use common::{wait_until, PgEnv, SqliteEnv, DEADLINE};
 use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
-    handler, Backend, Context, DeadLetterReason, EntryStatus, Error, FlagGuard, Handler,
-    HandlerError, Inbox, NoJitter, StatsSnapshot, Transition, Worker, WorkerConfig,
+    handler, Backend, BatchConfig, Context, DeadLetterReason, EntryStatus, Error, FlagGuard,
+    Handler, HandlerError, Inbox, NoJitter, StatsSnapshot, Transition, Worker, WorkerConfig,
 };
 use futures::future::BoxFuture;
 use serde::Deserialize;
@@ -108,6 +112,8 @@ record_handler!(
 /// What a scenario needs from a backend.
 struct Harness<DB: Backend, H> {
     handler: H,
+    /// Batched mode, or one transaction per delivery.
+    batch: Option<BatchConfig>,
     /// An inbox as a separate worker process would have it (PostgreSQL: its own pool;
     /// SQLite, one process only: the same inbox).
     new_inbox: Box<dyn Fn() -> BoxFuture<'static, Inbox<DB>> + Send + Sync>,
@@ -117,10 +123,11 @@ struct Harness<DB: Backend, H> {
     order: fn(Inbox<DB>, i64, bool) -> BoxFuture<'static, String>,
 }
 
-async fn pg_harness() -> Harness<Postgres, record_pg> {
+async fn pg_harness(batch: Option<BatchConfig>) -> Harness<Postgres, record_pg> {
     let env = Arc::new(PgEnv::new().await);
     Harness {
         handler: record_pg,
+        batch,
         new_inbox: Box::new(move || {
             let env = env.clone();
             Box::pin(async move { env.inbox().await })
@@ -153,10 +160,11 @@ async fn pg_harness() -> Harness<Postgres, record_pg> {
     }
 }
 
-async fn sqlite_harness() -> Harness<Sqlite, record_sqlite> {
+async fn sqlite_harness(batch: Option<BatchConfig>) -> Harness<Sqlite, record_sqlite> {
     let env = Arc::new(SqliteEnv::new().await);
     Harness {
         handler: record_sqlite,
+        batch,
         new_inbox: Box::new(move || {
             let env = env.clone();
             Box::pin(async move { env.inbox.clone() })
@@ -189,12 +197,15 @@ async fn sqlite_harness() -> Harness<Sqlite, record_sqlite> {
     }
 }
 
-fn config() -> WorkerConfig {
-    WorkerConfig {
-        concurrency: 4,
-        retention_interval: None,
-        jitter: Some(Arc::new(NoJitter)),
-        ..WorkerConfig::default()
+impl<DB: Backend, H> Harness<DB, H> {
+    fn config(&self) -> WorkerConfig {
+        WorkerConfig {
+            concurrency: 4,
+            retention_interval: None,
+            jitter: Some(Arc::new(NoJitter)),
+            batch: self.batch,
+            ..WorkerConfig::default()
+        }
     }
 }
 
@@ -241,7 +252,7 @@ async fn same_key_over_four_workers<DB: Backend, H: Handler<DB> + Clone>(h: Harn
     let mut runs = Vec::new();
     for _ in 0..4 {
         let worker =
-            Worker::with_config((h.new_inbox)().await, h.handler.clone(), config()).unwrap();
+            Worker::with_config((h.new_inbox)().await, h.handler.clone(), h.config()).unwrap();
         let broker = broker.clone();
         let queue = queue.clone();
         runs.push(tokio::spawn(async move {
@@ -273,7 +284,7 @@ async fn crash_after_commit_is_skipped_on_redelivery<DB: Backend, H: Handler<DB>
     let inbox = (h.new_inbox)().await;
     let cfg = WorkerConfig {
         faults: Some(crash.clone()),
-        ..config()
+        ..h.config()
     };
     let first = Worker::with_config(inbox.clone(), h.handler.clone(), cfg.clone()).unwrap();
     let r = run_until_drained(&first, &broker, &queue).await;
@@ -304,7 +315,7 @@ async fn crash_before_commit_gives_one_effect<DB: Backend, H: Handler<DB> + Clon
     let inbox = (h.new_inbox)().await;
     let cfg = WorkerConfig {
         faults: Some(crash),
-        ..config()
+        ..h.config()
     };
     let first = Worker::with_config(inbox.clone(), h.handler.clone(), cfg.clone()).unwrap();
     let r = run_until_drained(&first, &broker, &queue).await;
@@ -342,7 +353,7 @@ async fn key_reused_with_other_payload_is_a_conflict<DB: Backend, H: Handler<DB>
         h.handler.clone(),
         WorkerConfig {
             concurrency: 1,
-            ..config()
+            ..h.config()
         },
     )
     .unwrap();
@@ -367,7 +378,7 @@ async fn panicking_handler_is_dead_lettered_after_max_attempts<
     broker.publish(&queue, msg("p", json!({"id": "p", "panic": true})));
     broker.publish(&queue, msg("ok", json!({"id": "ok"})));
     let inbox = (h.new_inbox)().await;
-    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config()).unwrap();
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
     run_until_drained(&w, &broker, &queue).await.unwrap();
     let s = w.snapshot();
     assert_eq!(s.panics, 3, "{s:?}");
@@ -401,7 +412,7 @@ async fn crash_loop_is_quarantined<DB: Backend, H: Handler<DB> + Clone>(h: Harne
             key: "k".to_owned(),
             action: FaultAction::StopWorker,
         })),
-        ..config()
+        ..h.config()
     };
     let mut crashes = 0;
     let mut runs = 0;
@@ -446,7 +457,7 @@ async fn retries_then_succeeds<DB: Backend, H: Handler<DB> + Clone>(h: Harness<D
     );
     broker.publish(&queue, msg("wrong", json!({"no_id_field": 1})));
     let inbox = (h.new_inbox)().await;
-    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config()).unwrap();
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
     run_until_drained(&w, &broker, &queue).await.unwrap();
     let s = w.snapshot();
     assert_eq!((s.handler_runs, s.retries), (4, 2), "{s:?}");
@@ -481,7 +492,7 @@ async fn guards_are_won_once<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB,
     // Two different jobs (different keys, both run) touching the same order.
     broker.publish(&queue, msg("g1", json!({"id": "g1", "order_id": 7})));
     broker.publish(&queue, msg("g2", json!({"id": "g2", "order_id": 7})));
-    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config()).unwrap();
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
     run_until_drained(&w, &broker, &queue).await.unwrap();
     assert_eq!(w.snapshot().completed, 2);
     assert_eq!((h.ledger)(inbox.clone(), "email-7".into()).await, 1);
@@ -505,7 +516,7 @@ async fn expired_rows_are_purged<DB: Backend, H: Handler<DB> + Clone>(h: Harness
             retention: Some(Duration::from_millis(1)),
             retention_interval: Some(Duration::from_millis(50)),
             retention_batch: 2,
-            ..config()
+            ..h.config()
         },
     )
     .unwrap();
@@ -543,58 +554,113 @@ async fn expired_rows_are_purged<DB: Backend, H: Handler<DB> + Clone>(h: Harness
     assert_eq!(w.snapshot().completed, 5);
 }
 
+/// Batches big enough to hold several of a scenario's messages at once.
+const BATCHED: Option<BatchConfig> = Some(BatchConfig {
+    max_messages: 16,
+    max_wait: Duration::from_millis(20),
+});
+
+async fn many_distinct_jobs_each_once<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    for i in 0..60 {
+        let fail_times = u32::from(i % 20 == 0);
+        broker.publish(
+            &queue,
+            msg(
+                &format!("m{i}"),
+                json!({"id": format!("m{i}"), "fail_times": fail_times}),
+            ),
+        );
+    }
+    // Redelivered copies of a few, as a broker would after a lost ack.
+    for i in 0..6 {
+        broker.publish(
+            &queue,
+            msg(
+                &format!("m{i}"),
+                json!({"id": format!("m{i}"), "fail_times": u32::from(i % 20 == 0)}),
+            ),
+        );
+    }
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    run_until_drained(&w, &broker, &queue).await.unwrap();
+    let s = w.snapshot();
+    assert_eq!(s.completed, 60, "{s:?}");
+    assert_eq!(s.retries, 3, "{s:?}");
+    for i in 0..60 {
+        assert_eq!((h.ledger)(inbox.clone(), format!("m{i}")).await, 1, "m{i}");
+    }
+    if h.batch.is_some() {
+        assert!(
+            s.batches > 0 && s.batches < 60,
+            "batched mode batched nothing: {s:?}"
+        );
+    } else {
+        assert_eq!(s.batches, 0);
+    }
+}
+
 macro_rules! scenarios {
-    ($backend:ident, $harness:ident) => {
+    ($backend:ident, $harness:ident, $batch:expr) => {
         mod $backend {
             use super::*;
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn same_key_over_four_workers_runs_once() {
-                same_key_over_four_workers($harness().await).await;
+                same_key_over_four_workers($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn crash_between_commit_and_ack_is_skipped() {
-                crash_after_commit_is_skipped_on_redelivery($harness().await).await;
+                crash_after_commit_is_skipped_on_redelivery($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn crash_before_commit_gives_exactly_one_effect() {
-                crash_before_commit_gives_one_effect($harness().await).await;
+                crash_before_commit_gives_one_effect($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn key_conflict_is_dead_lettered() {
-                key_reused_with_other_payload_is_a_conflict($harness().await).await;
+                key_reused_with_other_payload_is_a_conflict($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn panic_every_time_ends_dead_lettered() {
-                panicking_handler_is_dead_lettered_after_max_attempts($harness().await).await;
+                panicking_handler_is_dead_lettered_after_max_attempts($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn crash_every_time_is_quarantined() {
-                crash_loop_is_quarantined($harness().await).await;
+                crash_loop_is_quarantined($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn transient_failures_retry_permanent_and_undecodable_do_not() {
-                retries_then_succeeds($harness().await).await;
+                retries_then_succeeds($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn flag_and_transition_guards_win_once() {
-                guards_are_won_once($harness().await).await;
+                guards_are_won_once($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn many_distinct_jobs_with_failures_and_duplicates_each_once() {
+                many_distinct_jobs_each_once($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn expired_inbox_rows_are_cleaned_up() {
-                expired_rows_are_purged($harness().await).await;
+                expired_rows_are_purged($harness($batch).await).await;
             }
         }
     };
 }
 
-scenarios!(postgres, pg_harness);
-scenarios!(sqlite, sqlite_harness);
+scenarios!(postgres, pg_harness, None);
+scenarios!(sqlite, sqlite_harness, None);
+scenarios!(postgres_batched, pg_harness, BATCHED);
+scenarios!(sqlite_batched, sqlite_harness, BATCHED);
