@@ -548,15 +548,24 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             .iter()
             .map(|(_, _, p)| (p.key.clone(), p.hash.clone()))
             .collect();
-        let claims =
-            match DB::begin_attempts(lease.conn(), names, &s.name, &items, s.max_attempts).await {
-                Ok(c) => c,
-                Err(e) => {
-                    lease.release().await;
-                    on_db_error(e, runnable, settled);
-                    return Ok(());
-                }
-            };
+        let (conn, lock_ids) = lease.locking();
+        let claims = match DB::begin_attempts(
+            conn,
+            names,
+            &s.name,
+            &items,
+            s.max_attempts,
+            lock_ids,
+        )
+        .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                lease.release().await;
+                on_db_error(e, runnable, settled);
+                return Ok(());
+            }
+        };
         let mut to_run = Vec::new();
         for ((delivery, acker, p), claim) in runnable.into_iter().zip(claims) {
             match self
@@ -915,19 +924,14 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
         };
         let names = self.inner.inbox.names();
-        let claim = match DB::begin_attempt(
-            lease.conn(),
-            names,
-            &s.name,
-            &key,
-            &hash,
-            s.max_attempts,
-        )
-        .await
-        {
-            Ok(c) => c,
-            Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
-        };
+        let (conn, lock_ids) = lease.locking();
+        let claim =
+            match DB::begin_attempt(conn, names, &s.name, &key, &hash, s.max_attempts, lock_ids)
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+            };
         let attempt = match self.check_claim(lease.conn(), delivery, &key, claim).await {
             Ok(attempt) => attempt,
             Err(settled) => {

@@ -208,19 +208,14 @@ pub trait Backend: sqlx::Database + private::Sealed {
     fn migrate<'a>(pool: &'a Pool<Self>, names: &'a TableNames)
         -> BoxFuture<'a, Result<(), Error>>;
 
-    /// Takes the session locks of `lock_ids` (sorted, distinct) in that order.
-    #[doc(hidden)]
-    fn lock_keys<'a>(
-        conn: &'a mut Self::Connection,
-        lock_ids: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
-
     #[doc(hidden)]
     fn unlock_keys<'a>(
         conn: &'a mut Self::Connection,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
+    /// Takes the key's database lock (`lock_ids`: sorted, distinct; empty on SQLite), then
+    /// counts an attempt, durably for a worker crash, before the handler runs.
     #[doc(hidden)]
     fn begin_attempt<'a>(
         conn: &'a mut Self::Connection,
@@ -229,6 +224,7 @@ pub trait Backend: sqlx::Database + private::Sealed {
         key: &'a str,
         payload_hash: &'a str,
         max_attempts: u32,
+        lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>>;
 
     /// [`Backend::begin_attempt`] for several distinct keys (`(key, payload_hash)` pairs);
@@ -240,12 +236,16 @@ pub trait Backend: sqlx::Database + private::Sealed {
         handler: &'a str,
         items: &'a [(String, String)],
         max_attempts: u32,
+        lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
             let mut claims = Vec::with_capacity(items.len());
-            for (key, hash) in items {
+            for (i, (key, hash)) in items.iter().enumerate() {
+                // All locks with the first claim, in order.
+                let locks = if i == 0 { lock_ids } else { &[] };
                 claims.push(
-                    Self::begin_attempt(conn, names, handler, key, hash, max_attempts).await?,
+                    Self::begin_attempt(conn, names, handler, key, hash, max_attempts, locks)
+                        .await?,
                 );
             }
             Ok(claims)
@@ -394,8 +394,9 @@ impl<DB: Backend> Inbox<DB> {
         self.lease_many(handler, std::slice::from_ref(&key)).await
     }
 
-    /// Takes the locks of several keys, always in ascending lock id order so that two
-    /// batches sharing keys cannot deadlock.
+    /// Takes the in-process locks of several keys, always in ascending lock id order so that
+    /// two batches sharing keys cannot deadlock, and a connection. The database locks are
+    /// taken by the first statement on it ([`Lease::locking`]).
     pub(crate) async fn lease_many(
         &self,
         handler: &str,
@@ -412,19 +413,12 @@ impl<DB: Backend> Inbox<DB> {
             local.push(self.locks.lock(*id).await);
         }
         let conn = self.pool.acquire().await?;
-        let mut lease = Lease {
+        Ok(Lease {
             conn: Some(conn),
-            // Pessimistic: if this future is dropped while the lock request is in flight, the
-            // server may still grant it, so the connection must not go back to the pool.
-            db_locked: true,
+            db_locked: false,
             lock_ids,
             _local: local,
-        };
-        let Lease { conn, lock_ids, .. } = &mut lease;
-        if let Some(conn) = conn.as_mut() {
-            DB::lock_keys(conn, lock_ids).await?;
-        }
-        Ok(lease)
+        })
     }
 }
 
@@ -466,8 +460,23 @@ impl<DB: Backend> Lease<DB> {
         }
     }
 
+    /// The connection and the lock ids, for the statement that takes the database locks.
+    /// From here on, dropping the lease closes the connection (see the type's doc).
+    pub(crate) fn locking(&mut self) -> (&mut DB::Connection, &[i64]) {
+        // Pessimistic: if the statement is dropped while in flight, the server may still
+        // grant the locks, so the connection must not go back to the pool.
+        self.db_locked = true;
+        match self.conn.as_mut() {
+            Some(c) => (c, &self.lock_ids),
+            None => unreachable!("the connection is only taken in Drop"),
+        }
+    }
+
     /// Releases the database lock; the connection goes back to the pool.
     pub(crate) async fn release(mut self) {
+        if !self.db_locked {
+            return;
+        }
         let lock_ids = std::mem::take(&mut self.lock_ids);
         match DB::unlock_keys(self.conn(), &lock_ids).await {
             Ok(()) => self.db_locked = false,

@@ -29,32 +29,6 @@ impl Backend for Postgres {
         Box::pin(migrate(pool, names))
     }
 
-    fn lock_keys<'a>(
-        conn: &'a mut PgConnection,
-        lock_ids: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            if let [id] = lock_ids {
-                sqlx::query("SELECT pg_advisory_lock($1)")
-                    .bind(id)
-                    .execute(conn)
-                    .await?;
-            } else {
-                // The sorted subquery makes the locks be taken in ascending order (two batches
-                // sharing keys then cannot deadlock; if they ever did, PostgreSQL's deadlock
-                // detector fails one and its deliveries are retried).
-                sqlx::query(
-                    "SELECT pg_advisory_lock(id) FROM \
-                     (SELECT id FROM unnest($1::bigint[]) AS u(id) ORDER BY id) AS s",
-                )
-                .bind(lock_ids)
-                .execute(conn)
-                .await?;
-            }
-            Ok(())
-        })
-    }
-
     fn unlock_keys<'a>(
         conn: &'a mut PgConnection,
         lock_ids: &'a [i64],
@@ -74,17 +48,21 @@ impl Backend for Postgres {
         handler: &'a str,
         items: &'a [(String, String)],
         max_attempts: u32,
+        lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
             let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
             let hashes: Vec<&str> = items.iter().map(|(_, h)| h.as_str()).collect();
-            let mut tx = conn.begin().await?;
-            sqlx::query("SET LOCAL synchronous_commit = off")
-                .execute(&mut *tx)
-                .await?;
+            // One statement: the locks (in ascending order: the sorted subquery, and the
+            // aggregate makes all of them come before any row), asynchronous commit (see
+            // `begin_attempt`), and the count.
             let counted: Vec<(String, i32)> = sqlx::query_as(&format!(
-                "INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
-                 SELECT $1, u.key, u.hash, 'pending', 1 FROM unnest($2::text[], $3::text[]) AS u(key, hash) \
+                "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM \
+                   (SELECT id FROM unnest($5::bigint[]) AS u(id) ORDER BY id) AS s), \
+                 c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
+                 INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
+                 SELECT $1, u.key, u.hash, 'pending', 1 \
+                 FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c \
                  ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
                  WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
                  RETURNING key, attempts",
@@ -94,7 +72,8 @@ impl Backend for Postgres {
             .bind(&keys)
             .bind(&hashes)
             .bind(i64::from(max_attempts))
-            .fetch_all(&mut *tx)
+            .bind(lock_ids)
+            .fetch_all(&mut *conn)
             .await?;
             let counted: std::collections::HashMap<String, i32> = counted.into_iter().collect();
             let missing: Vec<&str> = keys
@@ -111,13 +90,12 @@ impl Backend for Postgres {
                 ))
                 .bind(handler)
                 .bind(&missing)
-                .fetch_all(&mut *tx)
+                .fetch_all(&mut *conn)
                 .await?;
                 for r in rows {
                     existing.insert(r.try_get::<String, _>("key")?, entry_from_row(&r)?);
                 }
             }
-            tx.commit().await?;
             items
                 .iter()
                 .map(|(key, hash)| match counted.get(key) {
@@ -163,18 +141,20 @@ impl Backend for Postgres {
         key: &'a str,
         payload_hash: &'a str,
         max_attempts: u32,
+        lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
         Box::pin(async move {
-            let mut tx = conn.begin().await?;
-            // The count must survive the worker being killed, not the database server
-            // crashing: asynchronous commit keeps it off the fsync path. The handler's own
-            // transaction commits synchronously.
-            sqlx::query("SET LOCAL synchronous_commit = off")
-                .execute(&mut *tx)
-                .await?;
+            // One round trip: take the key's session lock, make this statement's implicit
+            // transaction commit asynchronously, count the attempt. The count must survive
+            // the worker being killed, not the database server crashing, so it stays off the
+            // fsync path; the handler's own transaction commits synchronously. (An INSERT ...
+            // ON CONFLICT DO UPDATE sees the latest committed row even if it was committed
+            // while this statement waited for the lock.)
             let counted: Option<i32> = sqlx::query_scalar(&format!(
-                "INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
-                 VALUES ($1, $2, $3, 'pending', 1) \
+                "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM unnest($5::bigint[]) AS u(id)), \
+                 c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
+                 INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
+                 SELECT $1, $2, $3, 'pending', 1 FROM l, c \
                  ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
                  WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
                  RETURNING attempts",
@@ -184,22 +164,18 @@ impl Backend for Postgres {
             .bind(key)
             .bind(payload_hash)
             .bind(i64::from(max_attempts))
-            .fetch_optional(&mut *tx)
+            .bind(lock_ids)
+            .fetch_optional(&mut *conn)
             .await?;
-            let claim = match counted {
+            Ok(match counted {
                 Some(attempt) => Claim::Run {
                     attempt: attempt.max(0) as u32,
                 },
-                None => {
-                    let row = fetch_entry(&mut tx, names, handler, key).await?;
-                    match row {
-                        Some(entry) => Claim::from_entry(entry, payload_hash),
-                        None => return Err(sqlx::Error::RowNotFound),
-                    }
-                }
-            };
-            tx.commit().await?;
-            Ok(claim)
+                None => match fetch_entry(conn, names, handler, key).await? {
+                    Some(entry) => Claim::from_entry(entry, payload_hash),
+                    None => return Err(sqlx::Error::RowNotFound),
+                },
+            })
         })
     }
 

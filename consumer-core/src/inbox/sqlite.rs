@@ -43,14 +43,7 @@ impl Backend for Sqlite {
         Box::pin(migrate(pool, names))
     }
 
-    fn lock_keys<'a>(
-        _conn: &'a mut SqliteConnection,
-        _lock_ids: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        // One process: the in-process key locks are the whole story.
-        Box::pin(async { Ok(()) })
-    }
-
+    // One process: the in-process key locks are the whole story; there is no database lock.
     fn unlock_keys<'a>(
         _conn: &'a mut SqliteConnection,
         _lock_ids: &'a [i64],
@@ -65,6 +58,7 @@ impl Backend for Sqlite {
         key: &'a str,
         payload_hash: &'a str,
         max_attempts: u32,
+        _lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
         Box::pin(async move {
             let now = now_ms();

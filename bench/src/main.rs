@@ -1,0 +1,418 @@
+//! Throughput of the framework next to the floor it cannot beat, in one process run.
+//!
+//! Run with (PostgreSQL from `scripts/postgres.sh`, fsync and synchronous commit ON):
+//!
+//! ```text
+//! eval "$(scripts/postgres.sh env)"
+//! cargo run --release -p bench -- --messages 20000 --reps 3
+//! ```
+//!
+//! Arms, interleaved (every repetition runs every arm once, in turn) over the same number and
+//! size of messages:
+//!
+//! - `db floor, 1/tx`: the inbox insert and the effect insert, one transaction per message,
+//!   no broker: what a durable inbox costs per message at best;
+//! - `db floor, N/tx`: the same rows, N messages per transaction;
+//! - `hand-written 1/tx`: a hand-written consumer of the in-memory broker doing the same as
+//!   the floor per message, then acking;
+//! - `framework 1/tx` and `framework batched`: the runtime on the in-memory broker.
+//!
+//! It prints msgs/s, process CPU time per message (this process only: the database server's
+//! CPU is not counted), p50/p99 publish-to-ack latency and the ratios, each the median over
+//! the repetitions.
+
+// A benchmark report is this program's output.
+#![allow(clippy::print_stdout)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _};
+use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::{
+    handler, Acknowledger, BatchConfig, Context, HandlerError, Inbox, InboxConfig, Incoming,
+    Settlement, TransportError, Worker, WorkerConfig,
+};
+use futures::future::BoxFuture;
+use futures::StreamExt;
+use serde::Deserialize;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgPool, Postgres};
+
+/// Header carrying the publish time (µs since the epoch) for latency.
+const PUBLISHED_AT: &str = "x-published-at-us";
+
+#[derive(Debug, Deserialize)]
+struct Job {
+    id: u64,
+    body: String,
+}
+
+#[handler(name = "bench", retention = "1h")]
+async fn record(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
+        .bind(i64::try_from(job.id).unwrap_or(i64::MAX))
+        .bind(&job.body)
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+struct Options {
+    messages: usize,
+    reps: usize,
+    size: usize,
+    batch: usize,
+    concurrency: usize,
+}
+
+impl Options {
+    fn parse() -> anyhow::Result<Self> {
+        let mut o = Options {
+            messages: 10_000,
+            reps: 3,
+            size: 256,
+            batch: 64,
+            concurrency: 8,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(flag) = args.next() {
+            let value = args.next().with_context(|| format!("{flag} needs a value"))?;
+            let n: usize = value.parse().with_context(|| format!("{flag} {value}: not a number"))?;
+            match flag.as_str() {
+                "--messages" => o.messages = n,
+                "--reps" => o.reps = n,
+                "--size" => o.size = n,
+                "--batch" => o.batch = n,
+                "--concurrency" => o.concurrency = n,
+                _ => bail!("unknown flag {flag}; valid: --messages --reps --size --batch --concurrency"),
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// One arm's figures from one repetition.
+#[derive(Debug, Clone, Copy)]
+struct Figures {
+    rate: f64,
+    cpu_us_per_msg: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or_default()
+}
+
+/// This process's user + system CPU time, from /proc/self/stat (Linux).
+fn cpu_time() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let after = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
+            // Fields 14 and 15 (utime, stime) are the 12th and 13th after the comm field.
+            Some(after.get(11)?.parse::<u64>().ok()? + after.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or_default();
+    // USER_HZ is 100 on Linux.
+    Duration::from_millis(ticks * 10)
+}
+
+/// Records publish-to-ack latency around any acknowledger.
+struct Timed {
+    inner: Box<dyn Acknowledger>,
+    published_at_us: u64,
+    latencies: Arc<Mutex<Vec<u64>>>,
+}
+
+impl Acknowledger for Timed {
+    fn settle(self: Box<Self>, s: Settlement) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let r = self.inner.settle(s).await;
+            let latency = now_us().saturating_sub(self.published_at_us);
+            if let Ok(mut l) = self.latencies.lock() {
+                l.push(latency);
+            }
+            r
+        })
+    }
+}
+
+fn timed(incoming: Incoming, latencies: &Arc<Mutex<Vec<u64>>>) -> Incoming {
+    let published_at_us = incoming
+        .delivery
+        .headers
+        .get(PUBLISHED_AT)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(now_us);
+    Incoming {
+        delivery: incoming.delivery,
+        acker: Box::new(Timed {
+            inner: incoming.acker,
+            published_at_us,
+            latencies: latencies.clone(),
+        }),
+    }
+}
+
+fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64]) -> Figures {
+    latencies.sort_unstable();
+    let pct = |p: f64| {
+        if latencies.is_empty() {
+            return 0.0;
+        }
+        let i = ((latencies.len() as f64 - 1.0) * p).round() as usize;
+        latencies[i] as f64 / 1000.0
+    };
+    Figures {
+        rate: n as f64 / wall.as_secs_f64(),
+        cpu_us_per_msg: cpu.as_secs_f64() * 1e6 / n as f64,
+        p50_ms: pct(0.50),
+        p99_ms: pct(0.99),
+    }
+}
+
+fn payload(id: u64, size: usize) -> String {
+    serde_json::json!({"id": id, "body": "x".repeat(size)}).to_string()
+}
+
+fn fill(broker: &MemoryBroker, queue: &str, first: u64, o: &Options) {
+    for id in first..first + o.messages as u64 {
+        let mut m = Message {
+            id: Some(format!("m-{id}")),
+            payload: payload(id, o.size).into(),
+            ..Message::default()
+        };
+        m.headers.insert(PUBLISHED_AT.to_owned(), now_us().to_string());
+        broker.publish(queue, m);
+    }
+}
+
+async fn reset(pool: &PgPool) -> anyhow::Result<()> {
+    sqlx::raw_sql(
+        "TRUNCATE effects; TRUNCATE floor_inbox; TRUNCATE consumer_inbox;",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The floor: inbox insert plus effect insert per message, `per_tx` messages a transaction.
+async fn db_floor(pool: &PgPool, first: u64, o: &Options, per_tx: usize) -> anyhow::Result<Figures> {
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let ids: Vec<u64> = (first..first + o.messages as u64).collect();
+    let body = "x".repeat(o.size);
+    // The same concurrency as the framework arms, so neither side is starved of connections.
+    let chunks: Vec<Vec<u64>> = ids.chunks(per_tx).map(<[u64]>::to_vec).collect();
+    let work = futures::stream::iter(chunks).map(|chunk| {
+        let pool = pool.clone();
+        let body = body.clone();
+        async move {
+            let mut tx = pool.begin().await?;
+            let keys: Vec<String> = chunk.iter().map(|id| format!("m-{id}")).collect();
+            let job_ids: Vec<i64> = chunk.iter().map(|id| *id as i64).collect();
+            sqlx::query(
+                "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
+                 SELECT 'bench', k, 'h', 'completed', 1 FROM unnest($1::text[]) AS k \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(&keys)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query("INSERT INTO effects (job_id, body) SELECT j, $2 FROM unnest($1::bigint[]) AS j")
+                .bind(&job_ids)
+                .bind(&body)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            anyhow::Ok(())
+        }
+    });
+    let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
+    results.into_iter().collect::<anyhow::Result<()>>()?;
+    Ok(figures(o.messages, start.elapsed(), cpu_time() - cpu0, &mut []))
+}
+
+/// A hand-written consumer of the in-memory broker: one transaction per message, then ack.
+async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<Figures> {
+    let broker = MemoryBroker::new();
+    fill(&broker, "q", first, o);
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let consumer = broker.consume("q").take(o.messages);
+    let work = consumer.map(|incoming| {
+        let pool = pool.clone();
+        let latencies = latencies.clone();
+        async move {
+            let incoming = timed(incoming?, &latencies);
+            let job: Job = serde_json::from_slice(&incoming.delivery.payload)?;
+            let mut tx = pool.begin().await?;
+            let fresh = sqlx::query(
+                "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
+                 VALUES ('bench', $1, 'h', 'completed', 1) ON CONFLICT DO NOTHING",
+            )
+            .bind(incoming.delivery.message_id.as_deref().unwrap_or_default())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if fresh {
+                sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
+                    .bind(job.id as i64)
+                    .bind(&job.body)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            incoming.acker.settle(Settlement::Ack).await?;
+            anyhow::Ok(())
+        }
+    });
+    let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
+    results.into_iter().collect::<anyhow::Result<()>>()?;
+    let wall = start.elapsed();
+    let cpu = cpu_time() - cpu0;
+    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
+    Ok(figures(o.messages, wall, cpu, &mut l))
+}
+
+/// The framework on the in-memory broker.
+async fn framework(inbox: &Inbox<Postgres>, first: u64, o: &Options, batch: Option<BatchConfig>) -> anyhow::Result<Figures> {
+    let broker = MemoryBroker::new();
+    fill(&broker, "q", first, o);
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
+    let worker = Worker::with_config(
+        inbox.clone(),
+        record,
+        WorkerConfig {
+            concurrency: o.concurrency,
+            retention_interval: None,
+            batch,
+            ..WorkerConfig::default()
+        },
+    )?;
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let l2 = latencies.clone();
+    let consumer = broker.consume("q").map(move |r| r.map(|i| timed(i, &l2)));
+    worker.run(consumer, broker.drained("q")).await?;
+    let wall = start.elapsed();
+    let cpu = cpu_time() - cpu0;
+    let s = worker.snapshot();
+    if s.completed != o.messages as u64 {
+        bail!("framework arm completed {} of {}", s.completed, o.messages);
+    }
+    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
+    Ok(figures(o.messages, wall, cpu, &mut l))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let o = Options::parse()?;
+    let url = std::env::var("DATABASE_URL").context("DATABASE_URL: run `eval \"$(scripts/postgres.sh env)\"` first")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
+        .connect(&url)
+        .await?;
+    sqlx::raw_sql(
+        "DROP SCHEMA IF EXISTS bench CASCADE; CREATE SCHEMA bench;
+         SET search_path = bench;",
+    )
+    .execute(&pool)
+    .await?;
+    pool.close().await;
+    let options = url.parse::<sqlx::postgres::PgConnectOptions>()?.options([("search_path", "bench")]);
+    let pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
+        .connect_with(options)
+        .await?;
+    let inbox = Inbox::new(pool.clone(), InboxConfig::in_schema("bench")).await?;
+    sqlx::raw_sql(
+        "CREATE TABLE effects (job_id BIGINT NOT NULL, body TEXT NOT NULL);
+         CREATE TABLE floor_inbox (LIKE consumer_inbox INCLUDING ALL);",
+    )
+    .execute(&pool)
+    .await?;
+    let fsync: String = sqlx::query_scalar("SHOW fsync").fetch_one(&pool).await?;
+    let sync_commit: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&pool).await?;
+
+    let batched = Some(BatchConfig {
+        max_messages: o.batch,
+        max_wait: Duration::from_millis(5),
+    });
+    let arms = [
+        "db floor, 1/tx",
+        "db floor, N/tx",
+        "hand-written 1/tx",
+        "framework 1/tx",
+        "framework batched",
+    ];
+    let mut results: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
+    let mut first = 0u64;
+    for rep in 0..o.reps {
+        for arm in arms {
+            reset(&pool).await?;
+            let f = match arm {
+                "db floor, 1/tx" => db_floor(&pool, first, &o, 1).await?,
+                "db floor, N/tx" => db_floor(&pool, first, &o, o.batch).await?,
+                "hand-written 1/tx" => hand_written(&pool, first, &o).await?,
+                "framework 1/tx" => framework(&inbox, first, &o, None).await?,
+                _ => framework(&inbox, first, &o, batched).await?,
+            };
+            eprintln!("rep {rep} {arm:<20} {:>9.0} msg/s", f.rate);
+            results.entry(arm).or_default().push(f);
+            first += o.messages as u64;
+        }
+    }
+
+    println!(
+        "\n{} messages of {} B payload, {} repetitions (median), concurrency {}, batch {}; PostgreSQL fsync={fsync} synchronous_commit={sync_commit}\n",
+        o.messages, o.size, o.reps, o.concurrency, o.batch
+    );
+    println!(
+        "{:<20} {:>10} {:>12} {:>9} {:>9}",
+        "arm", "msgs/s", "CPU µs/msg", "p50 ms", "p99 ms"
+    );
+    let mut rate = BTreeMap::new();
+    for arm in arms {
+        let f = &results[arm];
+        let m = |g: fn(&Figures) -> f64| median(f.iter().map(g).collect());
+        let r = m(|f| f.rate);
+        rate.insert(arm, r);
+        let lat = |v: f64| if v == 0.0 { "-".to_owned() } else { format!("{v:.1}") };
+        println!(
+            "{:<20} {:>10.0} {:>12.1} {:>9} {:>9}",
+            arm,
+            r,
+            m(|f| f.cpu_us_per_msg),
+            lat(m(|f| f.p50_ms)),
+            lat(m(|f| f.p99_ms)),
+        );
+    }
+    println!();
+    println!(
+        "framework 1/tx / hand-written 1/tx  = {:.2}",
+        rate["framework 1/tx"] / rate["hand-written 1/tx"]
+    );
+    println!(
+        "framework 1/tx / db floor 1/tx      = {:.2}",
+        rate["framework 1/tx"] / rate["db floor, 1/tx"]
+    );
+    println!(
+        "framework batched / db floor N/tx   = {:.2}",
+        rate["framework batched"] / rate["db floor, N/tx"]
+    );
+    Ok(())
+}
