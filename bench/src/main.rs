@@ -78,15 +78,21 @@ impl Options {
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
-            let value = args.next().with_context(|| format!("{flag} needs a value"))?;
-            let n: usize = value.parse().with_context(|| format!("{flag} {value}: not a number"))?;
+            let value = args
+                .next()
+                .with_context(|| format!("{flag} needs a value"))?;
+            let n: usize = value
+                .parse()
+                .with_context(|| format!("{flag} {value}: not a number"))?;
             match flag.as_str() {
                 "--messages" => o.messages = n,
                 "--reps" => o.reps = n,
                 "--size" => o.size = n,
                 "--batch" => o.batch = n,
                 "--concurrency" => o.concurrency = n,
-                _ => bail!("unknown flag {flag}; valid: --messages --reps --size --batch --concurrency"),
+                _ => bail!(
+                    "unknown flag {flag}; valid: --messages --reps --size --batch --concurrency"
+                ),
             }
         }
         Ok(o)
@@ -188,22 +194,26 @@ fn fill(broker: &MemoryBroker, queue: &str, first: u64, o: &Options) {
             payload: payload(id, o.size).into(),
             ..Message::default()
         };
-        m.headers.insert(PUBLISHED_AT.to_owned(), now_us().to_string());
+        m.headers
+            .insert(PUBLISHED_AT.to_owned(), now_us().to_string());
         broker.publish(queue, m);
     }
 }
 
 async fn reset(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::raw_sql(
-        "TRUNCATE effects; TRUNCATE floor_inbox; TRUNCATE consumer_inbox;",
-    )
-    .execute(pool)
-    .await?;
+    sqlx::raw_sql("TRUNCATE effects; TRUNCATE floor_inbox; TRUNCATE consumer_inbox;")
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
 /// The floor: inbox insert plus effect insert per message, `per_tx` messages a transaction.
-async fn db_floor(pool: &PgPool, first: u64, o: &Options, per_tx: usize) -> anyhow::Result<Figures> {
+async fn db_floor(
+    pool: &PgPool,
+    first: u64,
+    o: &Options,
+    per_tx: usize,
+) -> anyhow::Result<Figures> {
     let cpu0 = cpu_time();
     let start = Instant::now();
     let ids: Vec<u64> = (first..first + o.messages as u64).collect();
@@ -225,18 +235,25 @@ async fn db_floor(pool: &PgPool, first: u64, o: &Options, per_tx: usize) -> anyh
             .bind(&keys)
             .execute(&mut *tx)
             .await?;
-            sqlx::query("INSERT INTO effects (job_id, body) SELECT j, $2 FROM unnest($1::bigint[]) AS j")
-                .bind(&job_ids)
-                .bind(&body)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query(
+                "INSERT INTO effects (job_id, body) SELECT j, $2 FROM unnest($1::bigint[]) AS j",
+            )
+            .bind(&job_ids)
+            .bind(&body)
+            .execute(&mut *tx)
+            .await?;
             tx.commit().await?;
             anyhow::Ok(())
         }
     });
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
-    Ok(figures(o.messages, start.elapsed(), cpu_time() - cpu0, &mut []))
+    Ok(figures(
+        o.messages,
+        start.elapsed(),
+        cpu_time() - cpu0,
+        &mut [],
+    ))
 }
 
 /// A hand-written consumer of the in-memory broker: one transaction per message, then ack.
@@ -284,7 +301,12 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
 }
 
 /// The framework on the in-memory broker.
-async fn framework(inbox: &Inbox<Postgres>, first: u64, o: &Options, batch: Option<BatchConfig>) -> anyhow::Result<Figures> {
+async fn framework(
+    inbox: &Inbox<Postgres>,
+    first: u64,
+    o: &Options,
+    batch: Option<BatchConfig>,
+) -> anyhow::Result<Figures> {
     let broker = MemoryBroker::new();
     fill(&broker, "q", first, o);
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
@@ -321,7 +343,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let o = Options::parse()?;
-    let url = std::env::var("DATABASE_URL").context("DATABASE_URL: run `eval \"$(scripts/postgres.sh env)\"` first")?;
+    let url = std::env::var("DATABASE_URL")
+        .context("DATABASE_URL: run `eval \"$(scripts/postgres.sh env)\"` first")?;
     let pool = PgPoolOptions::new()
         .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
         .connect(&url)
@@ -333,7 +356,9 @@ async fn main() -> anyhow::Result<()> {
     .execute(&pool)
     .await?;
     pool.close().await;
-    let options = url.parse::<sqlx::postgres::PgConnectOptions>()?.options([("search_path", "bench")]);
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()?
+        .options([("search_path", "bench")]);
     let pool = PgPoolOptions::new()
         .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
         .connect_with(options)
@@ -346,7 +371,9 @@ async fn main() -> anyhow::Result<()> {
     .execute(&pool)
     .await?;
     let fsync: String = sqlx::query_scalar("SHOW fsync").fetch_one(&pool).await?;
-    let sync_commit: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&pool).await?;
+    let sync_commit: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&pool)
+        .await?;
 
     let batched = Some(BatchConfig {
         max_messages: o.batch,
@@ -391,7 +418,13 @@ async fn main() -> anyhow::Result<()> {
         let m = |g: fn(&Figures) -> f64| median(f.iter().map(g).collect());
         let r = m(|f| f.rate);
         rate.insert(arm, r);
-        let lat = |v: f64| if v == 0.0 { "-".to_owned() } else { format!("{v:.1}") };
+        let lat = |v: f64| {
+            if v == 0.0 {
+                "-".to_owned()
+            } else {
+                format!("{v:.1}")
+            }
+        };
         println!(
             "{:<20} {:>10.0} {:>12.1} {:>9} {:>9}",
             arm,

@@ -1,1 +1,122 @@
-//! The amqp transport for consumer-core (work in progress).
+//! RabbitMQ transport for `consumer-core`, on [lapin](https://docs.rs/lapin).
+//!
+//! - [`AmqpConfig`]: the broker URL, the queue and its topology, prefetch, retry delays,
+//!   reconnection. [`AmqpConfig::validate`] rejects a bad value at startup, naming the field
+//!   (`amqp.prefetch`, …). The URL is a [`RedactedUrl`]: credentials never reach a log line
+//!   or an error.
+//! - [`AmqpConsumer`]: a [`consumer_core::Transport`] for [`consumer_core::Worker::run`].
+//! - [`AmqpPublisher`]: publishes with a message id, waits for the confirm, reports
+//!   unroutable messages.
+//! - [`headers`]: the names of the headers on retry and dead-letter copies.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use consumer_amqp::{AmqpConfig, AmqpConsumer};
+//! # #[consumer_core::handler(name = "send_invoice")]
+//! # async fn send_invoice(_: &mut consumer_core::Context<'_, sqlx::Postgres>, _: serde_json::Value) -> Result<(), consumer_core::HandlerError> { Ok(()) }
+//! # let inbox: consumer_core::Inbox<sqlx::Postgres> = todo!();
+//! let config = AmqpConfig::new("amqp://app:secret@localhost:5672/%2f", "invoices");
+//! let consumer = AmqpConsumer::connect(config).await?;
+//! let worker = consumer_core::Worker::new(inbox, send_invoice)?;
+//! worker.run(consumer, async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Settlement
+//!
+//! The runtime settles a delivery only after the handler's transaction committed (or the
+//! inbox recorded a duplicate). Then:
+//!
+//! - `Ack`: `basic.ack` of that one delivery tag. Tags are acked one by one, never with
+//!   `multiple`, so an ack can never cover a delivery that is still running.
+//! - `Retry { delay, attempt }`: a copy (same body, properties and message id, plus
+//!   [`headers::ATTEMPT`] = `attempt`, [`headers::FIRST_FAILURE`] and the original exchange
+//!   and routing key) is published to the retry queue for `delay`; once the broker
+//!   *confirmed* the copy, the original is acked. The copy waits out the queue's TTL and is
+//!   dead-lettered by the broker back to the work queue. Nothing in the process sleeps and
+//!   nothing blocks other messages.
+//! - `DeadLetter`: the same, to the dead-letter queue (`<queue>.dlq` by default), with the
+//!   original body and properties plus [`headers::DEAD_LETTER_REASON`], [`headers::HANDLER`],
+//!   [`headers::KEY`], [`headers::ATTEMPTS`], [`headers::ERROR`],
+//!   [`headers::ORIGINAL_EXCHANGE`], [`headers::ORIGINAL_ROUTING_KEY`],
+//!   [`headers::FIRST_FAILURE`] and [`headers::LAST_FAILURE`].
+//!
+//! Every publish the framework makes uses publisher confirms and the mandatory flag. If a
+//! copy cannot be published, the original is not acked but requeued (`basic.nack`), and the
+//! consumer reconnects to re-declare its topology: the message runs again and the inbox
+//! counts the attempt.
+//!
+//! ## Why per-delay retry queues, and why buckets
+//!
+//! RabbitMQ has no native delayed delivery without a plugin. A per-message TTL in one
+//! shared queue does not work: the broker only expires messages at the head of a queue, so
+//! a 60s retry would hold back a 1s retry queued behind it. A queue whose TTL is the same
+//! for every message expires them in order. Hence one queue per delay, `<queue>.retry.<ms>`,
+//! with `x-message-ttl` = the delay, `x-dead-letter-exchange` = `""` and
+//! `x-dead-letter-routing-key` = the work queue.
+//!
+//! The runtime's backoff has full jitter, so exact delays would mean a queue per
+//! millisecond. Instead the delays are rounded *up* to a small fixed set,
+//! [`AmqpConfig::retry_delays`] (default 1s, 5s, 15s, 60s, 300s; longer delays use the
+//! longest). Rounding up keeps the backoff's promise ("not before"), and a fixed set means
+//! every queue is declared at startup and after every reconnect, so there is no lazily
+//! declared queue to race with, and a copy is never published to a queue that does not
+//! exist yet. Choose buckets that match your handlers' backoff. Quorum retry queues use
+//! at-least-once dead-lettering, so a retry copy is not lost between the two queues.
+//!
+//! # Message identity
+//!
+//! [`consumer_core::Delivery::message_id`] is the AMQP `message_id` property; the runtime
+//! prefers the handler's key template, then the message id, then (if allowed) a payload
+//! hash. `attempt` comes from [`headers::ATTEMPT`] (1 when absent), `redelivered` from the
+//! AMQP flag, and the source reads `amqp:<queue> (exchange="…", routing_key="…")`.
+//!
+//! # Connection loss
+//!
+//! lapin's own auto-recovery is off. [`AmqpConsumer`] runs its connection in a background
+//! task and replaces it whole: on a lost connection or channel, a consumer cancelled by the
+//! broker (queue deleted) or a failed settlement publish, it logs why, reconnects with
+//! exponential backoff for as long as the consumer lives, re-declares the topology (which
+//! recreates a deleted queue) and consumes again. Owning this lets the crate re-declare
+//! its retry and dead-letter queues, keep retrying past lapin's fixed number of attempts,
+//! and draw a hard line between connections: every delivery belongs to one connection, and
+//! once that connection is given up its deliveries can no longer be settled (settling
+//! returns [`Error::ChannelClosed`], the runtime logs it), so a stale delivery tag is never
+//! sent on a new channel, where it would ack a different message. The broker redelivers
+//! those messages, flagged `redelivered`, and the inbox skips the ones already processed.
+//!
+//! # Credentials
+//!
+//! The URL is kept in a [`RedactedUrl`], whose `Display` and `Debug` print
+//! `amqp://***@host:port/vhost`; every log line and error of this crate goes through it.
+//! lapin receives the URL without user name and password (those go through an auth
+//! provider), because its TCP layer logs the URI it connects to. One leak is lapin's own and
+//! cannot be avoided from here: at TRACE level its `lapin::io_loop` target logs every frame
+//! sent, including the login's SASL response, i.e. the password as bytes. Never run
+//! production with `lapin=trace`.
+//!
+//! lapin also logs each connection loss itself, at ERROR level, before this crate logs the
+//! same event at WARN with the queue and the reconnection plan; filter `lapin` if that is
+//! noise. A silently dead TCP peer is noticed through heartbeats: add `?heartbeat=10` to the
+//! URL to notice within 10 to 20 seconds, rather than about a minute with RabbitMQ's default
+//! timeout of 60 seconds.
+//!
+//! # Layout
+//!
+//! `config` (configuration and URL redaction), `topology` (what is declared, retry
+//! buckets), `link` (connections and the confirm channel), `consumer` (the reconnecting
+//! stream), `acker` (deliveries and their settlement), `publisher`, `headers`, `error`.
+
+mod acker;
+mod config;
+mod consumer;
+mod error;
+pub mod headers;
+mod link;
+mod publisher;
+mod topology;
+
+pub use config::{AmqpConfig, ExchangeType, QueueType, RedactedUrl, MAX_QUEUE_NAME_LEN};
+pub use consumer::{AmqpConsumer, ConsumerHealth};
+pub use error::Error;
+pub use publisher::AmqpPublisher;

@@ -1,0 +1,388 @@
+//! The consumer: a [`consumer_core::Transport`] that survives connection loss.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::{Stream, StreamExt};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::Connection;
+use tokio::sync::{mpsc, watch, Notify};
+
+use consumer_core::{Incoming, TransportError};
+
+use crate::acker;
+use crate::config::AmqpConfig;
+use crate::link::{self, ConfirmChannel};
+use crate::topology::{short, Topology};
+use crate::Error;
+
+/// What one connection's deliveries share: the confirm channel for retry and dead-letter
+/// copies, and whether the connection is still the current one.
+pub(crate) struct Link {
+    generation: u64,
+    alive: AtomicBool,
+    pub(crate) publisher: ConfirmChannel,
+    pub(crate) topology: Arc<Topology>,
+    reset: Notify,
+}
+
+impl Link {
+    /// Whether deliveries of this connection may still be settled. Once the session gives
+    /// a connection up, none of its delivery tags is ever used again.
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Which connection this is (1 for the first).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Asks the session to drop this connection and open a new one (e.g. after the confirm
+    /// channel failed, or a retry queue turned out missing).
+    pub(crate) fn request_reset(&self) {
+        self.reset.notify_one();
+    }
+
+    fn retire(&self) {
+        self.alive.store(false, Ordering::Release);
+    }
+}
+
+/// A live view of a consumer's connection, usable after the consumer moved into a worker.
+#[derive(Debug, Clone, Default)]
+pub struct ConsumerHealth(Arc<HealthCounters>);
+
+#[derive(Debug)]
+struct HealthCounters {
+    connected: AtomicBool,
+    sessions: AtomicU64,
+    stale: AtomicU64,
+    /// Set once the background task has ended (its connection closed).
+    finished: watch::Sender<bool>,
+}
+
+impl Default for HealthCounters {
+    fn default() -> Self {
+        HealthCounters {
+            connected: AtomicBool::new(false),
+            sessions: AtomicU64::new(0),
+            stale: AtomicU64::new(0),
+            finished: watch::Sender::new(false),
+        }
+    }
+}
+
+/// Marks the background task finished however it ends.
+struct FinishedOnDrop(ConsumerHealth);
+
+impl Drop for FinishedOnDrop {
+    fn drop(&mut self) {
+        self.0 .0.connected.store(false, Ordering::Release);
+        self.0 .0.finished.send_replace(true);
+    }
+}
+
+impl ConsumerHealth {
+    /// Whether the consumer is connected and consuming now.
+    pub fn is_connected(&self) -> bool {
+        self.0.connected.load(Ordering::Acquire)
+    }
+
+    /// Connections established so far: 1 after [`AmqpConsumer::connect`], one more per
+    /// reconnection.
+    pub fn sessions(&self) -> u64 {
+        self.0.sessions.load(Ordering::Acquire)
+    }
+
+    /// Deliveries of a lost connection that were dropped before reaching the worker (the
+    /// broker redelivers them).
+    pub fn stale_deliveries_dropped(&self) -> u64 {
+        self.0.stale.load(Ordering::Relaxed)
+    }
+
+    /// Completes once the consumer was dropped and its connection closed: the broker has
+    /// then processed every ack sent before, and has requeued what was prefetched but not
+    /// processed. A process that exits right after [`consumer_core::Worker::run`] should
+    /// wait for this (with a timeout), or its last acks may be lost with the socket.
+    pub async fn closed(&self) {
+        let mut finished = self.0.finished.subscribe();
+        let _ = finished.wait_for(|done| *done).await;
+    }
+}
+
+enum Item {
+    Delivery(Incoming, Arc<Link>),
+    Error(TransportError),
+}
+
+/// Consumes one queue: a [`consumer_core::Transport`] (a stream of [`Incoming`]) to hand to
+/// [`consumer_core::Worker::run`].
+///
+/// A background task owns the connection. When the connection or channel is lost, or the
+/// broker cancels the consumer (the queue was deleted), it logs why, reconnects with
+/// exponential backoff (`reconnect_min`, doubling to `reconnect_max`, for as long as it
+/// takes), re-declares the topology and consumes again; the stream yields one `Err` item
+/// per loss, which the worker logs. Deliveries of the lost connection are never acked on the
+/// new one: settling them fails with [`Error::ChannelClosed`], the broker redelivers them,
+/// and the inbox recognises them.
+///
+/// Dropping the consumer (the worker does so after settling what was in flight) closes the
+/// connection, which returns prefetched but unprocessed deliveries to the queue.
+pub struct AmqpConsumer {
+    rx: mpsc::Receiver<Item>,
+    health: ConsumerHealth,
+    queue: String,
+}
+
+impl std::fmt::Debug for AmqpConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpConsumer")
+            .field("queue", &self.queue)
+            .field("health", &self.health)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpConsumer {
+    /// Validates `config`, connects, declares the topology and starts consuming.
+    ///
+    /// Fails naming the field on a bad configuration, and fails if the broker refuses the
+    /// credentials or a declaration; an unreachable broker is retried for
+    /// `config.startup_timeout` first. Must be called inside a Tokio runtime.
+    pub async fn connect(config: AmqpConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let config = Arc::new(config);
+        let topology = Arc::new(Topology::new(&config));
+        let health = ConsumerHealth::default();
+        let session =
+            link::with_startup_retry(&config, "consumer", || Session::open(&config, &topology, 1))
+                .await?;
+        health.0.sessions.store(1, Ordering::Release);
+        health.0.connected.store(true, Ordering::Release);
+        tracing::info!(url = %config.url, queue = %config.queue, prefetch = config.prefetch, "consuming");
+        // One slot: the lapin consumer already buffers up to `prefetch` deliveries.
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(run(config.clone(), topology, session, tx, health.clone()));
+        Ok(AmqpConsumer {
+            rx,
+            health,
+            queue: config.queue.clone(),
+        })
+    }
+
+    /// A handle on the connection state that stays usable after the consumer is moved.
+    pub fn health(&self) -> ConsumerHealth {
+        self.health.clone()
+    }
+}
+
+impl Stream for AmqpConsumer {
+    type Item = Result<Incoming, TransportError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            let item = match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(item)) => item,
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            };
+            match item {
+                Item::Error(e) => return Poll::Ready(Some(Err(e))),
+                Item::Delivery(incoming, link) if link.is_alive() => {
+                    return Poll::Ready(Some(Ok(incoming)))
+                }
+                // Buffered before its connection was lost: running the handler would only
+                // produce a delivery that cannot be acked. The broker redelivers it.
+                Item::Delivery(_, link) => {
+                    self.health.0.stale.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(
+                        generation = link.generation(),
+                        "dropped a delivery of a lost connection"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One connection: a confirm channel (declarations, retry and dead-letter copies) and a
+/// consuming channel.
+struct Session {
+    connection: Connection,
+    consumer: lapin::Consumer,
+    link: Arc<Link>,
+}
+
+impl Session {
+    async fn open(
+        config: &AmqpConfig,
+        topology: &Arc<Topology>,
+        generation: u64,
+    ) -> Result<Session, Error> {
+        let connection = link::connect(config, "consumer").await?;
+        match Self::start(config, topology, generation, &connection).await {
+            Ok((consumer, link)) => Ok(Session {
+                connection,
+                consumer,
+                link,
+            }),
+            Err(e) => {
+                link::close(&connection, "setup failed").await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start(
+        config: &AmqpConfig,
+        topology: &Arc<Topology>,
+        generation: u64,
+        connection: &Connection,
+    ) -> Result<(lapin::Consumer, Arc<Link>), Error> {
+        let publisher = ConfirmChannel::open(connection, config).await?;
+        topology.declare(publisher.channel()).await?;
+        let connect_error = |e: lapin::Error| Error::Connect {
+            url: config.url.clone(),
+            source: e.into(),
+        };
+        let channel = connection.create_channel().await.map_err(connect_error)?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions { global: false })
+            .await
+            .map_err(connect_error)?;
+        let consumer = channel
+            .basic_consume(
+                short(&config.queue),
+                short(&config.consumer_tag),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| Error::Topology {
+                what: format!("consumer on queue {:?}", config.queue),
+                source: e.into(),
+            })?;
+        let link = Arc::new(Link {
+            generation,
+            alive: AtomicBool::new(true),
+            publisher,
+            topology: topology.clone(),
+            reset: Notify::new(),
+        });
+        Ok((consumer, link))
+    }
+
+    async fn close(self, reason: &str) {
+        self.link.retire();
+        link::close(&self.connection, reason).await;
+    }
+}
+
+/// Why a session stopped.
+enum Stop {
+    /// The [`AmqpConsumer`] was dropped.
+    Dropped,
+    /// The connection or channel failed.
+    Lost(lapin::Error),
+    /// The broker cancelled the consumer (queue deleted) or the channel closed cleanly.
+    Cancelled,
+    /// A settlement asked for a new connection.
+    Reset,
+}
+
+/// Forwards deliveries until the session ends.
+async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> Stop {
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = tx.closed() => return Stop::Dropped,
+            _ = session.link.reset.notified() => return Stop::Reset,
+            next = session.consumer.next() => next,
+        };
+        let delivery = match next {
+            Some(Ok(delivery)) => delivery,
+            Some(Err(e)) => return Stop::Lost(e),
+            None => return Stop::Cancelled,
+        };
+        let incoming = acker::incoming(delivery, &session.link, queue);
+        tokio::select! {
+            biased;
+            _ = session.link.reset.notified() => return Stop::Reset,
+            sent = tx.send(Item::Delivery(incoming, session.link.clone())) => {
+                if sent.is_err() {
+                    return Stop::Dropped;
+                }
+            }
+        }
+    }
+}
+
+/// The background task: pump, and on any loss reconnect for as long as the consumer lives.
+async fn run(
+    config: Arc<AmqpConfig>,
+    topology: Arc<Topology>,
+    mut session: Session,
+    tx: mpsc::Sender<Item>,
+    health: ConsumerHealth,
+) {
+    let _finished = FinishedOnDrop(health.clone());
+    let queue = config.queue.as_str();
+    loop {
+        let stop = pump(&mut session, &tx, queue).await;
+        health.0.connected.store(false, Ordering::Release);
+        let generation = session.link.generation();
+        session.close("consumer stopping").await;
+        let loss = match stop {
+            Stop::Dropped => {
+                tracing::info!(url = %config.url, queue = %queue, "consumer dropped; connection closed");
+                return;
+            }
+            Stop::Lost(e) => {
+                tracing::warn!(url = %config.url, queue = %queue, error = %e, "connection lost; reconnecting");
+                format!("connection to {} lost: {e}", config.url)
+            }
+            Stop::Cancelled => {
+                tracing::warn!(url = %config.url, queue = %queue, "the broker cancelled the consumer (queue deleted?); re-declaring and consuming again");
+                format!("the broker cancelled the consumer of queue {queue:?}")
+            }
+            Stop::Reset => {
+                tracing::warn!(url = %config.url, queue = %queue, "a settlement could not publish; reconnecting and re-declaring the topology");
+                "publishing a retry or dead-letter copy failed; reconnecting".to_owned()
+            }
+        };
+        // Informational (the worker logs it); never wait for room.
+        let _ = tx.try_send(Item::Error(TransportError::msg(loss)));
+
+        let mut delay = config.reconnect_min;
+        let mut attempts = 0u32;
+        session = loop {
+            tokio::select! {
+                _ = tx.closed() => {
+                    tracing::info!(queue = %queue, "consumer dropped while reconnecting");
+                    return;
+                }
+                _ = tokio::time::sleep(delay) => {}
+            }
+            attempts += 1;
+            match Session::open(&config, &topology, generation + 1).await {
+                Ok(s) => break s,
+                Err(e) => {
+                    let error = e.chain();
+                    if e.is_transient() {
+                        tracing::warn!(url = %config.url, queue = %queue, attempts, error, retry_in = ?delay, "reconnection failed");
+                    } else {
+                        tracing::error!(url = %config.url, queue = %queue, attempts, error, retry_in = ?delay, "reconnection failed; this looks permanent, retrying anyway");
+                    }
+                    delay = (delay * 2).min(config.reconnect_max);
+                }
+            }
+        };
+        health.0.sessions.fetch_add(1, Ordering::AcqRel);
+        health.0.connected.store(true, Ordering::Release);
+        tracing::info!(url = %config.url, queue = %queue, attempts, generation = generation + 1, "reconnected; consuming again");
+    }
+}

@@ -1,0 +1,244 @@
+//! The message headers this crate reads and writes.
+//!
+//! A retry copy carries [`ATTEMPT`], [`FIRST_FAILURE`], [`ORIGINAL_EXCHANGE`] and
+//! [`ORIGINAL_ROUTING_KEY`]. A dead-lettered message carries all of them plus
+//! [`DEAD_LETTER_REASON`], [`HANDLER`], [`KEY`], [`ATTEMPTS`], [`ERROR`] and
+//! [`LAST_FAILURE`]. Times are RFC 3339 UTC strings with milliseconds
+//! (`2024-05-01T12:00:00.123Z`).
+
+use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+/// The attempt number of a retried copy (1 when absent); becomes [`consumer_core::Delivery::attempt`].
+pub const ATTEMPT: &str = consumer_core::memory::ATTEMPT_HEADER;
+/// When the message first failed (set on the first retry copy, kept afterwards).
+pub const FIRST_FAILURE: &str = "x-first-failure";
+/// When the message failed for the last time (dead letters).
+pub const LAST_FAILURE: &str = "x-last-failure";
+/// Why it was dead-lettered: a [`consumer_core::DeadLetterReason`] name, e.g. `max_attempts_exceeded`.
+pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
+/// The handler's stable name.
+pub const HANDLER: &str = "x-handler";
+/// The idempotency key, when one was derived.
+pub const KEY: &str = "x-key";
+/// Attempts counted by the inbox (0 when the handler never ran).
+pub const ATTEMPTS: &str = "x-attempts";
+/// The last error's text (at most [`MAX_ERROR_LEN`] bytes).
+pub const ERROR: &str = "x-error";
+/// The exchange the message was first published to (`""` is the default exchange).
+pub const ORIGINAL_EXCHANGE: &str = "x-original-exchange";
+/// The routing key the message was first published with.
+pub const ORIGINAL_ROUTING_KEY: &str = "x-original-routing-key";
+
+/// Longest error text put in a header; longer texts are cut at a character boundary.
+pub const MAX_ERROR_LEN: usize = 4096;
+
+/// The headers as strings: strings as they are, numbers in decimal, booleans as
+/// `true`/`false`, timestamps as seconds, arrays and tables (e.g. RabbitMQ's `x-death`) as
+/// JSON.
+pub(crate) fn to_strings(table: Option<&FieldTable>) -> BTreeMap<String, String> {
+    table
+        .map(|t| {
+            t.inner()
+                .iter()
+                .map(|(k, v)| (k.to_string(), value_to_string(v)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn value_to_string(v: &AMQPValue) -> String {
+    match v {
+        AMQPValue::ShortString(s) => s.to_string(),
+        AMQPValue::LongString(s) => s.to_string(),
+        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
+        AMQPValue::Void => String::new(),
+        other => match value_to_json(other) {
+            serde_json::Value::String(s) => s,
+            json => json.to_string(),
+        },
+    }
+}
+
+fn value_to_json(v: &AMQPValue) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::Timestamp(n) => (*n).into(),
+        AMQPValue::Float(n) => serde_json::Number::from_f64(f64::from(*n))
+            .map(Value::Number)
+            .unwrap_or(Value::Null),
+        AMQPValue::Double(n) => serde_json::Number::from_f64(*n)
+            .map(Value::Number)
+            .unwrap_or(Value::Null),
+        AMQPValue::DecimalValue(d) => {
+            let scale = u32::from(d.scale);
+            let value = f64::from(d.value) / 10f64.powi(scale.min(30) as i32);
+            Value::String(format!("{value:.*}", scale as usize))
+        }
+        AMQPValue::ShortString(s) => Value::String(s.to_string()),
+        AMQPValue::LongString(s) => Value::String(s.to_string()),
+        AMQPValue::ByteArray(b) => Value::String(String::from_utf8_lossy(b.as_slice()).into()),
+        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(value_to_json).collect()),
+        AMQPValue::FieldTable(t) => Value::Object(
+            t.inner()
+                .iter()
+                .map(|(k, v)| (k.to_string(), value_to_json(v)))
+                .collect(),
+        ),
+        AMQPValue::Void => Value::Null,
+    }
+}
+
+/// The attempt number from [`ATTEMPT`]: any integer type or a decimal string; 1 when absent
+/// or unusable.
+pub(crate) fn attempt(table: Option<&FieldTable>) -> u32 {
+    let Some(v) = table.and_then(|t| t.inner().get(ATTEMPT)) else {
+        return 1;
+    };
+    let n: Option<i128> = match v {
+        AMQPValue::ShortShortInt(n) => Some((*n).into()),
+        AMQPValue::ShortShortUInt(n) => Some((*n).into()),
+        AMQPValue::ShortInt(n) => Some((*n).into()),
+        AMQPValue::ShortUInt(n) => Some((*n).into()),
+        AMQPValue::LongInt(n) => Some((*n).into()),
+        AMQPValue::LongUInt(n) => Some((*n).into()),
+        AMQPValue::LongLongInt(n) => Some((*n).into()),
+        AMQPValue::ShortString(s) => s.as_str().trim().parse().ok(),
+        AMQPValue::LongString(s) => s.to_string().trim().parse().ok(),
+        _ => None,
+    };
+    n.and_then(|n| u32::try_from(n).ok())
+        .filter(|n| *n >= 1)
+        .unwrap_or(1)
+}
+
+/// Sets a string header.
+pub(crate) fn set_string(table: &mut FieldTable, name: &'static str, value: &str) {
+    table.insert(
+        ShortString::from(name),
+        AMQPValue::LongString(LongString::from(value)),
+    );
+}
+
+/// Sets an integer header.
+pub(crate) fn set_int(table: &mut FieldTable, name: &'static str, value: u32) {
+    table.insert(
+        ShortString::from(name),
+        AMQPValue::LongLongInt(i64::from(value)),
+    );
+}
+
+/// `s` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
+pub(crate) fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// RFC 3339 UTC with milliseconds, e.g. `2024-05-01T12:00:00.123Z`.
+pub(crate) fn rfc3339(t: SystemTime) -> String {
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn formats_rfc3339() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_millis(1_714_564_800_123);
+        assert_eq!(rfc3339(t), "2024-05-01T12:00:00.123Z");
+        // A leap day and the end of a century.
+        let t = UNIX_EPOCH + Duration::from_secs(951_782_400);
+        assert_eq!(rfc3339(t), "2000-02-29T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799);
+        assert_eq!(rfc3339(t), "2099-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn reads_the_attempt_from_any_integer_or_string() {
+        let mut t = FieldTable::default();
+        assert_eq!(attempt(None), 1);
+        assert_eq!(attempt(Some(&t)), 1);
+        for (v, want) in [
+            (AMQPValue::LongLongInt(3), 3),
+            (AMQPValue::ShortShortUInt(2), 2),
+            (AMQPValue::LongString("7".into()), 7),
+            (AMQPValue::LongInt(0), 1),
+            (AMQPValue::LongInt(-4), 1),
+            (AMQPValue::LongString("x".into()), 1),
+            (AMQPValue::Boolean(true), 1),
+        ] {
+            t.insert(ATTEMPT.into(), v);
+            assert_eq!(attempt(Some(&t)), want);
+        }
+    }
+
+    #[test]
+    fn converts_headers_to_strings() {
+        let mut death = FieldTable::default();
+        death.insert("count".into(), AMQPValue::LongLongInt(2));
+        death.insert("queue".into(), AMQPValue::LongString("q".into()));
+        let mut t = FieldTable::default();
+        t.insert("s".into(), AMQPValue::LongString("text".into()));
+        t.insert("n".into(), AMQPValue::LongInt(-5));
+        t.insert("b".into(), AMQPValue::Boolean(false));
+        t.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+        );
+        let h = to_strings(Some(&t));
+        assert_eq!(h["s"], "text");
+        assert_eq!(h["n"], "-5");
+        assert_eq!(h["b"], "false");
+        assert_eq!(h["x-death"], r#"[{"count":2,"queue":"q"}]"#);
+    }
+
+    #[test]
+    fn truncates_at_a_char_boundary() {
+        assert_eq!(truncate("short", 10), "short");
+        let cut = truncate(&"é".repeat(100), 11);
+        assert!(cut.len() <= 11 && cut.ends_with('…'), "{cut}");
+    }
+}

@@ -1,0 +1,229 @@
+//! Connections and the publisher-confirm channel every publish of this crate goes through.
+
+use std::time::Duration;
+
+use lapin::auth::AuthProvider;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{LongString, ShortString};
+use lapin::uri::{AMQPUri, SASLMechanism};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::config::AmqpConfig;
+use crate::topology::short;
+use crate::Error;
+
+/// Opens a connection (no lapin auto-recovery: reconnection is ours, see the crate doc).
+pub(crate) async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, Error> {
+    let name = format!(
+        "{} ({role})",
+        config.connection_name.as_deref().unwrap_or("consumer-amqp")
+    );
+    let mut properties = ConnectionProperties::default().with_connection_name(name.into());
+    let (uri, credentials) =
+        split_credentials(config.url.expose()).map_err(|reason| Error::Connect {
+            url: config.url.clone(),
+            source: reason.into(),
+        })?;
+    if let Some(credentials) = credentials {
+        properties = properties.with_auth_provider(credentials);
+    }
+    let connecting = Connection::connect_uri(uri, properties);
+    match tokio::time::timeout(config.connect_timeout, connecting).await {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(e)) => Err(Error::Connect {
+            url: config.url.clone(),
+            source: e.into(),
+        }),
+        Err(_) => Err(Error::Connect {
+            url: config.url.clone(),
+            source: format!("no connection within {:?}", config.connect_timeout).into(),
+        }),
+    }
+}
+
+/// PLAIN credentials, handed to lapin as an auth provider rather than inside the URI.
+struct PlainCredentials {
+    username: String,
+    password: String,
+}
+
+impl AuthProvider for PlainCredentials {
+    fn mechanism(&self) -> ShortString {
+        SASLMechanism::Plain.name().into()
+    }
+
+    fn auth_starter(&self) -> Result<LongString, String> {
+        Ok(format!("\0{}\0{}", self.username, self.password).into())
+    }
+}
+
+/// The URI lapin connects to, without user name and password, plus those as an auth
+/// provider: lapin's TCP layer logs the URI it connects to (at TRACE level), password
+/// included. URIs asking for another SASL mechanism (e.g. `auth_mechanism=external` with
+/// client certificates) are passed on unchanged.
+fn split_credentials(url: &str) -> Result<(AMQPUri, Option<PlainCredentials>), String> {
+    let mut uri: AMQPUri = url.parse().map_err(|_| "not a valid AMQP URL".to_owned())?;
+    if !matches!(uri.query.auth_mechanism, None | Some(SASLMechanism::Plain)) {
+        return Ok((uri, None));
+    }
+    let info = &mut uri.authority.userinfo;
+    let credentials = PlainCredentials {
+        username: std::mem::take(&mut info.username),
+        password: std::mem::take(&mut info.password),
+    };
+    Ok((uri, Some(credentials)))
+}
+
+/// Closes `connection` politely (unacked deliveries go back to their queues), without
+/// waiting long for a broker that is gone.
+pub(crate) async fn close(connection: &Connection, reason: &str) {
+    if connection.status().connected() {
+        let closing = connection.close(200, short(reason));
+        let _ = tokio::time::timeout(Duration::from_secs(2), closing).await;
+    }
+}
+
+/// Retries `open` on transient errors until `config.startup_timeout` has passed: the broker
+/// may still be starting (a container started alongside it). Other errors (credentials, a
+/// queue declared with other arguments) fail at once.
+pub(crate) async fn with_startup_retry<T, F, Fut>(
+    config: &AmqpConfig,
+    what: &str,
+    mut open: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    let deadline = Instant::now() + config.startup_timeout;
+    let mut delay = config.reconnect_min;
+    loop {
+        match open().await {
+            Ok(t) => return Ok(t),
+            Err(e) if e.is_transient() && Instant::now() + delay < deadline => {
+                tracing::warn!(url = %config.url, error = %e.chain(), retry_in = ?delay, "{what}: broker not reachable yet");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(config.reconnect_max);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A channel in confirm mode. Every publish is mandatory and waits for the broker's confirm,
+/// so "published" means "the broker has it, routed to a queue".
+pub(crate) struct ConfirmChannel {
+    channel: Channel,
+    /// Serialises the sending of frames: lapin numbers a publish for confirms before it
+    /// queues its frames, so two tasks publishing at once could swap sequence numbers and
+    /// one could be told about the other's confirm or return.
+    sending: Mutex<()>,
+}
+
+impl ConfirmChannel {
+    /// Opens a channel on `connection` and turns confirms on.
+    pub(crate) async fn open(connection: &Connection, config: &AmqpConfig) -> Result<Self, Error> {
+        let connect_error = |e: lapin::Error| Error::Connect {
+            url: config.url.clone(),
+            source: e.into(),
+        };
+        let channel = connection.create_channel().await.map_err(connect_error)?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(connect_error)?;
+        Ok(ConfirmChannel {
+            channel,
+            sending: Mutex::new(()),
+        })
+    }
+
+    /// The underlying channel (for declarations).
+    pub(crate) fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Whether the channel can still publish.
+    pub(crate) fn is_open(&self) -> bool {
+        self.channel.status().connected()
+    }
+
+    /// Publishes with the mandatory flag and waits for the confirm. An unroutable message
+    /// (returned by the broker) and a negative confirm are errors.
+    pub(crate) async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        payload: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), Error> {
+        let exchange_name = lapin::types::ShortString::try_new(exchange)
+            .map_err(|e| Error::InvalidMessage(format!("exchange: {e}")))?;
+        let key = lapin::types::ShortString::try_new(routing_key)
+            .map_err(|e| Error::InvalidMessage(format!("routing key: {e}")))?;
+        let confirm = {
+            let _sending = self.sending.lock().await;
+            self.channel
+                .basic_publish(
+                    exchange_name,
+                    key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    payload,
+                    properties,
+                )
+                .await
+                .map_err(|e| Error::publish(exchange, routing_key, e))?
+        };
+        let confirmation = confirm
+            .await
+            .map_err(|e| Error::publish(exchange, routing_key, e))?;
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+                Err(Error::Unroutable {
+                    exchange: exchange.to_owned(),
+                    routing_key: routing_key.to_owned(),
+                    reply: format!("{} {}", returned.reply_code, returned.reply_text),
+                })
+            }
+            Confirmation::Nack(None) => Err(Error::Nacked {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+            }),
+            Confirmation::NotRequested => Err(Error::publish(
+                exchange,
+                routing_key,
+                "the channel is not in confirm mode",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_uri_given_to_lapin_carries_no_credentials() {
+        let (uri, credentials) =
+            split_credentials("amqp://app:s3cret@rabbit:5672/%2f?heartbeat=10").unwrap();
+        let shown = format!("{uri:?}");
+        assert!(
+            !shown.contains("s3cret") && !shown.contains("app"),
+            "{shown}"
+        );
+        assert_eq!(uri.authority.host, "rabbit");
+        assert_eq!(uri.query.heartbeat, Some(10));
+        let c = credentials.unwrap();
+        assert_eq!(c.auth_starter().unwrap().to_string(), "\0app\0s3cret");
+        assert_eq!(c.mechanism().as_str(), "PLAIN");
+        // Another mechanism keeps the URI as it is.
+        let (_, none) = split_credentials("amqps://h/?auth_mechanism=external").unwrap();
+        assert!(none.is_none());
+    }
+}

@@ -1,0 +1,211 @@
+//! A publisher for users, tests and examples: confirmed, mandatory, reconnecting.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex as SyncMutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Connection};
+use serde::Serialize;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::config::AmqpConfig;
+use crate::link::{self, ConfirmChannel};
+use crate::topology::Topology;
+use crate::Error;
+
+struct PublisherLink {
+    connection: Connection,
+    channel: ConfirmChannel,
+}
+
+/// Publishes messages and waits for the broker's confirm of each.
+///
+/// Every publish is *mandatory*: a message no queue is bound for comes back as
+/// [`Error::Unroutable`] instead of vanishing. `publish` returns only once the broker
+/// confirmed the message (persistent, routed). On a lost connection it reconnects and
+/// publishes again, for up to `config.publish_timeout`; a publish whose confirm was lost
+/// with the connection may therefore arrive twice, with the same message id, which is what
+/// the consumer's inbox deduplicates.
+///
+/// Cheap to share: `publish` takes `&self` and may be called from many tasks at once (the
+/// confirms are awaited concurrently).
+pub struct AmqpPublisher {
+    config: Arc<AmqpConfig>,
+    /// The topologies to (re-)declare on every connection.
+    topologies: SyncMutex<Vec<Topology>>,
+    link: Mutex<Option<Arc<PublisherLink>>>,
+}
+
+impl std::fmt::Debug for AmqpPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpPublisher")
+            .field("url", &self.config.url)
+            .field("exchange", &self.config.exchange)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpPublisher {
+    /// Validates `config`, connects, and declares its topology (so the work queue exists and
+    /// is bound before the first message is published).
+    pub async fn connect(config: AmqpConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let publisher = AmqpPublisher {
+            topologies: SyncMutex::new(vec![Topology::new(&config)]),
+            config: Arc::new(config),
+            link: Mutex::new(None),
+        };
+        let link =
+            link::with_startup_retry(&publisher.config, "publisher", || publisher.open_link())
+                .await?;
+        *publisher.link.lock().await = Some(link);
+        Ok(publisher)
+    }
+
+    /// Also declares the topology of `other` (another queue bound to the same exchange, say),
+    /// now and after every reconnection. Only its queue, exchange and binding settings are
+    /// used; its URL is ignored.
+    pub async fn declare(&self, other: &AmqpConfig) -> Result<(), Error> {
+        other.validate()?;
+        let topology = Topology::new(other);
+        let link = self.current_link().await?;
+        topology.declare(link.channel.channel()).await?;
+        self.topologies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(topology);
+        Ok(())
+    }
+
+    /// Publishes `payload` to the configured exchange (the default exchange when none is
+    /// configured: then `routing_key` is a queue name) with `message_id` (none if empty) and
+    /// string `headers`, persistent, and waits for the confirm.
+    pub async fn publish(
+        &self,
+        routing_key: &str,
+        message_id: &str,
+        payload: &[u8],
+        headers: &BTreeMap<String, String>,
+    ) -> Result<(), Error> {
+        let properties = properties(message_id, headers)?;
+        self.send(routing_key, payload, properties).await
+    }
+
+    /// [`AmqpPublisher::publish`] of `value` as JSON, with content type `application/json`.
+    pub async fn publish_json<T: Serialize + ?Sized>(
+        &self,
+        routing_key: &str,
+        message_id: &str,
+        value: &T,
+    ) -> Result<(), Error> {
+        let payload = serde_json::to_vec(value)
+            .map_err(|e| Error::InvalidMessage(format!("cannot encode as JSON: {e}")))?;
+        let properties = properties(message_id, &BTreeMap::new())?
+            .with_content_type(ShortString::from("application/json"));
+        self.send(routing_key, &payload, properties).await
+    }
+
+    /// Closes the connection.
+    pub async fn close(&self) {
+        if let Some(link) = self.link.lock().await.take() {
+            link::close(&link.connection, "publisher closed").await;
+        }
+    }
+
+    async fn send(
+        &self,
+        routing_key: &str,
+        payload: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), Error> {
+        let exchange = self.config.exchange.as_str();
+        let deadline = Instant::now() + self.config.publish_timeout;
+        let mut delay = self.config.reconnect_min;
+        loop {
+            let attempt = async {
+                let link = self.current_link().await?;
+                link.channel
+                    .publish(exchange, routing_key, payload, properties.clone())
+                    .await
+            };
+            match attempt.await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_transient() && Instant::now() + delay < deadline => {
+                    tracing::warn!(url = %self.config.url, error = %e.chain(), retry_in = ?delay, "publish failed; reconnecting and publishing again");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(self.config.reconnect_max);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The open link, or a new one if the last one broke.
+    async fn current_link(&self) -> Result<Arc<PublisherLink>, Error> {
+        let mut slot = self.link.lock().await;
+        if let Some(link) = slot.as_ref() {
+            if link.channel.is_open() {
+                return Ok(link.clone());
+            }
+            link::close(&link.connection, "channel broken").await;
+            *slot = None;
+        }
+        let link = self.open_link().await?;
+        *slot = Some(link.clone());
+        Ok(link)
+    }
+
+    async fn open_link(&self) -> Result<Arc<PublisherLink>, Error> {
+        let connection = link::connect(&self.config, "publisher").await?;
+        let setup = async {
+            let channel = ConfirmChannel::open(&connection, &self.config).await?;
+            let topologies = self
+                .topologies
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            for topology in &topologies {
+                topology.declare(channel.channel()).await?;
+            }
+            Ok::<_, Error>(channel)
+        };
+        match setup.await {
+            Ok(channel) => Ok(Arc::new(PublisherLink {
+                connection,
+                channel,
+            })),
+            Err(e) => {
+                link::close(&connection, "setup failed").await;
+                Err(e)
+            }
+        }
+    }
+}
+
+fn properties(
+    message_id: &str,
+    headers: &BTreeMap<String, String>,
+) -> Result<BasicProperties, Error> {
+    let mut table = FieldTable::default();
+    for (k, v) in headers {
+        let key = ShortString::try_new(k.as_str())
+            .map_err(|e| Error::InvalidMessage(format!("header name {k:?}: {e}")))?;
+        table.insert(key, AMQPValue::LongString(LongString::from(v.as_str())));
+    }
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let mut p = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_timestamp(now)
+        .with_headers(table);
+    if !message_id.is_empty() {
+        let id = ShortString::try_new(message_id)
+            .map_err(|e| Error::InvalidMessage(format!("message id: {e}")))?;
+        p = p.with_message_id(id);
+    }
+    Ok(p)
+}

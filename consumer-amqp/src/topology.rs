@@ -1,0 +1,197 @@
+//! The queues, exchange and bindings declared from an [`AmqpConfig`], and the retry buckets.
+
+use std::time::Duration;
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::Channel;
+
+use crate::config::{AmqpConfig, ExchangeType, QueueType};
+use crate::Error;
+
+/// One retry queue: messages wait `delay` in `queue`, then return to the work queue.
+#[derive(Debug, Clone)]
+pub(crate) struct RetryBucket {
+    pub(crate) delay: Duration,
+    pub(crate) queue: String,
+}
+
+/// The names and arguments of everything declared for one work queue.
+#[derive(Debug, Clone)]
+pub(crate) struct Topology {
+    pub(crate) queue: String,
+    pub(crate) dead_letter_queue: String,
+    queue_type: QueueType,
+    exchange: String,
+    exchange_type: ExchangeType,
+    binding_keys: Vec<String>,
+    /// Sorted by delay, shortest first; never empty (validated).
+    retry: Vec<RetryBucket>,
+}
+
+impl Topology {
+    /// The topology of a validated `config`.
+    pub(crate) fn new(config: &AmqpConfig) -> Self {
+        let mut delays = config.retry_delays.clone();
+        delays.sort();
+        let binding_keys = if config.binding_keys.is_empty() {
+            vec![config.queue.clone()]
+        } else {
+            config.binding_keys.clone()
+        };
+        Topology {
+            queue: config.queue.clone(),
+            dead_letter_queue: config.dead_letter_queue_name(),
+            queue_type: config.queue_type,
+            exchange: config.exchange.clone(),
+            exchange_type: config.exchange_type,
+            binding_keys,
+            retry: delays
+                .into_iter()
+                .map(|delay| RetryBucket {
+                    delay,
+                    queue: config.retry_queue_name(delay),
+                })
+                .collect(),
+        }
+    }
+
+    /// The bucket for a retry after `delay`: the shortest one at least as long, else the
+    /// longest (a delay is never shortened, and stretched by at most one bucket).
+    pub(crate) fn retry_bucket(&self, delay: Duration) -> &RetryBucket {
+        self.retry
+            .iter()
+            .find(|b| b.delay >= delay)
+            .or_else(|| self.retry.last())
+            .unwrap_or_else(|| unreachable!("validated: at least one retry delay"))
+    }
+
+    /// Declares everything (idempotent; it is re-run after each reconnect).
+    pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        let durable = QueueDeclareOptions::durable();
+
+        // The dead-letter queue first: the others point at it.
+        let args = self.base_arguments();
+        declare_queue(channel, &self.dead_letter_queue, durable, args).await?;
+
+        for bucket in &self.retry {
+            let mut args = self.base_arguments();
+            args.insert(
+                "x-message-ttl".into(),
+                AMQPValue::LongLongInt(bucket.delay.as_millis() as i64),
+            );
+            args.insert("x-dead-letter-exchange".into(), string(""));
+            args.insert("x-dead-letter-routing-key".into(), string(&self.queue));
+            if self.queue_type == QueueType::Quorum {
+                // Without this a quorum queue dead-letters at most once: a crash during the
+                // move back could drop the retry copy after its original was acked.
+                args.insert("x-dead-letter-strategy".into(), string("at-least-once"));
+                args.insert("x-overflow".into(), string("reject-publish"));
+            }
+            declare_queue(channel, &bucket.queue, durable, args).await?;
+        }
+
+        // Whatever the broker itself drops from the work queue (a quorum queue's delivery
+        // limit, an expired per-message TTL) lands in the dead-letter queue, not nowhere.
+        let mut args = self.base_arguments();
+        args.insert("x-dead-letter-exchange".into(), string(""));
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            string(&self.dead_letter_queue),
+        );
+        declare_queue(channel, &self.queue, durable, args).await?;
+
+        if !self.exchange.is_empty() {
+            // `amq.*` exchanges exist already and may not be declared.
+            if !self.exchange.starts_with("amq.") {
+                channel
+                    .exchange_declare(
+                        short(&self.exchange),
+                        self.exchange_type.lapin(),
+                        ExchangeDeclareOptions {
+                            durable: true,
+                            ..ExchangeDeclareOptions::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| Error::Topology {
+                        what: format!("exchange {:?}", self.exchange),
+                        source: e.into(),
+                    })?;
+            }
+            for key in &self.binding_keys {
+                channel
+                    .queue_bind(
+                        short(&self.queue),
+                        short(&self.exchange),
+                        short(key),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| Error::Topology {
+                        what: format!(
+                            "binding of queue {:?} to exchange {:?} with key {key:?}",
+                            self.queue, self.exchange
+                        ),
+                        source: e.into(),
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn base_arguments(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        // Classic is the default; leaving the argument out keeps queues declared by other
+        // tools (without it) equivalent.
+        if self.queue_type == QueueType::Quorum {
+            args.insert("x-queue-type".into(), string("quorum"));
+        }
+        args
+    }
+}
+
+async fn declare_queue(
+    channel: &Channel,
+    name: &str,
+    options: QueueDeclareOptions,
+    args: FieldTable,
+) -> Result<(), Error> {
+    channel
+        .queue_declare(short(name), options, args)
+        .await
+        .map(drop)
+        .map_err(|e| Error::Topology {
+            what: format!("queue {name:?}"),
+            source: e.into(),
+        })
+}
+
+fn string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// A validated name (at most 255 bytes) as a short string.
+pub(crate) fn short(s: &str) -> ShortString {
+    ShortString::try_new(s).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_round_up_to_a_bucket_and_cap_at_the_longest() {
+        let mut c = AmqpConfig::new("amqp://h", "q");
+        c.retry_delays = vec![Duration::from_secs(5), Duration::from_secs(1)];
+        let t = Topology::new(&c);
+        let pick = |ms| t.retry_bucket(Duration::from_millis(ms)).queue.clone();
+        assert_eq!(pick(0), "q.retry.1000");
+        assert_eq!(pick(1000), "q.retry.1000");
+        assert_eq!(pick(1001), "q.retry.5000");
+        assert_eq!(pick(60_000), "q.retry.5000");
+        assert_eq!(t.dead_letter_queue, "q.dlq");
+    }
+}

@@ -1,0 +1,124 @@
+//! The two handlers. Both run inside the transaction that marks their key completed in the
+//! inbox, so their database writes happen exactly once per job.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use consumer_core::{handler, Context, FlagGuard, HandlerError};
+use sqlx::Postgres;
+
+use crate::provider::{Email, EmailProvider};
+use crate::InvoiceJob;
+
+static SIMULATED_WORK_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Makes every handler run take `work` longer (the `WORK_MS` setting), as a slow provider
+/// would: it leaves time to watch a graceful shutdown finish in-flight jobs.
+pub fn set_simulated_work(work: Duration) {
+    let ms = u64::try_from(work.as_millis()).unwrap_or(u64::MAX);
+    SIMULATED_WORK_MS.store(ms, Ordering::Relaxed);
+}
+
+async fn simulated_work() {
+    let ms = SIMULATED_WORK_MS.load(Ordering::Relaxed);
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+/// Creates the invoice of an order and sets `orders.invoice_sent`.
+///
+/// The guarded update is the first write: whichever attempt commits first sets the flag;
+/// any other message for the same order sees it set and creates nothing. A job for an order
+/// that does not exist fails permanently (it goes to the dead-letter queue at once).
+#[handler(
+    name = "send_invoice",
+    key = "invoice-{order_id}",
+    max_attempts = 5,
+    backoff = "1s..15s"
+)]
+pub async fn send_invoice(
+    ctx: &mut Context<'_, Postgres>,
+    job: InvoiceJob,
+) -> Result<(), HandlerError> {
+    simulated_work().await;
+    let invoice_sent = FlagGuard::new("orders", "invoice_sent", "id")?;
+    if !invoice_sent.set(ctx, job.order_id).await? {
+        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM orders WHERE id = $1)")
+            .bind(job.order_id)
+            .fetch_one(ctx.db())
+            .await?;
+        if !exists {
+            return Err(HandlerError::permanent(format!(
+                "order {} does not exist",
+                job.order_id
+            )));
+        }
+        tracing::info!(order_id = job.order_id, "invoice already created");
+        return Ok(());
+    }
+    sqlx::query("INSERT INTO invoices (order_id, amount) VALUES ($1, $2)")
+        .bind(job.order_id)
+        .bind(job.amount)
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+/// Sends the "invoice ready" email once the invoice exists.
+///
+/// Until the invoice worker has created the invoice, it fails transiently and is retried
+/// after a backoff. The guard `orders.email_sent` is set in the handler's transaction
+/// before the provider is called, so among all attempts that commit exactly one calls the
+/// provider. An attempt that calls the provider and then fails to commit is retried, and
+/// calls it again with the same idempotency key, which a real provider deduplicates.
+#[handler(
+    name = "send_email",
+    key = "invoice-email-{order_id}",
+    max_attempts = 10,
+    backoff = "1s..15s"
+)]
+pub async fn send_email(
+    ctx: &mut Context<'_, Postgres>,
+    job: InvoiceJob,
+) -> Result<(), HandlerError> {
+    simulated_work().await;
+    let invoiced: Option<bool> =
+        sqlx::query_scalar("SELECT invoice_sent FROM orders WHERE id = $1")
+            .bind(job.order_id)
+            .fetch_optional(ctx.db())
+            .await?;
+    match invoiced {
+        None => {
+            return Err(HandlerError::permanent(format!(
+                "order {} does not exist",
+                job.order_id
+            )))
+        }
+        Some(false) => {
+            return Err(HandlerError::transient(format!(
+                "the invoice of order {} is not created yet",
+                job.order_id
+            )))
+        }
+        Some(true) => {}
+    }
+    let email_sent = FlagGuard::new("orders", "email_sent", "id")?;
+    if !email_sent.set(ctx, job.order_id).await? {
+        tracing::info!(order_id = job.order_id, "email already sent");
+        return Ok(());
+    }
+    let schema: String = sqlx::query_scalar("SELECT current_schema()")
+        .fetch_one(ctx.db())
+        .await?;
+    let provider = EmailProvider::for_schema(&schema).ok_or_else(|| {
+        HandlerError::transient(format!("no email provider installed for schema {schema:?}"))
+    })?;
+    let email = Email {
+        to: job.email,
+        subject: format!("Your invoice for order {} is ready", job.order_id),
+        idempotency_key: ctx.idempotency_key("invoice-ready-email"),
+    };
+    provider.send(&email).await?;
+    Ok(())
+}

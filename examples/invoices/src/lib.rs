@@ -1,0 +1,53 @@
+//! The invoice job from our seed articles, on RabbitMQ and PostgreSQL: the shared domain of
+//! the `invoice_worker`, `email_worker` and `publish_jobs` binaries (in `src/bin/`).
+//!
+//! - [`InvoiceJob`] is the message: `{"order_id", "amount", "email"}`.
+//! - [`schema`] creates the `orders`, `invoices` and `provider_calls` tables.
+//! - [`handlers`] holds the two `#[handler]`s: [`send_invoice`] creates the invoice and sets
+//!   `orders.invoice_sent` with a guarded update, in the handler's transaction;
+//!   [`send_email`] sends the "invoice ready" email through the [`provider`] stand-in, guarded
+//!   by `orders.email_sent`, with a stable idempotency key.
+//! - [`settings`] reads the environment; [`transport`] is the one place that picks the
+//!   broker; [`app`] runs a worker until SIGTERM or Ctrl-C.
+//!
+//! `publish_jobs` publishes each job once to a fanout exchange (`invoice_jobs`) bound to
+//! both queues, so each worker gets its own copy. The email worker retries (transiently)
+//! until the invoice worker has created the invoice.
+
+pub mod app;
+pub mod handlers;
+pub mod provider;
+pub mod schema;
+pub mod settings;
+pub mod transport;
+
+pub use handlers::{send_email, send_invoice};
+
+use serde::{Deserialize, Serialize};
+
+/// An invoice job: create the invoice of an order, then email the customer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InvoiceJob {
+    /// The order (a row of `orders`, created when the order was placed).
+    pub order_id: i64,
+    /// The amount, in cents.
+    pub amount: i64,
+    /// Where the "invoice ready" email goes.
+    pub email: String,
+}
+
+impl InvoiceJob {
+    /// The sample job for `order_id`.
+    pub fn sample(order_id: i64) -> Self {
+        InvoiceJob {
+            order_id,
+            amount: 100 + order_id % 900,
+            email: format!("customer{order_id}@example.com"),
+        }
+    }
+
+    /// The message id the publisher gives this job; a republished job keeps it.
+    pub fn message_id(&self) -> String {
+        format!("invoice-job-{}", self.order_id)
+    }
+}

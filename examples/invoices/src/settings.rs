@@ -1,0 +1,138 @@
+//! Settings from the environment.
+//!
+//! | variable | default | meaning |
+//! | --- | --- | --- |
+//! | `TRANSPORT` | `amqp` | the broker (see [`crate::transport`]) |
+//! | `AMQP_URL` | required for `amqp` | e.g. `amqp://user:pass@localhost:5672/%2f` |
+//! | `DATABASE_URL` | required | PostgreSQL, e.g. `postgres://user:pass@localhost/db` |
+//! | `DB_SCHEMA` | `public` | schema of the tables and the inbox |
+//! | `QUEUE` | per binary | the queue this worker consumes |
+//! | `EXCHANGE` | `invoice_jobs` | fanout exchange the jobs are published to |
+//! | `QUEUE_TYPE` | `classic` | `classic` or `quorum` |
+//! | `CONCURRENCY` | `8` | deliveries processed at once |
+//! | `PREFETCH` | `32` | deliveries the broker sends ahead |
+//! | `WORK_MS` | `0` | simulated work per job, in milliseconds |
+
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use consumer_amqp::{QueueType, RedactedUrl};
+
+use crate::transport::TransportKind;
+
+/// A worker's or publisher's settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Which broker.
+    pub transport: TransportKind,
+    /// The RabbitMQ URL (shown redacted).
+    pub amqp_url: Option<RedactedUrl>,
+    /// The PostgreSQL URL (shown redacted).
+    pub database_url: RedactedUrl,
+    /// Schema of the tables and the inbox.
+    pub schema: String,
+    /// The queue to consume.
+    pub queue: String,
+    /// The exchange jobs are published to.
+    pub exchange: String,
+    /// Classic or quorum queues.
+    pub queue_type: QueueType,
+    /// Deliveries processed at once.
+    pub concurrency: usize,
+    /// Deliveries the broker sends ahead.
+    pub prefetch: u16,
+    /// Simulated work per job.
+    pub work: Duration,
+}
+
+impl Settings {
+    /// Reads the process environment; `default_queue` is used when `QUEUE` is unset.
+    pub fn from_env(default_queue: &str) -> anyhow::Result<Self> {
+        Self::from_lookup(default_queue, |name| std::env::var(name).ok())
+    }
+
+    /// Reads settings through `lookup` (the environment, or a map in tests).
+    pub fn from_lookup(
+        default_queue: &str,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<Self> {
+        let get = |name: &str| lookup(name).filter(|v| !v.trim().is_empty());
+        let transport: TransportKind = get("TRANSPORT").as_deref().unwrap_or("amqp").parse()?;
+        let amqp_url = get("AMQP_URL").map(RedactedUrl::new);
+        if transport == TransportKind::Amqp && amqp_url.is_none() {
+            bail!("AMQP_URL is not set (e.g. `eval \"$(scripts/rabbitmq.sh env)\"`)");
+        }
+        let database_url = get("DATABASE_URL")
+            .map(RedactedUrl::new)
+            .context("DATABASE_URL is not set (e.g. `eval \"$(scripts/postgres.sh env)\"`)")?;
+        let number = |name: &str, default: u64| -> anyhow::Result<u64> {
+            match get(name) {
+                None => Ok(default),
+                Some(v) => v
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("{name}={v:?} is not a whole number")),
+            }
+        };
+        let concurrency = number("CONCURRENCY", 8)?;
+        if concurrency == 0 {
+            bail!("CONCURRENCY must be at least 1");
+        }
+        let prefetch =
+            u16::try_from(number("PREFETCH", 32)?).context("PREFETCH must be at most 65535")?;
+        let queue_type: QueueType = get("QUEUE_TYPE").as_deref().unwrap_or("classic").parse()?;
+        Ok(Settings {
+            transport,
+            amqp_url,
+            database_url,
+            schema: get("DB_SCHEMA").unwrap_or_else(|| "public".to_owned()),
+            queue: get("QUEUE").unwrap_or_else(|| default_queue.to_owned()),
+            exchange: get("EXCHANGE").unwrap_or_else(|| "invoice_jobs".to_owned()),
+            queue_type,
+            concurrency: usize::try_from(concurrency).context("CONCURRENCY is too large")?,
+            prefetch,
+            work: Duration::from_millis(number("WORK_MS", 0)?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn settings(vars: &[(&str, &str)]) -> anyhow::Result<Settings> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Settings::from_lookup("invoices", |k| map.get(k).cloned())
+    }
+
+    const BASE: [(&str, &str); 2] = [
+        ("AMQP_URL", "amqp://u:secret@h/%2f"),
+        ("DATABASE_URL", "postgres://u:secret@h/db"),
+    ];
+
+    #[test]
+    fn defaults_and_overrides() {
+        let s = settings(&BASE).unwrap();
+        assert_eq!(
+            (s.queue.as_str(), s.concurrency, s.prefetch),
+            ("invoices", 8, 32)
+        );
+        assert!(!format!("{s:?}").contains("secret"));
+        let s = settings(&[BASE[0], BASE[1], ("QUEUE", "q"), ("CONCURRENCY", "3")]).unwrap();
+        assert_eq!((s.queue.as_str(), s.concurrency), ("q", 3));
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = settings(&[BASE[0], BASE[1], ("PREFETCH", "lots")]).unwrap_err();
+        assert!(e.to_string().contains("PREFETCH"), "{e}");
+        let e = settings(&[BASE[1]]).unwrap_err();
+        assert!(e.to_string().contains("AMQP_URL"), "{e}");
+        let e = settings(&[BASE[0], BASE[1], ("TRANSPORT", "carrier-pigeon")]).unwrap_err();
+        assert!(e.to_string().contains("TRANSPORT"), "{e}");
+    }
+}

@@ -1,0 +1,123 @@
+//! RabbitMQ acceptance 1: 1,000 invoice jobs plus 10% republished duplicates (same message
+//! id) through a fanout exchange to the invoice and email workers of the example, on a real
+//! RabbitMQ and PostgreSQL, give exactly 1,000 invoices and 1,000 provider calls.
+
+mod amqp_support;
+mod common;
+
+use std::time::{Duration, Instant};
+
+use amqp_support::{config, init_tracing, wait_for, worker_config, Db, Rabbit, Running, LONG};
+use consumer_amqp::{AmqpPublisher, ExchangeType, QueueType};
+use consumer_core::Worker;
+use futures::{StreamExt, TryStreamExt};
+use invoices::{send_email, send_invoice, InvoiceJob};
+
+const JOBS: i64 = 1000;
+const DUPLICATES: i64 = 100;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thousand_jobs_with_duplicates_give_thousand_invoices_and_provider_calls() {
+    init_tracing();
+    let db = Db::new().await;
+    let exchange = amqp_support::unique_name("jobs");
+    let mut invoice_config = config(&amqp_support::unique_name("invoices"));
+    invoice_config.exchange = exchange.clone();
+    invoice_config.exchange_type = ExchangeType::Fanout;
+    // Both queue types: the invoices on a classic queue, the emails (which retry until
+    // their invoice exists) on a quorum queue with quorum retry queues.
+    invoice_config.queue_type = QueueType::Classic;
+    invoice_config.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
+    let mut email_config = invoice_config.clone();
+    email_config.queue = amqp_support::unique_name("emails");
+    email_config.queue_type = QueueType::Quorum;
+
+    let jobs: Vec<InvoiceJob> = (1..=JOBS).map(InvoiceJob::sample).collect();
+    invoices::schema::place_orders(&db.pool, &jobs)
+        .await
+        .expect("place the orders");
+
+    let invoice_worker =
+        Worker::with_config(db.inbox(20).await, send_invoice, worker_config(8)).unwrap();
+    let email_worker =
+        Worker::with_config(db.inbox(20).await, send_email, worker_config(8)).unwrap();
+    let invoicing = Running::start(invoice_worker, invoice_config.clone()).await;
+    let emailing = Running::start(email_worker, email_config.clone()).await;
+
+    // Declaring both queues before publishing, so each gets every job.
+    let publisher = AmqpPublisher::connect(invoice_config.clone())
+        .await
+        .unwrap();
+    publisher.declare(&email_config).await.unwrap();
+    let start = Instant::now();
+    let republished = jobs.iter().filter(|j| j.order_id % 10 == 0);
+    futures::stream::iter(jobs.iter().chain(republished))
+        .map(|job| {
+            let publisher = &publisher;
+            async move {
+                publisher
+                    .publish_json("invoice", &job.message_id(), job)
+                    .await
+            }
+        })
+        .buffer_unordered(64)
+        .try_collect::<Vec<()>>()
+        .await
+        .expect("publish and confirm every job");
+    let published_in = start.elapsed();
+    publisher.close().await;
+
+    wait_for("1,000 invoices and 1,000 provider calls", LONG, || async {
+        db.count("SELECT count(*) FROM invoices").await >= JOBS
+            && db.count("SELECT count(*) FROM provider_calls").await >= JOBS
+    })
+    .await;
+    let effects_in = start.elapsed();
+    // Every delivery settled: each job once, each duplicate once (more only if the broker
+    // redelivered after a reconnect), nothing left waiting in a retry queue.
+    wait_for("every delivery to be settled", LONG, || async {
+        let i = invoicing.worker.snapshot();
+        let e = emailing.worker.snapshot();
+        i.completed + i.duplicates >= (JOBS + DUPLICATES) as u64
+            && e.completed + e.duplicates >= (JOBS + DUPLICATES) as u64
+            && Rabbit::ready(&invoice_config.queue).await == 0
+            && Rabbit::ready(&email_config.queue).await == 0
+    })
+    .await;
+    let invoice_stats = invoicing.stop().await;
+    let email_stats = emailing.stop().await;
+
+    let invoices = db.count("SELECT count(*) FROM invoices").await;
+    let invoiced_orders = db
+        .count("SELECT count(DISTINCT order_id) FROM invoices")
+        .await;
+    let calls = db.count("SELECT count(*) FROM provider_calls").await;
+    let distinct_keys = db
+        .count("SELECT count(DISTINCT idempotency_key) FROM provider_calls")
+        .await;
+    let flagged = db
+        .count("SELECT count(*) FROM orders WHERE invoice_sent AND email_sent")
+        .await;
+    println!(
+        "published {} messages in {published_in:?}; all effects after {effects_in:?}; \
+         invoice worker {invoice_stats:?}; email worker {email_stats:?}",
+        JOBS + DUPLICATES
+    );
+    assert_eq!((invoices, invoiced_orders), (JOBS, JOBS));
+    assert_eq!((calls, distinct_keys), (JOBS, JOBS));
+    assert_eq!(flagged, JOBS);
+    assert_eq!(invoice_stats.completed, JOBS as u64, "{invoice_stats:?}");
+    assert_eq!(email_stats.completed, JOBS as u64, "{email_stats:?}");
+    assert!(invoice_stats.duplicates >= DUPLICATES as u64);
+    assert_eq!(invoice_stats.dead_lettered + email_stats.dead_lettered, 0);
+    assert!(email_stats.retries > 0, "the quorum retry queues were used");
+    for c in [&invoice_config, &email_config] {
+        assert_eq!(Rabbit::ready(&c.queue).await, 0, "{} drained", c.queue);
+        assert_eq!(Rabbit::ready(&c.dead_letter_queue_name()).await, 0);
+        for d in &c.retry_delays {
+            assert_eq!(Rabbit::ready(&c.retry_queue_name(*d)).await, 0);
+        }
+    }
+    Rabbit::delete_topology(&invoice_config).await;
+    Rabbit::delete_topology(&email_config).await;
+}

@@ -1,0 +1,254 @@
+//! RabbitMQ acceptance 5: SIGTERM in the middle of a stream stops the real `invoice_worker`
+//! binary gracefully: the jobs in flight finish and are acked, the rest stays in the queue,
+//! and after a restart every job has run exactly once.
+//!
+//! The binary belongs to another package (`invoices`), so `CARGO_BIN_EXE_*` does not exist
+//! here and `cargo test` does not build it. The test builds it with
+//! `cargo build -p invoices --bin invoice_worker --message-format=json` and takes the
+//! executable's path from cargo's own report, which stays right under `CARGO_TARGET_DIR`
+//! or a configured target directory (no escargot, no guessed `target/debug` path).
+
+mod amqp_support;
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use amqp_support::{amqp_url, init_tracing, repo_root, wait_for, Db, Rabbit, LONG};
+use common::database_url;
+use consumer_amqp::AmqpPublisher;
+use futures::{StreamExt, TryStreamExt};
+use invoices::settings::Settings;
+use invoices::InvoiceJob;
+
+const JOBS: i64 = 300;
+
+/// Builds `invoice_worker` once per test process and returns its path.
+fn invoice_worker() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let mut args = vec![
+            "build",
+            "-p",
+            "invoices",
+            "--bin",
+            "invoice_worker",
+            "--message-format=json",
+        ];
+        // The same profile as these tests, so `cargo test --release` builds nothing extra.
+        if !cfg!(debug_assertions) {
+            args.push("--release");
+        }
+        let out = Command::new(cargo)
+            .args(args)
+            .current_dir(repo_root())
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run cargo build");
+        assert!(out.status.success(), "cargo build -p invoices failed");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|m| {
+                m["reason"] == "compiler-artifact" && m["target"]["name"] == "invoice_worker"
+            })
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .expect("cargo reports the invoice_worker executable")
+    })
+    .clone()
+}
+
+/// A worker process and the file its log goes to.
+struct Process {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Process {
+    fn spawn(vars: &HashMap<&'static str, String>, log: PathBuf) -> Process {
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(invoice_worker())
+            .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LOG", "info,sqlx=warn")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("start invoice_worker");
+        Process { child, log }
+    }
+
+    fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM");
+    }
+
+    async fn exit(mut self) -> (ExitStatus, String) {
+        let start = tokio::time::Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for invoice_worker") {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                return (status, strip_ansi(&log));
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                let _ = self.child.kill();
+                panic!(
+                    "invoice_worker did not exit within 60s of SIGTERM:\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        // A failed assertion must not leave a worker behind.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
+    init_tracing();
+    let binary = tokio::task::spawn_blocking(invoice_worker).await.unwrap();
+    let db = Db::new().await;
+    let queue = amqp_support::unique_name("sigterm");
+    let vars: HashMap<&'static str, String> = HashMap::from([
+        ("AMQP_URL", amqp_url()),
+        ("DATABASE_URL", database_url()),
+        ("DB_SCHEMA", db.schema.clone()),
+        ("QUEUE", queue.clone()),
+        ("EXCHANGE", amqp_support::unique_name("jobs")),
+        ("CONCURRENCY", "4".to_owned()),
+        ("PREFETCH", "8".to_owned()),
+        ("WORK_MS", "40".to_owned()),
+    ]);
+    // The worker's own settings give the publisher the same topology.
+    let settings = Settings::from_lookup("invoices", |k| vars.get(k).cloned()).unwrap();
+    let cfg = invoices::transport::amqp_config(&settings, &queue).unwrap();
+
+    let jobs: Vec<InvoiceJob> = (1..=JOBS).map(InvoiceJob::sample).collect();
+    invoices::schema::place_orders(&db.pool, &jobs)
+        .await
+        .unwrap();
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    futures::stream::iter(&jobs)
+        .map(|job| {
+            let publisher = &publisher;
+            async move {
+                publisher
+                    .publish_json("invoice", &job.message_id(), job)
+                    .await
+            }
+        })
+        .buffer_unordered(64)
+        .try_collect::<Vec<()>>()
+        .await
+        .unwrap();
+    publisher.close().await;
+
+    let logs = std::env::temp_dir().join(&queue);
+    std::fs::create_dir_all(&logs).unwrap();
+    let invoices = || db.count("SELECT count(*) FROM invoices");
+
+    // Run 1: SIGTERM once some jobs are done.
+    let first = Process::spawn(&vars, logs.join("first.log"));
+    wait_for("the first 40 invoices", LONG, || async {
+        invoices().await >= 40
+    })
+    .await;
+    first.sigterm();
+    let (status, log) = first.exit().await;
+    assert!(status.success(), "{status}\n{log}");
+    assert!(log.contains("SIGTERM: finishing in-flight jobs"), "{log}");
+    assert!(log.contains("consumer dropped"), "{log}");
+    // A broker restart by a parallel test during this run would make the broker forget
+    // acks sent just before it (the inbox then skips those jobs): only the effects are
+    // checked then.
+    let undisturbed = !log.contains("connection lost");
+    let done = invoices().await;
+    let unfinished = db
+        .count("SELECT count(*) FROM consumer_inbox WHERE status <> 'completed'")
+        .await;
+    let ready = i64::from(Rabbit::ready(&queue).await);
+    println!("SIGTERM after {done} of {JOBS} invoices; {ready} messages back in the queue");
+    assert!(done < JOBS, "stopped mid-stream");
+    assert_eq!(
+        unfinished, 0,
+        "every job that started has finished and committed"
+    );
+    if undisturbed {
+        assert_eq!(
+            ready,
+            JOBS - done,
+            "every finished job was acked, every other one is back in the queue"
+        );
+    }
+
+    // Run 2: the rest, each exactly once.
+    let second = Process::spawn(&vars, logs.join("second.log"));
+    wait_for("all invoices and an empty queue", LONG, || async {
+        invoices().await >= JOBS && Rabbit::ready(&queue).await == 0
+    })
+    .await;
+    second.sigterm();
+    let (status, log) = second.exit().await;
+    assert!(status.success(), "{status}\n{log}");
+    let stopped = log
+        .lines()
+        .find(|l| l.contains("worker stopped"))
+        .unwrap_or_else(|| panic!("no `worker stopped` line:\n{log}"));
+    println!("second run: {stopped}");
+    assert!(
+        stopped.contains(&format!("completed={}", JOBS - done)),
+        "{stopped}"
+    );
+    if undisturbed && !log.contains("connection lost") {
+        assert!(
+            stopped.contains("duplicates=0"),
+            "nothing ran twice: {stopped}"
+        );
+    }
+
+    assert_eq!(invoices().await, JOBS);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT order_id) FROM invoices")
+            .await,
+        JOBS
+    );
+    assert_eq!(
+        db.count("SELECT max(attempts)::BIGINT FROM consumer_inbox")
+            .await,
+        1,
+        "no job was attempted twice"
+    );
+    drop(binary);
+    let _ = std::fs::remove_dir_all(&logs);
+    Rabbit::delete_topology(&cfg).await;
+}

@@ -1,0 +1,392 @@
+//! Helpers for the RabbitMQ tests: the broker started by `scripts/rabbitmq.sh`, names and a
+//! PostgreSQL schema unique to each test, workers running in tasks, and independent reads of
+//! queues through plain lapin clients (not through the transport under test).
+//!
+//! The chaos test closes every connection of the broker and restarts it, which other tests
+//! may see when they run at the same time (e.g. under a parallel runner). So every helper
+//! that talks to the broker retries over connection loss, the transport under test
+//! reconnects by itself, and the waits are long enough to ride out a restart.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use consumer_amqp::{AmqpConfig, AmqpConsumer, ConsumerHealth};
+use consumer_core::{Error, Handler, Inbox, InboxConfig, NoJitter, Worker, WorkerConfig};
+use invoices::provider::EmailProvider;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Postgres};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::common::{database_url, unique};
+
+/// Long enough for a broker restart in the middle of any wait.
+pub(crate) const LONG: Duration = Duration::from_secs(120);
+
+/// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
+pub(crate) fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// The broker URL printed by `scripts/rabbitmq.sh env`.
+pub(crate) fn amqp_url() -> String {
+    std::env::var("AMQP_URL").expect(
+        "AMQP_URL is not set: start RabbitMQ with `eval \"$(scripts/rabbitmq.sh env)\"` \
+         (and PostgreSQL with `eval \"$(scripts/postgres.sh env)\"`), or run `scripts/test.sh`",
+    )
+}
+
+/// Waits for `cond` up to `limit`, polling; panics naming `what` on timeout.
+pub(crate) async fn wait_for<F, Fut>(what: &str, limit: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = tokio::time::Instant::now();
+    while !cond().await {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A name for a queue or exchange, unique to this test and run (`[a-z0-9_]`).
+pub(crate) fn unique_name(prefix: &str) -> String {
+    unique(prefix)
+}
+
+/// A test configuration: short retry delays, quick reconnection, publishes that outlast a
+/// broker restart.
+pub(crate) fn config(queue: &str) -> AmqpConfig {
+    let mut c = AmqpConfig::new(amqp_url(), queue);
+    c.retry_delays = vec![Duration::from_millis(200), Duration::from_secs(1)];
+    c.reconnect_min = Duration::from_millis(50);
+    c.reconnect_max = Duration::from_secs(1);
+    c.startup_timeout = LONG;
+    c.publish_timeout = LONG;
+    c.prefetch = 16;
+    c.connection_name = Some(format!("test {queue}"));
+    c
+}
+
+/// Worker settings for tests: no jitter (delays are the backoff's ceilings), no purge task.
+pub(crate) fn worker_config(concurrency: usize) -> WorkerConfig {
+    WorkerConfig {
+        concurrency,
+        retention_interval: None,
+        jitter: Some(std::sync::Arc::new(NoJitter)),
+        ..WorkerConfig::default()
+    }
+}
+
+/// A PostgreSQL schema of its own with the invoice example's tables, its inbox, and the
+/// email provider stand-in installed for it.
+pub(crate) struct Db {
+    pub(crate) schema: String,
+    pub(crate) pool: PgPool,
+}
+
+impl Db {
+    pub(crate) async fn new() -> Db {
+        let schema = unique("amqp");
+        let pool = Self::pool_for(&schema, 20).await;
+        invoices::schema::migrate(&pool, &schema)
+            .await
+            .expect("create the example's tables");
+        EmailProvider::install(&schema, pool.clone()).expect("install the provider stand-in");
+        Db { schema, pool }
+    }
+
+    /// A pool on `schema`, as a separate worker process would have it.
+    pub(crate) async fn pool_for(schema: &str, size: u32) -> PgPool {
+        let options = PgConnectOptions::from_str(&database_url())
+            .expect("DATABASE_URL")
+            .options([("search_path", schema)]);
+        PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(options)
+            .await
+            .expect("connect to PostgreSQL")
+    }
+
+    /// A new inbox in this schema (its own pool, as another process would have).
+    pub(crate) async fn inbox(&self, pool_size: u32) -> Inbox<Postgres> {
+        let pool = Self::pool_for(&self.schema, pool_size).await;
+        Inbox::new(pool, InboxConfig::in_schema(self.schema.clone()))
+            .await
+            .expect("inbox")
+    }
+
+    /// `SELECT count(*) …` or any query returning one BIGINT.
+    pub(crate) async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+}
+
+/// A worker consuming in a task until stopped.
+pub(crate) struct Running<H: Handler<Postgres>> {
+    pub(crate) worker: Worker<Postgres, H>,
+    pub(crate) health: ConsumerHealth,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<(), Error>>,
+}
+
+impl<H: Handler<Postgres>> Running<H> {
+    /// Connects a consumer for `config` and runs `worker` on it.
+    pub(crate) async fn start(worker: Worker<Postgres, H>, config: AmqpConfig) -> Self {
+        let consumer = AmqpConsumer::connect(config)
+            .await
+            .expect("connect the consumer");
+        let health = consumer.health();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = {
+            let worker = worker.clone();
+            tokio::spawn(async move {
+                worker
+                    .run(consumer, async {
+                        let _ = stopped.await;
+                    })
+                    .await
+            })
+        };
+        Running {
+            worker,
+            health,
+            stop,
+            task,
+        }
+    }
+
+    /// Stops it gracefully and waits until its connection is closed.
+    pub(crate) async fn stop(self) -> consumer_core::StatsSnapshot {
+        let _ = self.stop.send(());
+        tokio::time::timeout(LONG, self.task)
+            .await
+            .expect("the worker stops")
+            .expect("the worker task")
+            .expect("the worker ends without error");
+        tokio::time::timeout(Duration::from_secs(10), self.health.closed())
+            .await
+            .expect("the consumer closes its connection");
+        self.worker.snapshot()
+    }
+}
+
+/// A message read back from a queue.
+#[derive(Debug, Clone)]
+pub(crate) struct Got {
+    pub(crate) body: Vec<u8>,
+    pub(crate) message_id: Option<String>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) headers: BTreeMap<String, String>,
+}
+
+/// Independent access to the broker through plain lapin, retried over connection loss.
+pub(crate) struct Rabbit;
+
+impl Rabbit {
+    async fn with_connection<T, F, Fut>(what: &str, mut f: F) -> T
+    where
+        F: FnMut(Connection) -> Fut,
+        Fut: Future<Output = lapin::Result<T>>,
+    {
+        let start = tokio::time::Instant::now();
+        loop {
+            let attempt = async {
+                let conn =
+                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+                f(conn).await
+            };
+            match tokio::time::timeout(Duration::from_secs(15), attempt).await {
+                Ok(Ok(t)) => return t,
+                Ok(Err(e)) if start.elapsed() < LONG => {
+                    tracing::info!(error = %e, "{what}: retrying");
+                }
+                Err(_) if start.elapsed() < LONG => {}
+                other => panic!("{what}: {:?}", other.err()),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Messages ready in `queue` (a passive declare: the queue must exist).
+    pub(crate) async fn ready(queue: &str) -> u32 {
+        Self::with_connection("count messages", |conn| async move {
+            let channel = conn.create_channel().await?;
+            let q = channel
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
+            let _ = conn.close(200, "ok".into()).await;
+            Ok(q.message_count())
+        })
+        .await
+    }
+
+    /// Takes every message from `queue`.
+    pub(crate) async fn take_all(queue: &str) -> Vec<Got> {
+        Self::with_connection("read a queue", |conn| async move {
+            let channel = conn.create_channel().await?;
+            let mut out = Vec::new();
+            while let Some(m) = channel
+                .basic_get(queue.into(), BasicGetOptions::default())
+                .await?
+            {
+                let p = &m.delivery.properties;
+                out.push(Got {
+                    body: m.delivery.data.clone(),
+                    message_id: p.message_id().as_ref().map(|s| s.to_string()),
+                    content_type: p.content_type().as_ref().map(|s| s.to_string()),
+                    headers: strings(p.headers().as_ref()),
+                });
+                m.delivery.ack(BasicAckOptions::default()).await?;
+            }
+            let _ = conn.close(200, "ok".into()).await;
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Deletes one queue.
+    pub(crate) async fn delete_queue(queue: &str) {
+        Self::with_connection("delete a queue", |conn| async move {
+            let channel = conn.create_channel().await?;
+            channel
+                .queue_delete(queue.into(), QueueDeleteOptions::default())
+                .await?;
+            let _ = conn.close(200, "ok".into()).await;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Deletes the queues of `config` (work, retry, dead-letter) and its exchange.
+    pub(crate) async fn delete_topology(config: &AmqpConfig) {
+        let mut queues = vec![config.queue.clone(), config.dead_letter_queue_name()];
+        queues.extend(
+            config
+                .retry_delays
+                .iter()
+                .map(|d| config.retry_queue_name(*d)),
+        );
+        let exchange = config.exchange.clone();
+        Self::with_connection("delete test queues", |conn| {
+            let queues = queues.clone();
+            let exchange = exchange.clone();
+            async move {
+                let channel = conn.create_channel().await?;
+                for q in &queues {
+                    channel
+                        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                        .await?;
+                }
+                if !exchange.is_empty() {
+                    channel
+                        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                        .await?;
+                }
+                let _ = conn.close(200, "ok".into()).await;
+                Ok(())
+            }
+        })
+        .await
+    }
+}
+
+fn strings(table: Option<&FieldTable>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (k, v) in table.map(|t| t.inner().iter()).into_iter().flatten() {
+        let s = match v {
+            AMQPValue::LongString(s) => s.to_string(),
+            AMQPValue::ShortString(s) => s.to_string(),
+            AMQPValue::LongLongInt(n) => n.to_string(),
+            AMQPValue::LongInt(n) => n.to_string(),
+            AMQPValue::ShortShortUInt(n) => n.to_string(),
+            other => format!("{other:?}"),
+        };
+        out.insert(k.to_string(), s);
+    }
+    out
+}
+
+/// The repository root.
+pub(crate) fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// Closes, from the broker side, the connections whose client properties mention
+/// `fragment` (e.g. a queue's name in the connection name): a disruption that touches
+/// nothing else on the shared broker. Returns how many were closed.
+pub(crate) async fn close_connections_matching(fragment: &str) -> usize {
+    let out = rabbitmq_sh(&[
+        "ctl",
+        "list_connections",
+        "pid",
+        "client_properties",
+        "-q",
+        "--no-table-headers",
+    ])
+    .await;
+    let pids: Vec<String> = out
+        .lines()
+        .filter(|l| l.contains(fragment))
+        .filter_map(|l| l.split('\t').next())
+        .map(str::to_owned)
+        .collect();
+    for pid in &pids {
+        rabbitmq_sh(&["ctl", "close_connection", pid, "test: targeted close"]).await;
+    }
+    pids.len()
+}
+
+/// Runs `scripts/rabbitmq.sh <args>` and returns its standard output; panics with its
+/// output on failure.
+pub(crate) async fn rabbitmq_sh(args: &[&str]) -> String {
+    let script = repo_root().join("scripts/rabbitmq.sh");
+    let owned: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(script).args(owned).output()
+    })
+    .await
+    .expect("join")
+    .expect("run scripts/rabbitmq.sh");
+    assert!(
+        out.status.success(),
+        "scripts/rabbitmq.sh {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -1,0 +1,185 @@
+//! The RabbitMQ transport on its own, without a worker: deliveries of a lost connection are
+//! never settled on the new one, a consumer cancelled by the broker comes back, and refused
+//! credentials fail at once without showing the password.
+
+mod amqp_support;
+mod common;
+
+use std::time::{Duration, Instant};
+
+use amqp_support::{close_connections_matching, config, init_tracing, wait_for, Rabbit, LONG};
+use consumer_amqp::{AmqpConsumer, AmqpPublisher, RedactedUrl};
+use consumer_core::{Incoming, Settlement};
+use futures::StreamExt;
+use serde_json::json;
+
+/// Receives deliveries until each of `ids` has been received and acked once; every one of
+/// them must arrive flagged `redelivered` with `attempt` 1. An ack refused because yet
+/// another reconnection happened (a parallel test restarting the broker) just waits for
+/// the next redelivery. Returns how many loss reports the stream yielded.
+async fn ack_redelivered(consumer: &mut AmqpConsumer, ids: &[&str]) -> usize {
+    let mut pending: Vec<String> = ids.iter().map(|s| (*s).to_owned()).collect();
+    let mut losses = 0;
+    while !pending.is_empty() {
+        let (incoming, errors) = next_delivery(consumer).await;
+        losses += errors;
+        let id = incoming.delivery.message_id.clone().unwrap_or_default();
+        assert!(pending.contains(&id), "unexpected delivery {id:?}");
+        assert!(incoming.delivery.redelivered, "{id} is flagged redelivered");
+        assert_eq!(incoming.delivery.attempt, 1);
+        match incoming.acker.settle(Settlement::Ack).await {
+            Ok(()) => pending.retain(|p| p != &id),
+            Err(e) => tracing::info!(error = %e, "ack refused after another reconnection"),
+        }
+    }
+    losses
+}
+
+/// The next delivery, skipping the `Err` items that report a lost connection; returns how
+/// many of those it skipped.
+async fn next_delivery(consumer: &mut AmqpConsumer) -> (Incoming, usize) {
+    let mut errors = 0;
+    loop {
+        let item = tokio::time::timeout(LONG, consumer.next())
+            .await
+            .expect("a delivery in time")
+            .expect("the stream does not end");
+        match item {
+            Ok(incoming) => return (incoming, errors),
+            Err(e) => {
+                tracing::info!(error = %e, "the transport reported a loss");
+                errors += 1;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
+    init_tracing();
+    let mut cfg = config(&amqp_support::unique_name("stale"));
+    cfg.prefetch = 2;
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    for id in ["a", "b"] {
+        publisher
+            .publish_json(&cfg.queue, id, &json!({"id": id}))
+            .await
+            .unwrap();
+    }
+    publisher.close().await;
+
+    let mut consumer = AmqpConsumer::connect(cfg.clone()).await.unwrap();
+    let health = consumer.health();
+    let (a, _) = next_delivery(&mut consumer).await;
+    let (b, _) = next_delivery(&mut consumer).await;
+    assert_eq!(a.delivery.message_id.as_deref(), Some("a"));
+    assert_eq!(b.delivery.message_id.as_deref(), Some("b"));
+    assert!(!a.delivery.redelivered);
+    assert_eq!(a.delivery.attempt, 1);
+    assert_eq!(a.delivery.source.transport, "amqp");
+    assert!(
+        a.delivery.source.location.starts_with(&cfg.queue),
+        "{}",
+        a.delivery.source
+    );
+
+    // Only this consumer's connection is closed, from the broker's side.
+    let closed = close_connections_matching(&format!("{} (consumer)", cfg.queue)).await;
+    assert_eq!(closed, 1);
+    wait_for("the consumer to reconnect", LONG, || async {
+        health.sessions() >= 2 && health.is_connected()
+    })
+    .await;
+
+    // Settling the old deliveries fails: their channel is gone, and their tags must not be
+    // used on the new channel (tag 1 there is another delivery).
+    let ack = a.acker.settle(Settlement::Ack).await.unwrap_err();
+    assert!(ack.to_string().contains("closed"), "{ack}");
+    let retry = b
+        .acker
+        .settle(Settlement::Retry {
+            delay: Duration::from_millis(200),
+            attempt: 2,
+        })
+        .await
+        .unwrap_err();
+    println!("stale settlements refused: {ack}; {retry}");
+
+    // The broker redelivers both, flagged; acking them on the new channel works.
+    let losses = ack_redelivered(&mut consumer, &["a", "b"]).await;
+    assert!(losses >= 1, "the loss was reported on the stream");
+    assert_eq!(
+        Rabbit::ready(&cfg.retry_queue_name(cfg.retry_delays[0])).await,
+        0,
+        "the stale retry published nothing"
+    );
+
+    // Nothing is left unacked: closing the connection returns nothing to the queue.
+    drop(consumer);
+    tokio::time::timeout(Duration::from_secs(10), health.closed())
+        .await
+        .unwrap();
+    assert_eq!(Rabbit::ready(&cfg.queue).await, 0);
+    Rabbit::delete_topology(&cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_cancelled_by_a_deleted_queue_is_re_established() {
+    init_tracing();
+    let cfg = config(&amqp_support::unique_name("cancel"));
+    let mut consumer = AmqpConsumer::connect(cfg.clone()).await.unwrap();
+    let health = consumer.health();
+
+    Rabbit::delete_queue(&cfg.queue).await;
+    wait_for(
+        "the consumer to re-declare its queue and resume",
+        LONG,
+        || async { health.sessions() >= 2 && health.is_connected() },
+    )
+    .await;
+
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    publisher
+        .publish_json(&cfg.queue, "after", &json!({"id": "after"}))
+        .await
+        .unwrap();
+    publisher.close().await;
+    let (after, errors) = next_delivery(&mut consumer).await;
+    assert_eq!(after.delivery.message_id.as_deref(), Some("after"));
+    assert!(errors >= 1, "the cancellation was reported");
+    if let Err(e) = after.acker.settle(Settlement::Ack).await {
+        // Only if a parallel test restarted the broker in between.
+        assert!(health.sessions() > 2, "{e}");
+    }
+    drop(consumer);
+    Rabbit::delete_topology(&cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_fail_at_once_without_the_password() {
+    init_tracing();
+    let url = amqp_support::amqp_url();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.rsplit_once('@').map(|(_, h)| h).unwrap_or(rest);
+    let mut cfg = config(&amqp_support::unique_name("auth"));
+    cfg.url = RedactedUrl::new(format!("{scheme}://consumer:Wr0ng-s3cret@{host}"));
+    cfg.startup_timeout = Duration::from_secs(60);
+
+    let start = Instant::now();
+    let e = AmqpConsumer::connect(cfg.clone()).await.unwrap_err();
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    println!("refused after {:?}: {text}", start.elapsed());
+    assert!(!e.is_transient(), "{text}");
+    // Not retried for the startup timeout (a broker restart by a parallel test may still
+    // delay the first answer by a few seconds).
+    assert!(start.elapsed() < Duration::from_secs(30), "not retried");
+    assert!(!text.contains("Wr0ng-s3cret"), "{text}");
+    assert!(text.contains("***@"), "{text}");
+    let p = AmqpPublisher::connect(cfg).await.unwrap_err();
+    assert!(!format!("{p:?}").contains("Wr0ng-s3cret"), "{p:?}");
+}
