@@ -91,6 +91,8 @@ pub enum Settlement {
 pub enum DeadLetterReason {
     /// The payload could not be decoded into the handler's message type.
     Undecodable,
+    /// The payload is larger than the worker's `max_payload_bytes`.
+    PayloadTooLarge,
     /// No idempotency key could be derived (no message id, template field missing, hashing
     /// not allowed).
     MissingKey,
@@ -110,6 +112,7 @@ impl DeadLetterReason {
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterReason::Undecodable => "undecodable",
+            DeadLetterReason::PayloadTooLarge => "payload_too_large",
             DeadLetterReason::MissingKey => "missing_key",
             DeadLetterReason::KeyConflict => "key_conflict",
             DeadLetterReason::PermanentError => "permanent_error",
@@ -122,6 +125,7 @@ impl DeadLetterReason {
     pub fn parse(s: &str) -> Option<Self> {
         [
             DeadLetterReason::Undecodable,
+            DeadLetterReason::PayloadTooLarge,
             DeadLetterReason::MissingKey,
             DeadLetterReason::KeyConflict,
             DeadLetterReason::PermanentError,

@@ -43,6 +43,9 @@ pub struct WorkerConfig {
     pub jitter: Option<Arc<dyn Jitter>>,
     /// Fault points (chaos tests); `None` in production.
     pub faults: Option<Arc<dyn FaultInjector>>,
+    /// Payloads larger than this are dead-lettered (`payload_too_large`) without being
+    /// decoded (default 1 MiB).
+    pub max_payload_bytes: usize,
     /// Batched mode: process up to this many deliveries in one database transaction.
     /// `None` (the default) processes one delivery per transaction.
     pub batch: Option<BatchConfig>,
@@ -63,6 +66,7 @@ impl Default for WorkerConfig {
             retention_batch: 1000,
             jitter: None,
             faults: None,
+            max_payload_bytes: 1024 * 1024,
             batch: None,
             broken_ack_before_commit: false,
         }
@@ -79,6 +83,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("retention_interval", &self.retention_interval)
             .field("retention_batch", &self.retention_batch)
             .field("faults", &self.faults.is_some())
+            .field("max_payload_bytes", &self.max_payload_bytes)
             .field("batch", &self.batch)
             .finish_non_exhaustive()
     }
@@ -758,6 +763,19 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     // The `Err` is a settlement, not an error: moved once, on a cold path.
     #[allow(clippy::result_large_err)]
     fn prepare(&self, delivery: &Delivery) -> Result<Prepared<H::Message>, (Settlement, Outcome)> {
+        let limit = self.inner.config.max_payload_bytes;
+        if delivery.payload.len() > limit {
+            return Err(self.dead_letter(
+                delivery,
+                DeadLetterReason::PayloadTooLarge,
+                delivery.message_id.as_deref(),
+                0,
+                format!(
+                    "payload of {} bytes exceeds the limit of {limit} bytes",
+                    delivery.payload.len()
+                ),
+            ));
+        }
         let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|v| {
             let m = H::Message::deserialize(&v)?;
             Ok((v, m))

@@ -456,6 +456,13 @@ async fn retries_then_succeeds<DB: Backend, H: Handler<DB> + Clone>(h: Harness<D
         },
     );
     broker.publish(&queue, msg("wrong", json!({"no_id_field": 1})));
+    broker.publish(
+        &queue,
+        msg(
+            "huge",
+            json!({"id": "huge", "pad": "x".repeat(2 * 1024 * 1024)}),
+        ),
+    );
     let inbox = (h.new_inbox)().await;
     let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
     run_until_drained(&w, &broker, &queue).await.unwrap();
