@@ -485,6 +485,7 @@ async fn retries_then_succeeds<DB: Backend, H: Handler<DB> + Clone>(h: Harness<D
         reasons,
         vec![
             ("bad".to_owned(), DeadLetterReason::Undecodable, 0),
+            ("huge".to_owned(), DeadLetterReason::PayloadTooLarge, 0),
             ("perm".to_owned(), DeadLetterReason::PermanentError, 1),
             ("wrong".to_owned(), DeadLetterReason::Undecodable, 0),
         ]
