@@ -24,9 +24,11 @@
 // A benchmark report is this program's output.
 #![allow(clippy::print_stdout)]
 
+mod amqp;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use consumer_core::memory::{MemoryBroker, Message};
@@ -39,9 +41,6 @@ use futures::StreamExt;
 use serde::Deserialize;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres};
-
-/// Header carrying the publish time (µs since the epoch) for latency.
-const PUBLISHED_AT: &str = "x-published-at-us";
 
 #[derive(Debug, Deserialize)]
 struct Job {
@@ -65,6 +64,7 @@ struct Options {
     size: usize,
     batch: usize,
     concurrency: usize,
+    prefetch: u16,
 }
 
 impl Options {
@@ -75,6 +75,7 @@ impl Options {
             size: 256,
             batch: 64,
             concurrency: 8,
+            prefetch: 256,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -106,13 +107,32 @@ struct Figures {
     cpu_us_per_msg: f64,
     p50_ms: f64,
     p99_ms: f64,
+    rss_mib: f64,
 }
 
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or_default()
+/// Resident set size of this process (VmRSS), to show memory stays bounded.
+#[derive(Debug, Clone, Copy)]
+struct Rss {
+    start_kib: u64,
+}
+
+impl Rss {
+    fn now_kib() -> u64 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or_default()
+    }
+
+    fn start() -> Self {
+        Rss {
+            start_kib: Self::now_kib(),
+        }
+    }
 }
 
 /// This process's user + system CPU time, from /proc/self/stat (Linux).
@@ -129,44 +149,48 @@ fn cpu_time() -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-/// Records publish-to-ack latency around any acknowledger.
-struct Timed {
+/// Records delivery-to-ack latency around any acknowledger, and calls `on_settled`.
+struct Timed<F> {
     inner: Box<dyn Acknowledger>,
-    published_at_us: u64,
+    delivered: Instant,
     latencies: Arc<Mutex<Vec<u64>>>,
+    on_settled: F,
 }
 
-impl Acknowledger for Timed {
+impl<F: FnOnce(&Settlement) + Send + 'static> Acknowledger for Timed<F> {
     fn settle(self: Box<Self>, s: Settlement) -> BoxFuture<'static, Result<(), TransportError>> {
         Box::pin(async move {
-            let r = self.inner.settle(s).await;
-            let latency = now_us().saturating_sub(self.published_at_us);
-            if let Ok(mut l) = self.latencies.lock() {
+            let this = *self;
+            let kind = s.clone();
+            let r = this.inner.settle(s).await;
+            let latency = u64::try_from(this.delivered.elapsed().as_micros()).unwrap_or(u64::MAX);
+            if let Ok(mut l) = this.latencies.lock() {
                 l.push(latency);
             }
+            (this.on_settled)(&kind);
             r
         })
     }
 }
 
-fn timed(incoming: Incoming, latencies: &Arc<Mutex<Vec<u64>>>) -> Incoming {
-    let published_at_us = incoming
-        .delivery
-        .headers
-        .get(PUBLISHED_AT)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(now_us);
+/// Wraps a delivery as it is handed to the consumer.
+fn timed<F: FnOnce(&Settlement) + Send + 'static>(
+    incoming: Incoming,
+    latencies: &Arc<Mutex<Vec<u64>>>,
+    on_settled: F,
+) -> Incoming {
     Incoming {
         delivery: incoming.delivery,
         acker: Box::new(Timed {
             inner: incoming.acker,
-            published_at_us,
+            delivered: Instant::now(),
             latencies: latencies.clone(),
+            on_settled,
         }),
     }
 }
 
-fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64]) -> Figures {
+fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: Rss) -> Figures {
     latencies.sort_unstable();
     let pct = |p: f64| {
         if latencies.is_empty() {
@@ -180,6 +204,7 @@ fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64]) -> Fi
         cpu_us_per_msg: cpu.as_secs_f64() * 1e6 / n as f64,
         p50_ms: pct(0.50),
         p99_ms: pct(0.99),
+        rss_mib: Rss::now_kib().saturating_sub(rss.start_kib) as f64 / 1024.0,
     }
 }
 
@@ -189,14 +214,14 @@ fn payload(id: u64, size: usize) -> String {
 
 fn fill(broker: &MemoryBroker, queue: &str, first: u64, o: &Options) {
     for id in first..first + o.messages as u64 {
-        let mut m = Message {
-            id: Some(format!("m-{id}")),
-            payload: payload(id, o.size).into(),
-            ..Message::default()
-        };
-        m.headers
-            .insert(PUBLISHED_AT.to_owned(), now_us().to_string());
-        broker.publish(queue, m);
+        broker.publish(
+            queue,
+            Message {
+                id: Some(format!("m-{id}")),
+                payload: payload(id, o.size).into(),
+                ..Message::default()
+            },
+        );
     }
 }
 
@@ -214,6 +239,7 @@ async fn db_floor(
     o: &Options,
     per_tx: usize,
 ) -> anyhow::Result<Figures> {
+    let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
     let ids: Vec<u64> = (first..first + o.messages as u64).collect();
@@ -248,12 +274,7 @@ async fn db_floor(
     });
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
-    Ok(figures(
-        o.messages,
-        start.elapsed(),
-        cpu_time() - cpu0,
-        &mut [],
-    ))
+    Ok(figures(o.messages, start.elapsed(), cpu_time() - cpu0, &mut [], rss))
 }
 
 /// A hand-written consumer of the in-memory broker: one transaction per message, then ack.
@@ -261,6 +282,7 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
     let broker = MemoryBroker::new();
     fill(&broker, "q", first, o);
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
+    let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
     let consumer = broker.consume("q").take(o.messages);
@@ -268,7 +290,7 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
         let pool = pool.clone();
         let latencies = latencies.clone();
         async move {
-            let incoming = timed(incoming?, &latencies);
+            let incoming = timed(incoming?, &latencies, |_| {});
             let job: Job = serde_json::from_slice(&incoming.delivery.payload)?;
             let mut tx = pool.begin().await?;
             let fresh = sqlx::query(
@@ -297,7 +319,7 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
     let wall = start.elapsed();
     let cpu = cpu_time() - cpu0;
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
-    Ok(figures(o.messages, wall, cpu, &mut l))
+    Ok(figures(o.messages, wall, cpu, &mut l, rss))
 }
 
 /// The framework on the in-memory broker.
@@ -320,10 +342,13 @@ async fn framework(
             ..WorkerConfig::default()
         },
     )?;
+    let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
     let l2 = latencies.clone();
-    let consumer = broker.consume("q").map(move |r| r.map(|i| timed(i, &l2)));
+    let consumer = broker
+        .consume("q")
+        .map(move |r| r.map(|i| timed(i, &l2, |_| {})));
     worker.run(consumer, broker.drained("q")).await?;
     let wall = start.elapsed();
     let cpu = cpu_time() - cpu0;
@@ -332,7 +357,7 @@ async fn framework(
         bail!("framework arm completed {} of {}", s.completed, o.messages);
     }
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
-    Ok(figures(o.messages, wall, cpu, &mut l))
+    Ok(figures(o.messages, wall, cpu, &mut l, rss))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -379,26 +404,46 @@ async fn main() -> anyhow::Result<()> {
         max_messages: o.batch,
         max_wait: Duration::from_millis(5),
     });
-    let arms = [
+    let amqp_url = std::env::var("AMQP_URL").ok();
+    let mut arms = vec![
         "db floor, 1/tx",
         "db floor, N/tx",
-        "hand-written 1/tx",
-        "framework 1/tx",
-        "framework batched",
+        "memory: hand 1/tx",
+        "memory: fw 1/tx",
+        "memory: fw batched",
     ];
+    if amqp_url.is_some() {
+        arms.extend([
+            "amqp: raw consume+ack",
+            "amqp: hand 1/tx",
+            "amqp: fw 1/tx",
+            "amqp: fw batched",
+        ]);
+    } else {
+        eprintln!("AMQP_URL is not set: skipping the RabbitMQ arms");
+    }
+    let queue = format!("bench_{}", std::process::id());
     let mut results: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
     let mut first = 0u64;
     for rep in 0..o.reps {
-        for arm in arms {
+        for &arm in &arms {
             reset(&pool).await?;
+            if arm.starts_with("amqp") {
+                amqp::fill(amqp_url.as_deref().unwrap_or_default(), &queue, first, &o).await?;
+            }
+            let url = amqp_url.as_deref().unwrap_or_default();
             let f = match arm {
                 "db floor, 1/tx" => db_floor(&pool, first, &o, 1).await?,
                 "db floor, N/tx" => db_floor(&pool, first, &o, o.batch).await?,
-                "hand-written 1/tx" => hand_written(&pool, first, &o).await?,
-                "framework 1/tx" => framework(&inbox, first, &o, None).await?,
-                _ => framework(&inbox, first, &o, batched).await?,
+                "memory: hand 1/tx" => hand_written(&pool, first, &o).await?,
+                "memory: fw 1/tx" => framework(&inbox, first, &o, None).await?,
+                "memory: fw batched" => framework(&inbox, first, &o, batched).await?,
+                "amqp: raw consume+ack" => amqp::raw(url, &queue, &o).await?,
+                "amqp: hand 1/tx" => amqp::hand_written(url, &queue, &pool, &o).await?,
+                "amqp: fw 1/tx" => amqp::framework(url, &queue, &inbox, &o, None).await?,
+                _ => amqp::framework(url, &queue, &inbox, &o, batched).await?,
             };
-            eprintln!("rep {rep} {arm:<20} {:>9.0} msg/s", f.rate);
+            eprintln!("rep {rep} {arm:<22} {:>9.0} msg/s", f.rate);
             results.entry(arm).or_default().push(f);
             first += o.messages as u64;
         }
@@ -409,11 +454,11 @@ async fn main() -> anyhow::Result<()> {
         o.messages, o.size, o.reps, o.concurrency, o.batch
     );
     println!(
-        "{:<20} {:>10} {:>12} {:>9} {:>9}",
-        "arm", "msgs/s", "CPU µs/msg", "p50 ms", "p99 ms"
+        "{:<22} {:>10} {:>12} {:>9} {:>9} {:>9}",
+        "arm", "msgs/s", "CPU µs/msg", "p50 ms", "p99 ms", "ΔRSS MiB"
     );
     let mut rate = BTreeMap::new();
-    for arm in arms {
+    for &arm in &arms {
         let f = &results[arm];
         let m = |g: fn(&Figures) -> f64| median(f.iter().map(g).collect());
         let r = m(|f| f.rate);
@@ -426,26 +471,50 @@ async fn main() -> anyhow::Result<()> {
             }
         };
         println!(
-            "{:<20} {:>10.0} {:>12.1} {:>9} {:>9}",
+            "{:<22} {:>10.0} {:>12.1} {:>9} {:>9} {:>9.1}",
             arm,
             r,
             m(|f| f.cpu_us_per_msg),
             lat(m(|f| f.p50_ms)),
             lat(m(|f| f.p99_ms)),
+            m(|f| f.rss_mib),
         );
     }
     println!();
-    println!(
-        "framework 1/tx / hand-written 1/tx  = {:.2}",
-        rate["framework 1/tx"] / rate["hand-written 1/tx"]
+    let ratio = |name: &str, a: &str, b: &str| {
+        if let (Some(x), Some(y)) = (rate.get(a), rate.get(b)) {
+            println!("{name:<44} = {:.2}", x / y);
+        }
+    };
+    ratio(
+        "memory: fw 1/tx / memory: hand 1/tx",
+        "memory: fw 1/tx",
+        "memory: hand 1/tx",
     );
-    println!(
-        "framework 1/tx / db floor 1/tx      = {:.2}",
-        rate["framework 1/tx"] / rate["db floor, 1/tx"]
+    ratio(
+        "memory: fw 1/tx / db floor 1/tx",
+        "memory: fw 1/tx",
+        "db floor, 1/tx",
     );
-    println!(
-        "framework batched / db floor N/tx   = {:.2}",
-        rate["framework batched"] / rate["db floor, N/tx"]
+    ratio(
+        "memory: fw batched / db floor N/tx",
+        "memory: fw batched",
+        "db floor, N/tx",
+    );
+    ratio(
+        "amqp: fw 1/tx / amqp: hand 1/tx",
+        "amqp: fw 1/tx",
+        "amqp: hand 1/tx",
+    );
+    ratio(
+        "amqp: fw batched / amqp: raw consume+ack",
+        "amqp: fw batched",
+        "amqp: raw consume+ack",
+    );
+    ratio(
+        "amqp: fw batched / db floor N/tx",
+        "amqp: fw batched",
+        "db floor, N/tx",
     );
     Ok(())
 }

@@ -136,7 +136,8 @@ pub trait Handler<DB: Backend>: Send + Sync + 'static {
 /// Everything written through [`Context::db`] commits atomically with the inbox marking this
 /// key completed, and before the delivery is acked.
 pub struct Context<'c, DB: Backend> {
-    pub(crate) tx: sqlx::Transaction<'c, DB>,
+    /// A connection inside the open transaction (owned by the runtime, which commits it).
+    pub(crate) conn: &'c mut DB::Connection,
     pub(crate) handler: &'c str,
     pub(crate) key: &'c str,
     pub(crate) attempt: u32,
@@ -147,7 +148,7 @@ pub struct Context<'c, DB: Backend> {
 impl<'c, DB: Backend> Context<'c, DB> {
     /// The transaction's connection: use it as the executor for every write.
     pub fn db(&mut self) -> &mut DB::Connection {
-        &mut self.tx
+        self.conn
     }
 
     /// The idempotency key of this message.

@@ -52,6 +52,9 @@ counters! {
     settle_errors,
     /// Batched mode: transactions that committed a batch.
     batches,
+    /// Batched mode: handler runs rolled back because another message of the batch failed
+    /// (those messages then ran again one by one). Included in `handler_runs`.
+    batch_reruns,
 }
 
 impl Stats {

@@ -605,9 +605,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         Ok(())
     }
 
-    /// Runs each message in its own savepoint of one transaction, marks the successful keys
-    /// completed and commits once. Returns each message with its failure, if any (a failed
-    /// commit fails them all); `Err` of the inner result when the transaction could not begin.
+    /// Runs the messages one after another in one transaction, marks their keys completed
+    /// and commits once. If any handler fails, the whole transaction is rolled back and each
+    /// message runs again alone, in its own transaction (its attempt is not counted twice:
+    /// the locks and the claim are still held). Returns each message with its failure, if
+    /// any; `Err` of the inner result when no transaction could begin.
     async fn run_in_transaction(
         &self,
         conn: &mut DB::Connection,
@@ -615,65 +617,87 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     ) -> Result<Result<Vec<Ran>, (sqlx::Error, Vec<Pending<H::Message>>)>, Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
-        let mut outer = match DB::begin_handler(conn).await {
+        let mut tx = match DB::begin_handler(&mut *conn).await {
             Ok(tx) => tx,
             Err(e) => {
                 let not_run = to_run.into_iter().map(|(pending, _)| pending).collect();
                 return Ok(Err((e, not_run)));
             }
         };
-        let mut ran = Vec::with_capacity(to_run.len());
+        let mut items = Vec::with_capacity(to_run.len());
+        let mut failed = false;
+        let mut tentative_runs = 0;
         for ((delivery, acker, p), attempt) in to_run {
             let Prepared { message, key, .. } = p;
-            let failure = match sqlx::Connection::begin(&mut *outer).await {
-                Err(e) => Some(HandlerError::transient(e)),
-                Ok(savepoint) => {
-                    let mut ctx = self.context(savepoint, &key, attempt, &delivery);
-                    let result = self.invoke(&mut ctx, message).await;
-                    if let Err(HandlerError {
-                        crash: Some(point), ..
-                    }) = &result
-                    {
-                        return Err(Crash(*point));
+            if !failed {
+                tentative_runs += 1;
+                let result = {
+                    let mut ctx = self.context(&mut tx, &key, attempt, &delivery);
+                    self.invoke(&mut ctx, message, true).await
+                };
+                if let Err(e) = result {
+                    if let Some(point) = e.crash {
+                        return Err(Crash(point));
                     }
-                    match result {
-                        Ok(()) => ctx.tx.commit().await.err().map(HandlerError::transient),
-                        Err(e) => {
-                            if let Err(rb) = ctx.tx.rollback().await {
-                                tracing::warn!(error = %rb, "rollback to savepoint failed");
-                            }
-                            Some(e)
-                        }
+                    tracing::debug!(key, error = %e, "a handler failed: the batch runs again one by one");
+                    failed = true;
+                }
+            }
+            items.push((delivery, acker, key, attempt));
+        }
+        if !failed {
+            let keys: Vec<String> = items.iter().map(|i| i.2.clone()).collect();
+            for key in &keys {
+                self.fault(FaultPoint::BeforeCommit, key)?;
+            }
+            let committed = async {
+                DB::complete_many(&mut tx, names, &s.name, &keys, s.retention).await?;
+                tx.commit().await
+            }
+            .await;
+            return Ok(Ok(match committed {
+                Ok(()) => {
+                    Stats::bump(&self.inner.stats.batches);
+                    items
+                        .into_iter()
+                        .map(|(d, a, k, n)| (d, a, k, n, None))
+                        .collect()
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    items
+                        .into_iter()
+                        .map(|(d, a, k, n)| {
+                            let f = HandlerError::transient(format!("batch commit failed: {e}"));
+                            (d, a, k, n, Some(f))
+                        })
+                        .collect()
+                }
+            }));
+        }
+        if let Err(rb) = tx.rollback().await {
+            tracing::warn!(error = %rb, "batch rollback failed");
+        }
+        self.inner
+            .stats
+            .batch_reruns
+            .fetch_add(tentative_runs, std::sync::atomic::Ordering::Relaxed);
+        // One by one. The messages were moved into the handlers: decode them again.
+        let mut ran = Vec::with_capacity(items.len());
+        for (delivery, acker, key, attempt) in items {
+            let failure = match self.prepare(&delivery) {
+                Err(_) => Some(HandlerError::permanent("the payload no longer decodes")),
+                Ok(p) => {
+                    match self
+                        .run_in_own_transaction(conn, &delivery, &key, attempt, p.message)
+                        .await?
+                    {
+                        Ok(failure) => failure,
+                        Err(e) => Some(HandlerError::transient(e)),
                     }
                 }
             };
             ran.push((delivery, acker, key, attempt, failure));
-        }
-        let completed: Vec<String> = ran
-            .iter()
-            .filter(|r| r.4.is_none())
-            .map(|r| r.2.clone())
-            .collect();
-        for key in &completed {
-            self.fault(FaultPoint::BeforeCommit, key)?;
-        }
-        let committed = async {
-            if !completed.is_empty() {
-                DB::complete_many(&mut outer, names, &s.name, &completed, s.retention).await?;
-            }
-            outer.commit().await
-        }
-        .await;
-        if committed.is_ok() {
-            Stats::bump(&self.inner.stats.batches);
-        }
-        if let Err(e) = committed {
-            let e = e.to_string();
-            for r in &mut ran {
-                if r.4.is_none() {
-                    r.4 = Some(HandlerError::transient(format!("batch commit failed: {e}")));
-                }
-            }
         }
         Ok(Ok(ran))
     }
@@ -862,10 +886,13 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     }
 
     /// Runs the handler in `ctx`, turning a panic or a timeout into a transient failure.
+    /// `tentative`: a batch's run, which is repeated alone if the batch fails, so its panics
+    /// and timeouts are counted then, once.
     async fn invoke(
         &self,
         ctx: &mut Context<'_, DB>,
         message: H::Message,
+        tentative: bool,
     ) -> Result<(), HandlerError> {
         let timeout = self.inner.settings.timeout;
         Stats::bump(&self.inner.stats.handler_runs);
@@ -873,14 +900,18 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         match tokio::time::timeout(timeout, run).await {
             Ok(Ok(result)) => result,
             Ok(Err(panic)) => {
-                Stats::bump(&self.inner.stats.panics);
+                if !tentative {
+                    Stats::bump(&self.inner.stats.panics);
+                }
                 Err(HandlerError::transient(format!(
                     "handler panicked: {}",
                     panic_message(&*panic)
                 )))
             }
             Err(_) => {
-                Stats::bump(&self.inner.stats.timeouts);
+                if !tentative {
+                    Stats::bump(&self.inner.stats.timeouts);
+                }
                 Err(HandlerError::transient(format!(
                     "handler timed out after {timeout:?}"
                 )))
@@ -960,36 +991,14 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         tracing::Span::current().record("attempt", attempt);
 
         // The handler's transaction: its writes and the inbox completion commit together.
-        let failure = {
-            let mut ctx = match DB::begin_handler(lease.conn()).await {
-                Ok(tx) => self.context(tx, &key, attempt, delivery),
-                Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
-            };
-            let result = self.invoke(&mut ctx, message).await;
-            if let Err(HandlerError {
-                crash: Some(point), ..
-            }) = &result
-            {
-                return Err(Crash(*point));
-            }
-            match result {
-                Ok(()) => {
-                    self.fault(FaultPoint::BeforeCommit, &key)?;
-                    let committed = async {
-                        DB::complete(ctx.db(), names, &s.name, &key, s.retention).await?;
-                        ctx.tx.commit().await
-                    }
-                    .await;
-                    committed
-                        .err()
-                        .map(|e| HandlerError::transient(CommitFailed(e)))
-                }
-                Err(e) => {
-                    if let Err(rb) = ctx.tx.rollback().await {
-                        tracing::warn!(error = %rb, "rollback failed");
-                    }
-                    Some(e)
-                }
+        let failure = match self
+            .run_in_own_transaction(lease.conn(), delivery, &key, attempt, message)
+            .await?
+        {
+            Ok(failure) => failure,
+            Err(e) => {
+                lease.release().await;
+                return Ok(self.retry_after_db_error(delivery, &e));
             }
         };
         let settled = match failure {
@@ -1005,19 +1014,67 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 
     fn context<'c>(
         &'c self,
-        tx: sqlx::Transaction<'c, DB>,
+        conn: &'c mut DB::Connection,
         key: &'c str,
         attempt: u32,
         delivery: &'c Delivery,
     ) -> Context<'c, DB> {
         Context {
-            tx,
+            conn,
             handler: &self.inner.settings.name,
             key,
             attempt,
             delivery,
             faults: self.inner.config.faults.as_deref(),
         }
+    }
+
+    /// One message in one transaction: run the handler, mark the key completed, commit.
+    /// `Ok(Ok(None))` committed; `Ok(Ok(Some(e)))` failed and rolled back; `Ok(Err(e))` the
+    /// transaction could not begin; `Err` a simulated crash.
+    async fn run_in_own_transaction(
+        &self,
+        conn: &mut DB::Connection,
+        delivery: &Delivery,
+        key: &str,
+        attempt: u32,
+        message: H::Message,
+    ) -> Result<Result<Option<HandlerError>, sqlx::Error>, Crash> {
+        let s = &self.inner.settings;
+        let mut tx = match DB::begin_handler(conn).await {
+            Ok(tx) => tx,
+            Err(e) => return Ok(Err(e)),
+        };
+        let result = {
+            let mut ctx = self.context(&mut tx, key, attempt, delivery);
+            self.invoke(&mut ctx, message, false).await
+        };
+        if let Err(HandlerError {
+            crash: Some(point), ..
+        }) = &result
+        {
+            return Err(Crash(*point));
+        }
+        Ok(Ok(match result {
+            Ok(()) => {
+                self.fault(FaultPoint::BeforeCommit, key)?;
+                let committed = async {
+                    DB::complete(&mut tx, self.inner.inbox.names(), &s.name, key, s.retention)
+                        .await?;
+                    tx.commit().await
+                }
+                .await;
+                committed
+                    .err()
+                    .map(|e| HandlerError::transient(CommitFailed(e)))
+            }
+            Err(e) => {
+                if let Err(rb) = tx.rollback().await {
+                    tracing::warn!(error = %rb, "rollback failed");
+                }
+                Some(e)
+            }
+        }))
     }
 
     async fn record_failure(

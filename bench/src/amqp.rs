@@ -1,0 +1,237 @@
+//! RabbitMQ arms: raw lapin consume + ack, hand-written lapin + sqlx, and the framework.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::Context as _;
+use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher};
+use consumer_core::{BatchConfig, Inbox, Settlement, Worker, WorkerConfig};
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeleteOptions,
+};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use sqlx::{PgPool, Postgres};
+
+use crate::{cpu_time, figures, payload, record, timed, Figures, Job, Options, Rss};
+
+fn short(s: &str) -> anyhow::Result<ShortString> {
+    ShortString::try_new(s).map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
+}
+
+/// A fresh durable queue holding `o.messages` persistent messages, published with confirms.
+pub(crate) async fn fill(url: &str, queue: &str, first: u64, o: &Options) -> anyhow::Result<()> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let _ = ch
+        .queue_delete(short(queue)?, QueueDeleteOptions::default())
+        .await;
+    // Every arm consumes the queue exactly as the framework declares it.
+    let publisher = AmqpPublisher::connect(AmqpConfig::new(url, queue)).await?;
+    publisher.close().await;
+    let mut confirms = Vec::with_capacity(1000);
+    for id in first..first + o.messages as u64 {
+        let props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(format!("m-{id}").into());
+        let body = payload(id, o.size);
+        confirms.push(
+            ch.basic_publish(
+                short("")?,
+                short(queue)?,
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
+            .await?,
+        );
+        if confirms.len() == 1000 {
+            for c in confirms.drain(..) {
+                c.await?;
+            }
+        }
+    }
+    for c in confirms {
+        c.await?;
+    }
+    conn.close(200, "filled".into()).await?;
+    Ok(())
+}
+
+/// Raw lapin: consume, ack with `multiple` every 64 deliveries, as a tuned hand-written
+/// consumer with nothing to do per message would.
+pub(crate) async fn raw(url: &str, queue: &str, o: &Options) -> anyhow::Result<Figures> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
+    let mut consumer = ch
+        .basic_consume(
+            short(queue)?,
+            short("raw")?,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let rss = Rss::start();
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let mut latencies = Vec::with_capacity(o.messages);
+    let mut pending: Vec<Instant> = Vec::with_capacity(64);
+    let mut seen = 0;
+    while seen < o.messages {
+        let delivery = consumer.next().await.context("consumer ended")??;
+        pending.push(Instant::now());
+        seen += 1;
+        if pending.len() == 64 || seen == o.messages {
+            delivery
+                .acker
+                .ack(BasicAckOptions { multiple: true })
+                .await?;
+            for t in pending.drain(..) {
+                latencies.push(t.elapsed().as_micros() as u64);
+            }
+        }
+    }
+    let f = figures(
+        o.messages,
+        start.elapsed(),
+        cpu_time() - cpu0,
+        &mut latencies,
+        rss,
+    );
+    conn.close(200, "done".into()).await?;
+    Ok(f)
+}
+
+/// Hand-written lapin + sqlx: per message, a transaction with the inbox insert and the effect,
+/// commit, then ack that delivery.
+pub(crate) async fn hand_written(
+    url: &str,
+    queue: &str,
+    pool: &PgPool,
+    o: &Options,
+) -> anyhow::Result<Figures> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
+    let consumer = ch
+        .basic_consume(
+            short(queue)?,
+            short("hand")?,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
+    let rss = Rss::start();
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let work = consumer.take(o.messages).map(|delivery| {
+        let pool = pool.clone();
+        let latencies = latencies.clone();
+        async move {
+            let at = Instant::now();
+            let delivery = delivery?;
+            let job: Job = serde_json::from_slice(&delivery.data)?;
+            let key = delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.to_string())
+                .unwrap_or_default();
+            let mut tx = pool.begin().await?;
+            let fresh = sqlx::query(
+                "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
+                 VALUES ('bench', $1, 'h', 'completed', 1) ON CONFLICT DO NOTHING",
+            )
+            .bind(key)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if fresh {
+                sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
+                    .bind(job.id as i64)
+                    .bind(&job.body)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            if let Ok(mut l) = latencies.lock() {
+                l.push(at.elapsed().as_micros() as u64);
+            }
+            anyhow::Ok(())
+        }
+    });
+    let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
+    results.into_iter().collect::<anyhow::Result<()>>()?;
+    let wall = start.elapsed();
+    let cpu = cpu_time() - cpu0;
+    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
+    conn.close(200, "done".into()).await?;
+    Ok(figures(o.messages, wall, cpu, &mut l, rss))
+}
+
+/// The framework on RabbitMQ.
+pub(crate) async fn framework(
+    url: &str,
+    queue: &str,
+    inbox: &Inbox<Postgres>,
+    o: &Options,
+    batch: Option<BatchConfig>,
+) -> anyhow::Result<Figures> {
+    let mut config = AmqpConfig::new(url, queue);
+    config.prefetch = o.prefetch;
+    let consumer = AmqpConsumer::connect(config).await?;
+    let worker = Worker::with_config(
+        inbox.clone(),
+        record,
+        WorkerConfig {
+            concurrency: o.concurrency,
+            retention_interval: None,
+            batch,
+            ..WorkerConfig::default()
+        },
+    )?;
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let done_tx = Arc::new(Mutex::new(Some(done_tx)));
+    let acked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let rss = Rss::start();
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let (l2, n, acked2) = (latencies.clone(), o.messages, acked.clone());
+    let stream = consumer.map(move |r| {
+        r.map(|i| {
+            let done = done_tx.clone();
+            let acked = acked2.clone();
+            timed(i, &l2, move |_s: &Settlement| {
+                if acked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == n {
+                    if let Some(tx) = done.lock().ok().and_then(|mut d| d.take()) {
+                        let _ = tx.send(());
+                    }
+                }
+            })
+        })
+    });
+    worker
+        .run(stream, async {
+            let _ = done_rx.await;
+        })
+        .await?;
+    let wall = start.elapsed();
+    let cpu = cpu_time() - cpu0;
+    let s = worker.snapshot();
+    anyhow::ensure!(
+        s.completed == o.messages as u64,
+        "framework arm completed {} of {}",
+        s.completed,
+        o.messages
+    );
+    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
+    Ok(figures(o.messages, wall, cpu, &mut l, rss))
+}
