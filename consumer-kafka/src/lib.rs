@@ -1,1 +1,58 @@
-//! The kafka transport for consumer-core (work in progress).
+//! The Kafka transport for consumer-core, on rdkafka (librdkafka).
+//!
+//! Kafka keeps one committed offset per partition, so "ack after commit" means: commit
+//! offset `n` only when every record below `n` has settled. This crate gets that right and
+//! keeps it right across rebalances.
+//!
+//! - [`KafkaConfig`] says what to consume and how; [`KafkaConfig::validate`] fails naming
+//!   the field, and credentials are redacted from `Debug` output and errors.
+//!   [`KafkaConfig::from_env`] builds one from `KAFKA_*` variables.
+//! - [`KafkaConsumer`] is a [`consumer_core::Transport`]. A poll thread owns the librdkafka
+//!   consumer and keeps polling whatever the handlers do (so `max.poll.interval.ms` is never
+//!   exceeded); full partitions are paused, not the loop. Records are handed out in offset
+//!   order per partition ([`ProcessingOrder::Partition`]) or per key
+//!   ([`ProcessingOrder::Key`]). Each acknowledger marks its offset settled, and the
+//!   transport commits only up to the last contiguous settled record of each partition this
+//!   member owns.
+//! - On revoke, records of the revoked partitions are no longer handed out; their in-flight
+//!   records get `revoke_timeout` to settle; what is contiguous is committed; later
+//!   settlements are dropped ([`OffsetEvent::SettlementDropped`]), the new owner redelivers
+//!   and the inbox deduplicates.
+//! - Retries: [`RetryMode::RetryTopic`] writes a copy to `<topic>.retry` with
+//!   [`headers::ATTEMPT`] and [`headers::DUE_AT`] and commits past the original only after
+//!   the copy's delivery report; the consumer reads the retry topic too and holds each copy
+//!   until due (pausing that partition only). [`RetryMode::Blocking`] keeps the record in
+//!   place and hands it out again after the delay, keeping strict order.
+//! - Dead letters go to `<topic>.dlq` with the original key, value and headers plus the
+//!   headers in [`headers`], after the delivery report.
+//! - [`KafkaPublisher`] writes with `enable.idempotence=true` and awaits each delivery
+//!   report; [`create_topics`] creates a topic with its retry and dead-letter topics.
+//! - [`KafkaObserver`] is a log of assignments, commits, revocations and dropped
+//!   settlements, for tests and metrics.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use consumer_kafka::{KafkaConfig, KafkaConsumer};
+//!
+//! let config = KafkaConfig::from_env()?; // KAFKA_BROKERS, KAFKA_GROUP_ID, KAFKA_TOPICS, ...
+//! consumer_kafka::create_topics(&config, 3, 1).await?;
+//! let transport = KafkaConsumer::new(config)?;
+//! // worker.run(transport, shutdown).await?;
+//! # drop(transport);
+//! # Ok(())
+//! # }
+//! ```
+
+mod config;
+mod consumer;
+mod error;
+pub mod headers;
+mod observer;
+mod producer;
+mod tracker;
+
+pub use config::{ClientProperties, CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
+pub use consumer::KafkaConsumer;
+pub use error::Error;
+pub use observer::{KafkaObserver, OffsetEvent};
+pub use producer::{create_topics, KafkaPublisher, Published};

@@ -1,0 +1,1025 @@
+//! The consumer: a poll thread that owns the librdkafka consumer, a shared table of partitions
+//! and their offset trackers, and a [`Stream`] of [`Incoming`] deliveries for the worker.
+//!
+//! - The poll thread polls every 50ms whatever the handlers do, so `max.poll.interval.ms` is
+//!   never exceeded by a slow handler. Back-pressure pauses partitions (not the loop).
+//! - The stream hands out a record only when its partition's order allows it (see
+//!   [`ProcessingOrder`]) and the partition is not being revoked.
+//! - An acknowledger marks its offset settled; commits go up to the last contiguous settled
+//!   record of each partition this member owns.
+//! - Rebalance callbacks run on the poll thread: a revoke stops handing out the partitions,
+//!   waits (bounded) for their in-flight records, commits what is contiguous and forgets them;
+//!   later settlements for them are dropped.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
+use std::hash::{Hash, Hasher};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use consumer_core::{
+    Acknowledger, DeadLetter, Delivery, Incoming, Settlement, Source, TransportError,
+};
+use futures::future::BoxFuture;
+use futures::Stream;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode as RdCommitMode, Consumer, ConsumerContext, Rebalance,
+};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::sync::watch;
+
+use crate::config::{CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
+use crate::observer::{KafkaObserver, OffsetEvent};
+use crate::producer::{self, LogContext, OutgoingRecord};
+use crate::tracker::{KeyId, PartitionTracker};
+use crate::{headers, Error, KafkaPublisher};
+
+/// How long one poll waits for a record before housekeeping runs.
+const POLL_WAIT: Duration = Duration::from_millis(50);
+/// Records taken per round before housekeeping runs.
+const POLL_BATCH: usize = 500;
+/// Every this many commit intervals the current positions are committed again, even if
+/// unchanged (see [`Shared::commit`]), but not more often than [`MIN_COMMIT_REFRESH`].
+const COMMIT_REFRESH_FACTOR: u32 = 10;
+const MIN_COMMIT_REFRESH: Duration = Duration::from_secs(1);
+/// A dead-letter or retry copy that could not be written is tried again after this long.
+const REWRITE_DELAY: Duration = Duration::from_secs(1);
+
+/// A partition: topic and number.
+type Tp = (Arc<str>, i32);
+
+/// One fetched record, shared by its hand-outs and its acknowledger.
+#[derive(Debug)]
+struct Record {
+    topic: Arc<str>,
+    partition: i32,
+    offset: i64,
+    /// The topic its retry and dead-letter topics are named after (the retry topic's source).
+    origin: Arc<str>,
+    key: Option<Vec<u8>>,
+    null_payload: bool,
+    raw_headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The envelope handed to the worker (payload, headers, id, source; attempt from the
+    /// `x-attempt` header).
+    delivery: Delivery,
+}
+
+/// A record as the tracker holds it: the record and the attempt its next hand-out carries.
+#[derive(Debug)]
+struct Handout {
+    record: Arc<Record>,
+    attempt: u32,
+    redelivered: bool,
+}
+
+struct Partition {
+    generation: u64,
+    tracker: PartitionTracker<Handout>,
+    revoking: bool,
+    paused: bool,
+    /// Last commit point committed (or stored).
+    committed: Option<i64>,
+}
+
+#[derive(Default)]
+struct State {
+    partitions: BTreeMap<Tp, Partition>,
+    cursor: usize,
+    waker: Option<Waker>,
+    errors: VecDeque<TransportError>,
+    /// The poll thread has exited: the stream ends once nothing is left to hand out.
+    finished: bool,
+    next_generation: u64,
+}
+
+/// What the transport needs from the configuration after validation.
+struct Settings {
+    order: ProcessingOrder,
+    retry: RetryMode,
+    commit: CommitMode,
+    commit_interval: Duration,
+    max_buffered: usize,
+    revoke_timeout: Duration,
+    produce_timeout: Duration,
+    message_id_header: String,
+    offset_message_ids: bool,
+    /// Retry topic name → the topic it retries.
+    retry_sources: BTreeMap<String, Arc<str>>,
+    retry_suffix: String,
+    dead_letter_suffix: String,
+    group_id: String,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled whenever a record settles (a revoke may be waiting for it).
+    settled: Condvar,
+    settings: Settings,
+    producer: FutureProducer<LogContext>,
+    observer: KafkaObserver,
+    stop: AtomicBool,
+    closed: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wake(waker: Option<Waker>) {
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// The librdkafka consumer's context: logging and the rebalance callbacks.
+struct ConsumerCtx {
+    shared: Arc<Shared>,
+}
+
+impl ClientContext for ConsumerCtx {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        producer::log_librdkafka(level, fac, log_message);
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::warn!(error = %error, reason, "librdkafka consumer error");
+    }
+}
+
+impl ConsumerContext for ConsumerCtx {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => self.shared.revoke(consumer, tpl),
+            Rebalance::Assign(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            self.shared.assign(consumer, tpl);
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        tracing::debug!(ok = result.is_ok(), offsets = ?offsets.to_topic_map(), "commit result");
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "offset commit failed; it is retried at the next interval");
+            let mut state = self.shared.lock();
+            for elem in offsets.elements() {
+                let tp: Tp = (Arc::from(elem.topic()), elem.partition());
+                if let Some(p) = state.partitions.get_mut(&tp) {
+                    if elem.offset().to_raw() == p.committed {
+                        p.committed = None;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn key_id(key: Option<&[u8]>) -> KeyId {
+    key.map(|k| {
+        let mut h = DefaultHasher::new();
+        k.hash(&mut h);
+        h.finish()
+    })
+}
+
+fn unix_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or_default()
+}
+
+impl Shared {
+    /// Turns a fetched message into a tracked record of its partition (if still owned).
+    fn ingest(&self, m: &BorrowedMessage<'_>) {
+        let s = &self.settings;
+        let topic: Arc<str> = Arc::from(m.topic());
+        let (partition, offset) = (m.partition(), m.offset());
+        let mut raw_headers = Vec::new();
+        let mut header_map = BTreeMap::new();
+        if let Some(hs) = m.headers() {
+            for h in hs.iter() {
+                raw_headers.push((h.key.to_owned(), h.value.map(<[u8]>::to_vec)));
+                let text = h
+                    .value
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_default();
+                header_map.insert(h.key.to_owned(), text);
+            }
+        }
+        let location = format!("{topic}/{partition}@{offset}");
+        let message_id = header_map
+            .get(&s.message_id_header)
+            .filter(|v| !v.is_empty())
+            .cloned()
+            .or_else(|| s.offset_message_ids.then(|| location.clone()));
+        let attempt = header_map
+            .get(headers::ATTEMPT)
+            .and_then(|a| a.parse::<u32>().ok())
+            .filter(|&a| a >= 1)
+            .unwrap_or(1);
+        let origin = s.retry_sources.get(&*topic).cloned();
+        // Only copies on a retry topic wait for their due time.
+        let not_before = origin
+            .as_ref()
+            .and_then(|_| header_map.get(headers::DUE_AT))
+            .and_then(|d| d.parse::<i64>().ok())
+            .and_then(|due| {
+                let wait = due.saturating_sub(unix_millis());
+                (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
+            });
+        // Another group's retry copy (groups share a topic's retry topic): not ours to run.
+        let foreign = origin.is_some()
+            && header_map
+                .get(headers::RETRY_GROUP)
+                .is_some_and(|g| *g != s.group_id);
+        let payload = m.payload().unwrap_or_default().to_vec();
+        let record = Arc::new(Record {
+            origin: origin.unwrap_or_else(|| topic.clone()),
+            topic: topic.clone(),
+            partition,
+            offset,
+            key: m.key().map(<[u8]>::to_vec),
+            null_payload: m.payload().is_none(),
+            raw_headers,
+            delivery: Delivery {
+                message_id,
+                payload: payload.into(),
+                headers: header_map,
+                redelivered: false,
+                attempt,
+                source: Source {
+                    transport: "kafka",
+                    location,
+                },
+            },
+        });
+        let mut state = self.lock();
+        let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
+            // Fetched just before its partition was revoked: the new owner reads it.
+            return;
+        };
+        if p.revoking {
+            return;
+        }
+        let key = key_id(record.key.as_deref());
+        if foreign {
+            p.tracker.push_settled(
+                offset,
+                Handout {
+                    record,
+                    attempt,
+                    redelivered: false,
+                },
+            );
+            return;
+        }
+        p.tracker.push(
+            offset,
+            key,
+            not_before,
+            Handout {
+                record,
+                attempt,
+                redelivered: false,
+            },
+        );
+    }
+
+    /// Pauses partitions whose buffer is full or whose next retry is not due, resumes the
+    /// others, and wakes the stream when something may be handed out.
+    fn housekeeping(&self, consumer: &BaseConsumer<ConsumerCtx>) {
+        let now = Instant::now();
+        let mut pause = TopicPartitionList::new();
+        let mut resume = TopicPartitionList::new();
+        let waker = {
+            let mut state = self.lock();
+            let mut ready = false;
+            for ((topic, partition), p) in state.partitions.iter_mut() {
+                let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
+                let want_pause =
+                    p.revoking || p.tracker.len() >= self.settings.max_buffered || waiting_for_due;
+                if want_pause != p.paused {
+                    let list = if want_pause { &mut pause } else { &mut resume };
+                    list.add_partition(topic, *partition);
+                    p.paused = want_pause;
+                }
+                ready |= !p.revoking && p.tracker.has_due_waiting(now);
+            }
+            if ready {
+                state.waker.take()
+            } else {
+                None
+            }
+        };
+        Shared::wake(waker);
+        if pause.count() > 0 {
+            tracing::debug!(partitions = ?pause.to_topic_map().keys(), "pausing");
+            if let Err(e) = consumer.pause(&pause) {
+                tracing::warn!(error = %e, "pausing partitions failed");
+            }
+        }
+        if resume.count() > 0 {
+            tracing::debug!(partitions = ?resume.to_topic_map().keys(), "resuming");
+            if let Err(e) = consumer.resume(&resume) {
+                tracing::warn!(error = %e, "resuming partitions failed");
+            }
+        }
+    }
+
+    /// Commits (or stores) the contiguous settled position of every owned partition that
+    /// moved since the last commit; with `refresh`, of every owned partition.
+    ///
+    /// librdkafka does not report the outcome of an asynchronous manual commit to the event
+    /// API rdkafka uses, and commits sent while the group rebalances fail ("generation id
+    /// not valid"). A failed commit is therefore not noticed; the periodic refresh sends the
+    /// current positions again, so one always lands once the group is stable.
+    fn commit(&self, consumer: &BaseConsumer<ConsumerCtx>, mode: RdCommitMode, refresh: bool) {
+        let tpl = {
+            let mut state = self.lock();
+            let mut tpl = TopicPartitionList::new();
+            let mut events = Vec::new();
+            for ((topic, partition), p) in state.partitions.iter_mut() {
+                if p.revoking {
+                    continue;
+                }
+                if let Some(point) = p.tracker.commit_point() {
+                    if refresh || p.committed != Some(point) {
+                        if let Err(e) =
+                            tpl.add_partition_offset(topic, *partition, Offset::Offset(point))
+                        {
+                            tracing::warn!(error = %e, "cannot build the commit list");
+                            continue;
+                        }
+                        p.committed = Some(point);
+                        events.push(OffsetEvent::Committed {
+                            topic: topic.to_string(),
+                            partition: *partition,
+                            offset: point,
+                        });
+                    }
+                }
+            }
+            // Recorded under the state lock, so the log orders commits against
+            // assignments and revocations exactly as they happened.
+            self.observer.record_all(events);
+            tpl
+        };
+        self.send_commit(consumer, &tpl, mode);
+    }
+
+    fn send_commit(
+        &self,
+        consumer: &BaseConsumer<ConsumerCtx>,
+        tpl: &TopicPartitionList,
+        mode: RdCommitMode,
+    ) {
+        if tpl.count() == 0 {
+            return;
+        }
+        tracing::debug!(offsets = ?tpl.to_topic_map(), ?mode, "committing");
+        let result = match self.settings.commit {
+            CommitMode::Manual => consumer.commit(tpl, mode),
+            CommitMode::AutoStore => consumer.store_offsets(tpl),
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "committing offsets failed; retried at the next interval");
+            let mut state = self.lock();
+            for elem in tpl.elements() {
+                let tp: Tp = (Arc::from(elem.topic()), elem.partition());
+                if let Some(p) = state.partitions.get_mut(&tp) {
+                    p.committed = None;
+                }
+            }
+        }
+    }
+
+    /// The revoke callback: stop handing out, wait (bounded) for in-flight records, commit
+    /// what is contiguous, forget the partitions. Runs on the poll thread.
+    fn revoke(&self, consumer: &BaseConsumer<ConsumerCtx>, tpl: &TopicPartitionList) {
+        let lost = consumer.assignment_lost();
+        let tps: Vec<Tp> = tpl
+            .elements()
+            .iter()
+            .map(|e| (Arc::from(e.topic()), e.partition()))
+            .collect();
+        let mut state = self.lock();
+        for tp in &tps {
+            if let Some(p) = state.partitions.get_mut(tp) {
+                p.revoking = true;
+            }
+        }
+        let in_flight = |state: &State| {
+            tps.iter()
+                .filter_map(|tp| state.partitions.get(tp))
+                .map(|p| p.tracker.in_flight())
+                .sum::<usize>()
+        };
+        if !lost {
+            let deadline = Instant::now() + self.settings.revoke_timeout;
+            loop {
+                let n = in_flight(&state);
+                let now = Instant::now();
+                if n == 0 {
+                    break;
+                }
+                if now >= deadline {
+                    tracing::warn!(
+                        in_flight = n,
+                        timeout = ?self.settings.revoke_timeout,
+                        "revoke: in-flight records did not settle in time; the new owner redelivers them"
+                    );
+                    break;
+                }
+                state = self
+                    .settled
+                    .wait_timeout(state, deadline - now)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|p| p.into_inner().0);
+            }
+        }
+        let mut commit = TopicPartitionList::new();
+        let mut events = Vec::new();
+        for tp in &tps {
+            let Some(p) = state.partitions.remove(tp) else {
+                continue;
+            };
+            if !lost {
+                // Always sent (synchronously): an earlier asynchronous commit of the same
+                // position may have failed unnoticed.
+                if let Some(point) = p.tracker.commit_point() {
+                    if commit
+                        .add_partition_offset(&tp.0, tp.1, Offset::Offset(point))
+                        .is_ok()
+                    {
+                        events.push(OffsetEvent::Committed {
+                            topic: tp.0.to_string(),
+                            partition: tp.1,
+                            offset: point,
+                        });
+                    }
+                }
+            }
+            events.push(OffsetEvent::Revoked {
+                topic: tp.0.to_string(),
+                partition: tp.1,
+                lost,
+                unsettled: p.tracker.in_flight(),
+            });
+        }
+        // The commit comes first in the log: it is sent while the partitions are still ours.
+        self.observer.record_all(events);
+        drop(state);
+        tracing::info!(partitions = tps.len(), lost, "partitions revoked");
+        // Synchronously, while the partitions are still assigned to this member.
+        self.send_commit(consumer, &commit, RdCommitMode::Sync);
+    }
+
+    /// The assign callback (after librdkafka applied the assignment).
+    fn assign(&self, consumer: &BaseConsumer<ConsumerCtx>, tpl: &TopicPartitionList) {
+        let mut events = Vec::new();
+        {
+            let mut state = self.lock();
+            for e in tpl.elements() {
+                let tp: Tp = (Arc::from(e.topic()), e.partition());
+                if state.partitions.contains_key(&tp) {
+                    continue;
+                }
+                state.next_generation += 1;
+                let generation = state.next_generation;
+                state.partitions.insert(
+                    tp,
+                    Partition {
+                        generation,
+                        tracker: PartitionTracker::default(),
+                        revoking: false,
+                        paused: false,
+                        committed: None,
+                    },
+                );
+                events.push(OffsetEvent::Assigned {
+                    topic: e.topic().to_owned(),
+                    partition: e.partition(),
+                });
+            }
+            self.observer.record_all(events);
+        }
+        tracing::info!(partitions = tpl.count(), "partitions assigned");
+        // A partition paused before an earlier revoke must not stay paused.
+        if let Err(e) = consumer.resume(tpl) {
+            tracing::debug!(error = %e, "resume after assignment");
+        }
+    }
+
+    /// Runs `f` on the partition if it is still the same assignment (`generation`).
+    fn with_partition<R>(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        f: impl FnOnce(&mut Partition) -> R,
+    ) -> Option<(R, Option<Waker>)> {
+        let mut state = self.lock();
+        let p = state
+            .partitions
+            .get_mut(tp)
+            .filter(|p| p.generation == generation)?;
+        let r = f(p);
+        Some((r, state.waker.take()))
+    }
+
+    fn revoked_error(&self, record: &Record) -> TransportError {
+        self.observer.record_all([OffsetEvent::SettlementDropped {
+            topic: record.topic.to_string(),
+            partition: record.partition,
+            offset: record.offset,
+        }]);
+        TransportError::msg(format!(
+            "partition {}/{} was revoked before {} settled; the new owner redelivers it",
+            record.topic, record.partition, record.delivery.source.location
+        ))
+    }
+
+    fn mark_settled(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        record: &Record,
+    ) -> Result<(), TransportError> {
+        match self.with_partition(tp, generation, |p| p.tracker.settle(record.offset)) {
+            Some((_, waker)) => {
+                self.settled.notify_all();
+                Shared::wake(waker);
+                Ok(())
+            }
+            None => Err(self.revoked_error(record)),
+        }
+    }
+
+    /// Puts the record back in its place, due at `not_before`, carrying `attempt`.
+    fn defer(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        record: &Record,
+        delay: Duration,
+        attempt: u32,
+    ) -> Result<(), TransportError> {
+        let not_before = Instant::now() + delay;
+        let deferred = self.with_partition(tp, generation, |p| {
+            if let Some(h) = p.tracker.defer(record.offset, not_before) {
+                h.attempt = attempt;
+                h.redelivered = true;
+            }
+        });
+        match deferred {
+            Some((_, waker)) => {
+                self.settled.notify_all();
+                Shared::wake(waker);
+                Ok(())
+            }
+            None => Err(self.revoked_error(record)),
+        }
+    }
+
+    fn owned(&self, tp: &Tp, generation: u64) -> bool {
+        self.lock()
+            .partitions
+            .get(tp)
+            .is_some_and(|p| p.generation == generation)
+    }
+}
+
+/// Settles one Kafka record.
+struct KafkaAcker {
+    shared: Arc<Shared>,
+    tp: Tp,
+    generation: u64,
+    record: Arc<Record>,
+    done: bool,
+}
+
+impl Drop for KafkaAcker {
+    fn drop(&mut self) {
+        if !self.done {
+            // Dropped unsettled (the worker stopped or crashed): never committed past, and a
+            // revoke does not wait for it.
+            let offset = self.record.offset;
+            let _ = self
+                .shared
+                .with_partition(&self.tp, self.generation, |p| p.tracker.abandon(offset));
+            self.shared.settled.notify_all();
+        }
+    }
+}
+
+impl Acknowledger for KafkaAcker {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let mut this = self;
+            let result = this.apply(settlement).await;
+            this.done = true;
+            result
+        })
+    }
+}
+
+impl KafkaAcker {
+    async fn apply(&self, settlement: Settlement) -> Result<(), TransportError> {
+        let shared = &self.shared;
+        let (tp, generation, record) = (&self.tp, self.generation, &*self.record);
+        match settlement {
+            Settlement::Ack => shared.mark_settled(tp, generation, record),
+            Settlement::Retry { delay, attempt } => match shared.settings.retry {
+                RetryMode::Blocking => shared.defer(tp, generation, record, delay, attempt),
+                RetryMode::RetryTopic => {
+                    if !shared.owned(tp, generation) {
+                        return Err(shared.revoked_error(record));
+                    }
+                    let topic = format!("{}{}", record.origin, shared.settings.retry_suffix);
+                    let out = retry_copy(record, &shared.settings, delay, attempt);
+                    match producer::send(
+                        &shared.producer,
+                        &topic,
+                        &out,
+                        shared.settings.produce_timeout,
+                    )
+                    .await
+                    {
+                        Ok(_) => shared.mark_settled(tp, generation, record),
+                        Err(e) => {
+                            // Not written: retry in place instead, so the record is not stuck.
+                            let _ = shared.defer(tp, generation, record, delay, attempt);
+                            Err(TransportError::new("writing the retry copy failed", e))
+                        }
+                    }
+                }
+            },
+            Settlement::DeadLetter(dl) => {
+                if !shared.owned(tp, generation) {
+                    return Err(shared.revoked_error(record));
+                }
+                let topic = format!("{}{}", record.origin, shared.settings.dead_letter_suffix);
+                let out = dead_letter_copy(record, &dl);
+                match producer::send(
+                    &shared.producer,
+                    &topic,
+                    &out,
+                    shared.settings.produce_timeout,
+                )
+                .await
+                {
+                    Ok(_) => shared.mark_settled(tp, generation, record),
+                    Err(e) => {
+                        // The redelivery is dead-lettered again (the inbox remembers why).
+                        let _ = shared.defer(
+                            tp,
+                            generation,
+                            record,
+                            REWRITE_DELAY,
+                            record.delivery.attempt,
+                        );
+                        Err(TransportError::new("writing the dead letter failed", e))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The original headers without those the transport manages.
+fn carried_headers(record: &Record) -> Vec<(String, Option<Vec<u8>>)> {
+    record
+        .raw_headers
+        .iter()
+        .filter(|(k, _)| !headers::MANAGED.contains(&k.as_str()))
+        .cloned()
+        .collect()
+}
+
+fn text(k: &str, v: impl ToString) -> (String, Option<Vec<u8>>) {
+    (k.to_owned(), Some(v.to_string().into_bytes()))
+}
+
+fn has_header(hs: &[(String, Option<Vec<u8>>)], name: &str) -> bool {
+    hs.iter().any(|(k, _)| k == name)
+}
+
+/// Where a record first came from: its own position, unless it is a retry copy that says.
+fn add_origin(hs: &mut Vec<(String, Option<Vec<u8>>)>, record: &Record) {
+    if !has_header(hs, headers::ORIGINAL_TOPIC) {
+        hs.push(text(headers::ORIGINAL_TOPIC, &record.topic));
+        hs.push(text(headers::ORIGINAL_PARTITION, record.partition));
+        hs.push(text(headers::ORIGINAL_OFFSET, record.offset));
+    }
+}
+
+fn retry_copy(record: &Record, s: &Settings, delay: Duration, attempt: u32) -> OutgoingRecord {
+    let mut hs = carried_headers(record);
+    // The copy keeps the message's identity even when it was derived (offset ids).
+    if let Some(id) = &record.delivery.message_id {
+        if !has_header(&hs, &s.message_id_header) {
+            hs.push(text(&s.message_id_header, id));
+        }
+    }
+    let due = unix_millis().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+    hs.push(text(headers::ATTEMPT, attempt));
+    hs.push(text(headers::DUE_AT, due));
+    hs.push(text(headers::RETRY_GROUP, &s.group_id));
+    add_origin(&mut hs, record);
+    OutgoingRecord {
+        key: record.key.clone(),
+        payload: (!record.null_payload).then(|| record.delivery.payload.to_vec()),
+        headers: hs,
+    }
+}
+
+fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingRecord {
+    let mut hs: Vec<_> = record
+        .raw_headers
+        .iter()
+        .filter(|(k, _)| !headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT)
+        .cloned()
+        .collect();
+    hs.push(text(headers::DEAD_LETTER_REASON, dl.reason.as_str()));
+    hs.push(text(headers::HANDLER, &dl.handler));
+    if let Some(key) = &dl.key {
+        hs.push(text(headers::KEY, key));
+    }
+    hs.push(text(headers::ATTEMPTS, dl.attempts));
+    hs.push(text(headers::ERROR, &dl.error));
+    add_origin(&mut hs, record);
+    OutgoingRecord {
+        key: record.key.clone(),
+        payload: (!record.null_payload).then(|| record.delivery.payload.to_vec()),
+        headers: hs,
+    }
+}
+
+/// A Kafka consumer as a [`consumer_core::Transport`]: give it to
+/// [`consumer_core::Worker::run`].
+///
+/// Dropping it (the worker does, when it stops) stops the poll thread, which commits what is
+/// settled, waits (up to `revoke_timeout`) for records still in flight, and leaves the
+/// group; [`KafkaConsumer::closed`] resolves when that is done.
+pub struct KafkaConsumer {
+    shared: Arc<Shared>,
+    closed: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for KafkaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumer").finish_non_exhaustive()
+    }
+}
+
+impl KafkaConsumer {
+    /// Validates `config`, creates the producer and the consumer, subscribes, and starts the
+    /// poll thread. Fails naming the field on bad configuration.
+    pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let producer = producer::create(&config.producer_client_config(), config.produce_timeout)?;
+        let (closed_tx, closed_rx) = watch::channel(false);
+        let retry_sources = config
+            .topics
+            .iter()
+            .map(|t| (config.retry_topic(t), Arc::<str>::from(t.as_str())))
+            .collect();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            settled: Condvar::new(),
+            settings: Settings {
+                order: config.order,
+                retry: config.retry,
+                commit: config.commit,
+                commit_interval: config.commit_interval,
+                max_buffered: config.max_buffered_per_partition,
+                revoke_timeout: config.revoke_timeout,
+                produce_timeout: config.produce_timeout,
+                message_id_header: config.message_id_header.clone(),
+                offset_message_ids: config.offset_message_ids,
+                retry_sources,
+                retry_suffix: config.retry_topic_suffix.clone(),
+                dead_letter_suffix: config.dead_letter_topic_suffix.clone(),
+                group_id: config.group_id.clone(),
+            },
+            producer,
+            observer: KafkaObserver::default(),
+            stop: AtomicBool::new(false),
+            closed: closed_tx,
+        });
+        let consumer: BaseConsumer<ConsumerCtx> = config
+            .consumer_client_config()
+            .create_with_context(ConsumerCtx {
+                shared: shared.clone(),
+            })
+            .map_err(|e| producer::client_error("creating the consumer", e))?;
+        let topics = config.subscribed_topics();
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&names)
+            .map_err(|e| producer::client_error("subscribing", e))?;
+        tracing::info!(group = %config.group_id, topics = ?topics, "kafka consumer started");
+        let thread_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("kafka-poll".to_owned())
+            .spawn(move || poll_loop(consumer, thread_shared))
+            .map_err(|e| Error::client("starting the poll thread", e))?;
+        Ok(KafkaConsumer {
+            shared,
+            closed: closed_rx,
+        })
+    }
+
+    /// Offsets, assignments and dropped settlements, as they happen (for tests and metrics).
+    pub fn observer(&self) -> KafkaObserver {
+        self.shared.observer.clone()
+    }
+
+    /// A publisher sharing this consumer's idempotent producer.
+    pub fn publisher(&self) -> KafkaPublisher {
+        KafkaPublisher::from_producer(
+            self.shared.producer.clone(),
+            self.shared.settings.message_id_header.clone(),
+            self.shared.settings.produce_timeout,
+        )
+    }
+
+    /// Resolves once the poll thread has committed what was settled and left the group
+    /// (after this consumer was dropped).
+    pub fn closed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.closed.clone();
+        async move {
+            // An error means the sender is gone: the thread has ended too.
+            let _ = rx.wait_for(|closed| *closed).await;
+        }
+    }
+}
+
+impl Drop for KafkaConsumer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Stream for KafkaConsumer {
+    type Item = Result<Incoming, TransportError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let shared = &self.shared;
+        let order = shared.settings.order;
+        let mut state = shared.lock();
+        if let Some(e) = state.errors.pop_front() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        let now = Instant::now();
+        let n = state.partitions.len();
+        let start = state.cursor;
+        for i in 0..n {
+            let index = (start + i) % n;
+            let Some((tp, p)) = state.partitions.iter_mut().nth(index) else {
+                break;
+            };
+            if p.revoking {
+                continue;
+            }
+            let Some((_, h)) = p.tracker.take_next(order, now) else {
+                continue;
+            };
+            let mut delivery = h.record.delivery.clone();
+            delivery.attempt = h.attempt;
+            delivery.redelivered = h.redelivered;
+            if h.attempt > 1 {
+                delivery
+                    .headers
+                    .insert(headers::ATTEMPT.to_owned(), h.attempt.to_string());
+            }
+            let acker = KafkaAcker {
+                shared: shared.clone(),
+                tp: tp.clone(),
+                generation: p.generation,
+                record: h.record.clone(),
+                done: false,
+            };
+            state.cursor = index + 1;
+            return Poll::Ready(Some(Ok(Incoming {
+                delivery,
+                acker: Box::new(acker),
+            })));
+        }
+        if state.finished {
+            return Poll::Ready(None);
+        }
+        state.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
+    let mut last_commit = Instant::now();
+    let mut last_refresh = Instant::now();
+    let refresh_interval =
+        (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR).max(MIN_COMMIT_REFRESH);
+    let mut last_summary = Instant::now();
+    while !shared.stop.load(Ordering::SeqCst) {
+        let mut wait = POLL_WAIT;
+        for _ in 0..POLL_BATCH {
+            match consumer.poll(wait) {
+                None => break,
+                Some(Ok(m)) => {
+                    shared.ingest(&m);
+                    wait = Duration::ZERO;
+                }
+                Some(Err(e)) => {
+                    handle_poll_error(&shared, e);
+                    break;
+                }
+            }
+        }
+        shared.housekeeping(&consumer);
+        if tracing::enabled!(tracing::Level::DEBUG)
+            && last_summary.elapsed() >= Duration::from_secs(2)
+        {
+            last_summary = Instant::now();
+            let state = shared.lock();
+            for ((topic, partition), p) in &state.partitions {
+                tracing::debug!(
+                    "{topic}/{partition}: {} revoking={} paused={} committed={:?}",
+                    p.tracker.describe(),
+                    p.revoking,
+                    p.paused,
+                    p.committed
+                );
+            }
+        }
+        if last_commit.elapsed() >= shared.settings.commit_interval {
+            let refresh = last_refresh.elapsed() >= refresh_interval;
+            if refresh {
+                last_refresh = Instant::now();
+            }
+            shared.commit(&consumer, RdCommitMode::Async, refresh);
+            last_commit = Instant::now();
+        }
+    }
+    tracing::info!("kafka consumer stopping: committing settled offsets and leaving the group");
+    shared.commit(&consumer, RdCommitMode::Sync, true);
+    // Closing runs the revoke callback (bounded wait, contiguous commit) and leaves the group.
+    drop(consumer);
+    let waker = {
+        let mut state = shared.lock();
+        state.finished = true;
+        state.partitions.clear();
+        state.waker.take()
+    };
+    Shared::wake(waker);
+    shared.closed.send_replace(true);
+    tracing::info!("kafka consumer closed");
+}
+
+static UNKNOWN_TOPIC_WARNINGS: AtomicU64 = AtomicU64::new(0);
+
+fn handle_poll_error(shared: &Shared, e: rdkafka::error::KafkaError) {
+    use rdkafka::error::KafkaError as K;
+    use rdkafka::types::RDKafkaErrorCode as C;
+    match e {
+        K::MessageConsumptionFatal(code) => {
+            tracing::error!(error = %code, "fatal consumer error: the transport stops");
+            let waker = {
+                let mut state = shared.lock();
+                state.errors.push_back(TransportError::new(
+                    "fatal kafka consumer error",
+                    K::MessageConsumptionFatal(code),
+                ));
+                state.waker.take()
+            };
+            shared.stop.store(true, Ordering::SeqCst);
+            Shared::wake(waker);
+        }
+        K::MessageConsumption(C::UnknownTopicOrPartition | C::UnknownTopic) => {
+            // A subscribed topic (often a retry topic) does not exist yet; librdkafka keeps
+            // retrying. Logged now and then, not on every metadata refresh.
+            if UNKNOWN_TOPIC_WARNINGS
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(100)
+            {
+                tracing::warn!(error = %e, "a subscribed topic does not exist (create it with consumer_kafka::create_topics)");
+            }
+        }
+        other => tracing::warn!(error = %other, "kafka consumer error"),
+    }
+}

@@ -1,0 +1,43 @@
+//! Header names the transport reads and writes.
+//!
+//! Retry copies carry [`ATTEMPT`], [`DUE_AT`], [`RETRY_GROUP`] and the `x-original-*`
+//! headers; dead-letter records carry [`ATTEMPT`] (if the record had one), the reason,
+//! handler, key, attempts, error and `x-original-*` headers, on top of the original record's
+//! key, value and headers. Values are UTF-8 text.
+
+/// The attempt number of a retry copy (the first delivery, without it, is attempt 1).
+pub const ATTEMPT: &str = "x-attempt";
+/// When a retry copy is due, in milliseconds since the Unix epoch.
+pub const DUE_AT: &str = "x-due-at";
+/// The consumer group that wrote a retry copy. Several groups may share a topic and so its
+/// retry topic; each consumes only its own copies and skips (commits past) the others'.
+pub const RETRY_GROUP: &str = "x-retry-group";
+/// Why a record was dead-lettered: a [`consumer_core::DeadLetterReason`] name such as
+/// `undecodable` or `permanent_error`.
+pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
+/// The stable name of the handler that dead-lettered the record.
+pub const HANDLER: &str = "x-handler";
+/// The idempotency key, when one was derived (absent otherwise).
+pub const KEY: &str = "x-key";
+/// Attempts counted by the inbox (0 when the handler never ran).
+pub const ATTEMPTS: &str = "x-attempts";
+/// The error text.
+pub const ERROR: &str = "x-error";
+/// The topic the record was first consumed from (not the retry topic).
+pub const ORIGINAL_TOPIC: &str = "x-original-topic";
+/// Its partition there.
+pub const ORIGINAL_PARTITION: &str = "x-original-partition";
+/// Its offset there.
+pub const ORIGINAL_OFFSET: &str = "x-original-offset";
+
+/// Headers written by the transport, replaced (not duplicated) when a copy is written again.
+pub(crate) const MANAGED: &[&str] = &[
+    ATTEMPT,
+    DUE_AT,
+    RETRY_GROUP,
+    DEAD_LETTER_REASON,
+    HANDLER,
+    KEY,
+    ATTEMPTS,
+    ERROR,
+];

@@ -1,0 +1,281 @@
+//! The framework's own writes: retry copies, dead letters, user publishing, topic creation.
+//! Every write goes through an idempotent producer and waits for its delivery report.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::util::Timeout;
+use rdkafka::ClientContext;
+
+use crate::config::{
+    producer_client_config, validate_brokers, validate_properties, validate_topic,
+};
+use crate::{ClientProperties, Error, KafkaConfig, RetryMode};
+
+/// A client context that sends librdkafka's log lines to `tracing`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LogContext;
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        log_librdkafka(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(error = %error, reason, "librdkafka client error");
+    }
+}
+
+pub(crate) fn log_librdkafka(level: RDKafkaLogLevel, fac: &str, message: &str) {
+    match level {
+        RDKafkaLogLevel::Emerg
+        | RDKafkaLogLevel::Alert
+        | RDKafkaLogLevel::Critical
+        | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{message}"),
+        RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{message}"),
+        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+            tracing::info!(target: "librdkafka", fac, "{message}")
+        }
+        RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{message}"),
+    }
+}
+
+/// An rdkafka error as this crate's error. Configuration errors quote property values, so
+/// they become [`Error::Config`] without the value and without the source.
+pub(crate) fn client_error(context: &str, e: KafkaError) -> Error {
+    match &e {
+        KafkaError::ClientConfig(_, _, name, value) => Error::config(
+            format!("properties.{name}"),
+            crate::config::redacted_reason(name, value, &e),
+        ),
+        _ => Error::client(context, e),
+    }
+}
+
+pub(crate) fn create(
+    config: &ClientConfig,
+    timeout: Duration,
+) -> Result<FutureProducer<LogContext>, Error> {
+    let mut config = config.clone();
+    if config.get("message.timeout.ms").is_none() && config.get("delivery.timeout.ms").is_none() {
+        // A delivery report arrives within the produce timeout, success or not.
+        config.set("message.timeout.ms", timeout.as_millis().max(1).to_string());
+    }
+    config
+        .create_with_context(LogContext)
+        .map_err(|e| client_error("creating the producer", e))
+}
+
+/// A record to write, built from a consumed one.
+#[derive(Debug, Clone)]
+pub(crate) struct OutgoingRecord {
+    pub(crate) key: Option<Vec<u8>>,
+    pub(crate) payload: Option<Vec<u8>>,
+    pub(crate) headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// Writes `record` and waits for its delivery report.
+pub(crate) async fn send(
+    producer: &FutureProducer<LogContext>,
+    topic: &str,
+    record: &OutgoingRecord,
+    timeout: Duration,
+) -> Result<Published, Error> {
+    let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
+    for (key, value) in &record.headers {
+        headers = headers.insert(Header {
+            key,
+            value: value.as_deref(),
+        });
+    }
+    let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(headers);
+    if let Some(k) = &record.key {
+        out = out.key(k.as_slice());
+    }
+    if let Some(p) = &record.payload {
+        out = out.payload(p.as_slice());
+    }
+    match producer.send(out, Timeout::After(timeout)).await {
+        Ok(d) => Ok(Published {
+            partition: d.partition,
+            offset: d.offset,
+        }),
+        Err((e, _)) => Err(Error::Produce {
+            topic: topic.to_owned(),
+            source: Box::new(e),
+        }),
+    }
+}
+
+/// Where a published record landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Published {
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+}
+
+/// Publishes records with an idempotent producer (`enable.idempotence=true`), each call
+/// returning only once the broker has acknowledged the record. Cheap to clone.
+#[derive(Clone)]
+pub struct KafkaPublisher {
+    producer: FutureProducer<LogContext>,
+    message_id_header: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("message_id_header", &self.message_id_header)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaPublisher {
+    /// A publisher for the brokers, common and producer properties and message id header of
+    /// `config` (its topics and group are not used).
+    pub fn new(config: &KafkaConfig) -> Result<Self, Error> {
+        validate_brokers(&config.brokers)?;
+        validate_properties("properties", &config.properties)?;
+        validate_properties("producer_properties", &config.producer_properties)?;
+        if config.message_id_header.trim().is_empty() {
+            return Err(Error::config("message_id_header", "must not be empty"));
+        }
+        let producer = create(&config.producer_client_config(), config.produce_timeout)?;
+        Ok(Self::from_producer(
+            producer,
+            config.message_id_header.clone(),
+            config.produce_timeout,
+        ))
+    }
+
+    /// A publisher for `brokers` with `properties` and the default message id header.
+    pub fn connect(brokers: &str, properties: &ClientProperties) -> Result<Self, Error> {
+        validate_brokers(brokers)?;
+        validate_properties("properties", properties)?;
+        let timeout = Duration::from_secs(30);
+        let producer = create(
+            &producer_client_config(brokers, properties, &ClientProperties::new()),
+            timeout,
+        )?;
+        Ok(Self::from_producer(
+            producer,
+            "message_id".to_owned(),
+            timeout,
+        ))
+    }
+
+    pub(crate) fn from_producer(
+        producer: FutureProducer<LogContext>,
+        message_id_header: String,
+        timeout: Duration,
+    ) -> Self {
+        KafkaPublisher {
+            producer,
+            message_id_header,
+            timeout,
+        }
+    }
+
+    /// Writes one record to `topic` and waits for the broker's acknowledgement.
+    ///
+    /// `key` picks the partition (and, with [`crate::ProcessingOrder::Key`], the ordering
+    /// group); `message_id` goes in the message id header, which the inbox uses to recognise
+    /// a republished duplicate; `headers` are added as UTF-8 text.
+    pub async fn publish(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        message_id: Option<&str>,
+        payload: &[u8],
+        headers: &[(&str, &str)],
+    ) -> Result<Published, Error> {
+        self.publish_raw(topic, key, message_id, Some(payload), headers)
+            .await
+    }
+
+    /// Like [`KafkaPublisher::publish`], with a null payload allowed (a tombstone).
+    pub async fn publish_raw(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        message_id: Option<&str>,
+        payload: Option<&[u8]>,
+        headers: &[(&str, &str)],
+    ) -> Result<Published, Error> {
+        validate_topic("topic", topic)?;
+        let mut hs: Vec<(String, Option<Vec<u8>>)> = headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), Some(v.as_bytes().to_vec())))
+            .collect();
+        if let Some(id) = message_id {
+            hs.push((self.message_id_header.clone(), Some(id.as_bytes().to_vec())));
+        }
+        let record = OutgoingRecord {
+            key: key.map(<[u8]>::to_vec),
+            payload: payload.map(<[u8]>::to_vec),
+            headers: hs,
+        };
+        send(&self.producer, topic, &record, self.timeout).await
+    }
+}
+
+/// Creates the topics of `config`, and their retry (in [`RetryMode::RetryTopic`]) and
+/// dead-letter topics, with `partitions` partitions and `replication` replicas each. Topics
+/// that exist already are left as they are.
+pub async fn create_topics(
+    config: &KafkaConfig,
+    partitions: i32,
+    replication: i32,
+) -> Result<(), Error> {
+    validate_brokers(&config.brokers)?;
+    validate_properties("properties", &config.properties)?;
+    if partitions < 1 {
+        return Err(Error::config("partitions", "must be at least 1"));
+    }
+    if replication < 1 {
+        return Err(Error::config("replication", "must be at least 1"));
+    }
+    let mut names = Vec::new();
+    for t in &config.topics {
+        validate_topic("topics", t)?;
+        names.push(t.clone());
+        if config.retry == RetryMode::RetryTopic {
+            names.push(config.retry_topic(t));
+        }
+        names.push(config.dead_letter_topic(t));
+    }
+    let admin: AdminClient<LogContext> = config
+        .admin_client_config()
+        .create_with_context(LogContext)
+        .map_err(|e| client_error("creating the admin client", e))?;
+    let specs: Vec<NewTopic<'_>> = names
+        .iter()
+        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(replication)))
+        .collect();
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = admin
+        .create_topics(specs.iter(), &options)
+        .await
+        .map_err(|e| client_error("creating topics", e))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(Error::client(
+                    format!("creating topic {topic:?}"),
+                    KafkaError::AdminOp(code),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
