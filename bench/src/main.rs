@@ -274,7 +274,13 @@ async fn db_floor(
     });
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
-    Ok(figures(o.messages, start.elapsed(), cpu_time() - cpu0, &mut [], rss))
+    Ok(figures(
+        o.messages,
+        start.elapsed(),
+        cpu_time() - cpu0,
+        &mut [],
+        rss,
+    ))
 }
 
 /// A hand-written consumer of the in-memory broker: one transaction per message, then ack.
