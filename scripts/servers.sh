@@ -14,7 +14,8 @@
 #
 # Interactively `eval "$(scripts/servers.sh env)"` is fine.
 #
-# Exports: DATABASE_URL (scripts/postgres.sh), AMQP_URL (scripts/rabbitmq.sh).
+# Exports: DATABASE_URL (scripts/postgres.sh), AMQP_URL (scripts/rabbitmq.sh),
+# KAFKA_BROKERS (scripts/kafka.sh).
 # State, logs and ports live under ${CONSUMER_STATE_DIR:-/tmp/consumer-test};
 # see each service script's header for its options.
 set -euo pipefail
@@ -26,8 +27,7 @@ SCRIPTS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SERVICES=(
     postgres
     rabbitmq
-    # kafka: a Kafka-protocol broker comes later as scripts/kafka.sh (same
-    # interface, exporting its bootstrap address); add it here when it exists.
+    kafka
 )
 
 main() {
