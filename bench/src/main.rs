@@ -25,6 +25,7 @@
 #![allow(clippy::print_stdout)]
 
 mod amqp;
+mod kafka;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -108,6 +109,7 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     rss_mib: f64,
+    measured_latency: bool,
 }
 
 /// Resident set size of this process (VmRSS), to show memory stays bounded.
@@ -205,6 +207,7 @@ fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: 
         p50_ms: pct(0.50),
         p99_ms: pct(0.99),
         rss_mib: Rss::now_kib().saturating_sub(rss.start_kib) as f64 / 1024.0,
+        measured_latency: !latencies.is_empty(),
     }
 }
 
@@ -428,6 +431,16 @@ async fn main() -> anyhow::Result<()> {
     } else {
         eprintln!("AMQP_URL is not set: skipping the RabbitMQ arms");
     }
+    let kafka_brokers = std::env::var("KAFKA_BROKERS").ok();
+    if kafka_brokers.is_some() {
+        arms.extend([
+            "kafka: raw consume+store",
+            "kafka: fw 1/tx",
+            "kafka: fw batched",
+        ]);
+    } else {
+        eprintln!("KAFKA_BROKERS is not set: skipping the Kafka arms");
+    }
     let queue = format!("bench_{}", std::process::id());
     let mut results: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
     let mut first = 0u64;
@@ -438,6 +451,13 @@ async fn main() -> anyhow::Result<()> {
                 amqp::fill(amqp_url.as_deref().unwrap_or_default(), &queue, first, &o).await?;
             }
             let url = amqp_url.as_deref().unwrap_or_default();
+            let brokers = kafka_brokers.as_deref().unwrap_or_default();
+            // A fresh topic and group per Kafka arm and repetition.
+            let topic = format!("{queue}_{rep}_{}", arm.len());
+            let group = format!("{topic}_g");
+            if arm.starts_with("kafka") {
+                kafka::fill(brokers, &topic, first, &o).await?;
+            }
             let f = match arm {
                 "db floor, 1/tx" => db_floor(&pool, first, &o, 1).await?,
                 "db floor, N/tx" => db_floor(&pool, first, &o, o.batch).await?,
@@ -447,7 +467,12 @@ async fn main() -> anyhow::Result<()> {
                 "amqp: raw consume+ack" => amqp::raw(url, &queue, &o).await?,
                 "amqp: hand 1/tx" => amqp::hand_written(url, &queue, &pool, &o).await?,
                 "amqp: fw 1/tx" => amqp::framework(url, &queue, &inbox, &o, None).await?,
-                _ => amqp::framework(url, &queue, &inbox, &o, batched).await?,
+                "amqp: fw batched" => amqp::framework(url, &queue, &inbox, &o, batched).await?,
+                "kafka: raw consume+store" => kafka::raw(brokers, &topic, &group, &o).await?,
+                "kafka: fw 1/tx" => {
+                    kafka::framework(brokers, &topic, &group, &inbox, &o, None).await?
+                }
+                _ => kafka::framework(brokers, &topic, &group, &inbox, &o, batched).await?,
             };
             eprintln!("rep {rep} {arm:<22} {:>9.0} msg/s", f.rate);
             results.entry(arm).or_default().push(f);
