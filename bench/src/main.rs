@@ -494,11 +494,12 @@ async fn main() -> anyhow::Result<()> {
         let m = |g: fn(&Figures) -> f64| median(f.iter().map(g).collect());
         let r = m(|f| f.rate);
         rate.insert(arm, r);
+        let measured = f.iter().any(|f| f.measured_latency);
         let lat = |v: f64| {
-            if v == 0.0 {
-                "-".to_owned()
-            } else {
+            if measured {
                 format!("{v:.1}")
+            } else {
+                "-".to_owned()
             }
         };
         println!(
