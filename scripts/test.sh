@@ -19,3 +19,21 @@ cargo run --quiet -p quickstart
 
 echo "== cargo test --workspace"
 cargo test --workspace "$@"
+
+# The chaos suite (chaos/, CHAOS.md): real worker processes killed every ~2s, fault points
+# at 1 %, one broker restart; passes only with 0 lost, 0 duplicated, 0 unexpected effects.
+# The seed is random and printed; CHAOS_SEED=N reproduces a run's fault schedule.
+chaos=(cargo run --release --quiet -p chaos -- --profile ci ${CHAOS_SEED:+--seed "$CHAOS_SEED"})
+echo "== chaos suite, CI profile, RabbitMQ"
+"${chaos[@]}" --broker amqp
+
+# Acceptance 3: the suite can fail. With the test-only ack-before-commit switch the runner
+# must report a violation (exit status 3), not pass and not crash.
+echo "== chaos suite, deliberately broken build (ack before commit): must fail"
+rc=0
+"${chaos[@]}" --broker amqp --broken || rc=$?
+if [[ $rc -ne 3 ]]; then
+    echo "chaos: the --broken run exited $rc, expected 3 (a detected violation)" >&2
+    exit 1
+fi
+echo "chaos: --broken run failed as it must (exit 3)"

@@ -544,6 +544,12 @@ async fn expired_rows_are_purged<DB: Backend, H: Handler<DB> + Clone>(h: Harness
             .await
         })
     };
+    // First every job must have run (an entry that was never written is not a purged one).
+    wait_until("all five jobs to complete", || {
+        let done = w.snapshot().completed == 5;
+        async move { done }
+    })
+    .await;
     wait_until("the background task to purge every expired row", || {
         let inbox = inbox.clone();
         async move {

@@ -1,10 +1,14 @@
 //! What every binary does around its handler: logging, settings, database, shutdown.
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use consumer_core::{Handler, Inbox, InboxConfig, Worker, WorkerConfig};
+use consumer_core::fault::{FaultInjector, RandomFaults};
+use consumer_core::{Handler, Inbox, InboxConfig, Stats, Worker, WorkerConfig};
+use futures::StreamExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
@@ -71,16 +75,60 @@ pub async fn run_worker<H: Handler<Postgres>>(
 ) -> anyhow::Result<()> {
     let settings = Settings::from_env(default_queue)?;
     handlers::set_simulated_work(settings.work);
+    handlers::set_slow_jobs(settings.slow_job);
     let pool = connect_db(&settings).await?;
     schema::migrate(&pool, &settings.schema).await?;
     EmailProvider::install(&settings.schema, pool.clone())?;
-    let inbox = Inbox::new(pool, InboxConfig::in_schema(settings.schema.clone())).await?;
+    let inbox = Inbox::new(
+        pool.clone(),
+        InboxConfig::in_schema(settings.schema.clone()),
+    )
+    .await?;
+    let faults = RandomFaults::from_env()?.map(|f| Arc::new(f) as Arc<dyn FaultInjector>);
+    if faults.is_some() {
+        tracing::warn!("fault points are on (CONSUMER_FAULTS): this process will abort at random");
+    }
+    if settings.broken_ack_before_commit {
+        tracing::error!(
+            "CONSUMER_BROKEN_ACK_BEFORE_COMMIT=1: acking before the handler runs; \
+             effects WILL be lost (test-only switch, never in production)"
+        );
+    }
     let config = WorkerConfig {
         concurrency: settings.concurrency,
+        faults,
+        broken_ack_before_commit: settings.broken_ack_before_commit,
         ..WorkerConfig::default()
     };
     let worker = Worker::with_config(inbox, handler, config)?;
     let (transport, closed) = transport::consumer(&settings).await?;
+    // Counts deliveries the broker flags as delivered before (after a crash or a lost
+    // connection): a figure only the transport sees.
+    let redelivered = Arc::new(AtomicU64::new(0));
+    let transport = {
+        let redelivered = redelivered.clone();
+        transport
+            .inspect(move |r| {
+                if r.as_ref().is_ok_and(|i| i.delivery.redelivered) {
+                    redelivered.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+            .boxed()
+    };
+    let stats_task = settings.stats_interval.map(|every| {
+        let recorder = StatsRecorder::new(
+            pool.clone(),
+            worker.handler_name(),
+            worker.stats(),
+            redelivered.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                recorder.write().await;
+            }
+        })
+    });
     tracing::info!(
         handler = worker.handler_name(),
         queue = %settings.queue,
@@ -98,6 +146,17 @@ pub async fn run_worker<H: Handler<Postgres>>(
     {
         tracing::warn!("the broker connection did not close within 5s");
     }
+    if let Some(task) = stats_task {
+        task.abort();
+        StatsRecorder::new(
+            pool.clone(),
+            worker.handler_name(),
+            worker.stats(),
+            redelivered,
+        )
+        .write()
+        .await;
+    }
     let s = worker.snapshot();
     tracing::info!(
         received = s.received,
@@ -109,4 +168,71 @@ pub async fn run_worker<H: Handler<Postgres>>(
         "worker stopped"
     );
     Ok(())
+}
+
+/// Writes one process's counters to `worker_stats` (one row per process, upserted), so the
+/// chaos suite can total them after processes were killed. A killed process loses what it
+/// counted since its last write.
+struct StatsRecorder {
+    pool: PgPool,
+    handler: String,
+    stats: Arc<Stats>,
+    redelivered: Arc<AtomicU64>,
+    pid: i32,
+}
+
+/// When this process started (the row's identity, with the pid, which the OS may reuse).
+fn started_at() -> std::time::SystemTime {
+    static STARTED: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+    *STARTED.get_or_init(std::time::SystemTime::now)
+}
+
+impl StatsRecorder {
+    fn new(pool: PgPool, handler: &str, stats: Arc<Stats>, redelivered: Arc<AtomicU64>) -> Self {
+        let _ = started_at();
+        StatsRecorder {
+            pool,
+            handler: handler.to_owned(),
+            stats,
+            redelivered,
+            pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
+        }
+    }
+
+    async fn write(&self) {
+        let s = self.stats.snapshot();
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let started = started_at()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let result = sqlx::query(
+            "INSERT INTO worker_stats (pid, started_at, handler, received, redelivered, \
+             handler_runs, completed, duplicates, retries, dead_lettered, quarantined, settle_errors) \
+             VALUES ($1, to_timestamp($2), $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+             ON CONFLICT (pid, started_at) DO UPDATE SET received = EXCLUDED.received, \
+             redelivered = EXCLUDED.redelivered, handler_runs = EXCLUDED.handler_runs, \
+             completed = EXCLUDED.completed, duplicates = EXCLUDED.duplicates, \
+             retries = EXCLUDED.retries, dead_lettered = EXCLUDED.dead_lettered, \
+             quarantined = EXCLUDED.quarantined, settle_errors = EXCLUDED.settle_errors, \
+             updated_at = now()",
+        )
+        .bind(self.pid)
+        .bind(started)
+        .bind(&self.handler)
+        .bind(n(s.received))
+        .bind(n(self.redelivered.load(Ordering::Relaxed)))
+        .bind(n(s.handler_runs))
+        .bind(n(s.completed))
+        .bind(n(s.duplicates))
+        .bind(n(s.retries))
+        .bind(n(s.dead_lettered))
+        .bind(n(s.quarantined))
+        .bind(n(s.settle_errors))
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "cannot write worker_stats");
+        }
+    }
 }

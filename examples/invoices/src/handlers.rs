@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use consumer_core::fault::FaultPoint;
 use consumer_core::{handler, Context, FlagGuard, HandlerError};
 use sqlx::Postgres;
 
@@ -11,6 +12,15 @@ use crate::provider::{Email, EmailProvider};
 use crate::InvoiceJob;
 
 static SIMULATED_WORK_MS: AtomicU64 = AtomicU64::new(0);
+static SLOW_JOB_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Makes the handlers sleep `slow` on each slow job ([`InvoiceJob::is_slow`]; the
+/// `SLOW_JOB_MS` setting, 0 = off): the chaos suite uses it to outlast Kafka's
+/// `max.poll.interval.ms`.
+pub fn set_slow_jobs(slow: Duration) {
+    let ms = u64::try_from(slow.as_millis()).unwrap_or(u64::MAX);
+    SLOW_JOB_MS.store(ms, Ordering::Relaxed);
+}
 
 /// Makes every handler run take `work` longer (the `WORK_MS` setting), as a slow provider
 /// would: it leaves time to watch a graceful shutdown finish in-flight jobs.
@@ -19,18 +29,56 @@ pub fn set_simulated_work(work: Duration) {
     SIMULATED_WORK_MS.store(ms, Ordering::Relaxed);
 }
 
-async fn simulated_work() {
-    let ms = SIMULATED_WORK_MS.load(Ordering::Relaxed);
+async fn simulated_work(job: &InvoiceJob) {
+    let mut ms = SIMULATED_WORK_MS.load(Ordering::Relaxed);
+    if job.is_slow() {
+        ms = ms.saturating_add(SLOW_JOB_MS.load(Ordering::Relaxed));
+    }
     if ms > 0 {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
+}
+
+/// The chaos suite's poison jobs fail every attempt, transiently, so they exhaust
+/// `max_attempts` and are dead-lettered.
+fn refuse_poison(job: &InvoiceJob) -> Result<(), HandlerError> {
+    if job.is_poison() {
+        return Err(HandlerError::transient(format!(
+            "order {} is a poison job (reserved id range): always fails",
+            job.order_id
+        )));
+    }
+    Ok(())
+}
+
+/// Appends this run's row to `effect_ledger`, in the handler's transaction: it exists iff
+/// the run committed, so the chaos suite's oracle can count committed runs per job.
+async fn record_effect(
+    ctx: &mut Context<'_, Postgres>,
+    job: &InvoiceJob,
+) -> Result<(), HandlerError> {
+    let handler = ctx.handler().to_owned();
+    let key = ctx.key().to_owned();
+    let attempt = i32::try_from(ctx.attempt()).unwrap_or(i32::MAX);
+    sqlx::query(
+        "INSERT INTO effect_ledger (job_id, handler, key, attempt, pid) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(job.order_id)
+    .bind(handler)
+    .bind(key)
+    .bind(attempt)
+    .bind(i32::try_from(std::process::id()).unwrap_or(i32::MAX))
+    .execute(ctx.db())
+    .await?;
+    Ok(())
 }
 
 /// Creates the invoice of an order and sets `orders.invoice_sent`.
 ///
 /// The guarded update is the first write: whichever attempt commits first sets the flag;
 /// any other message for the same order sees it set and creates nothing. A job for an order
-/// that does not exist fails permanently (it goes to the dead-letter queue at once).
+/// that does not exist fails permanently (it goes to the dead-letter queue at once). Each
+/// committed run appends one row to `effect_ledger`.
 #[handler(
     name = "send_invoice",
     key = "invoice-{order_id}",
@@ -41,7 +89,9 @@ pub async fn send_invoice(
     ctx: &mut Context<'_, Postgres>,
     job: InvoiceJob,
 ) -> Result<(), HandlerError> {
-    simulated_work().await;
+    refuse_poison(&job)?;
+    simulated_work(&job).await;
+    record_effect(ctx, &job).await?;
     let invoice_sent = FlagGuard::new("orders", "invoice_sent", "id")?;
     if !invoice_sent.set(ctx, job.order_id).await? {
         let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM orders WHERE id = $1)")
@@ -70,8 +120,10 @@ pub async fn send_invoice(
 /// Until the invoice worker has created the invoice, it fails transiently and is retried
 /// after a backoff. The guard `orders.email_sent` is set in the handler's transaction
 /// before the provider is called, so among all attempts that commit exactly one calls the
-/// provider. An attempt that calls the provider and then fails to commit is retried, and
-/// calls it again with the same idempotency key, which a real provider deduplicates.
+/// provider. An attempt that calls the provider and then fails to commit (a crash at the
+/// `in_effect` fault point) is retried; like a client of an idempotent API (Stripe-style),
+/// it first asks the provider whether the idempotency key was already accepted and sends
+/// only if not, so the provider receives one send per order.
 #[handler(
     name = "send_email",
     key = "invoice-email-{order_id}",
@@ -82,7 +134,8 @@ pub async fn send_email(
     ctx: &mut Context<'_, Postgres>,
     job: InvoiceJob,
 ) -> Result<(), HandlerError> {
-    simulated_work().await;
+    refuse_poison(&job)?;
+    simulated_work(&job).await;
     let invoiced: Option<bool> =
         sqlx::query_scalar("SELECT invoice_sent FROM orders WHERE id = $1")
             .bind(job.order_id)
@@ -114,11 +167,16 @@ pub async fn send_email(
     let provider = EmailProvider::for_schema(&schema).ok_or_else(|| {
         HandlerError::transient(format!("no email provider installed for schema {schema:?}"))
     })?;
+    record_effect(ctx, &job).await?;
     let email = Email {
         to: job.email,
         subject: format!("Your invoice for order {} is ready", job.order_id),
         idempotency_key: ctx.idempotency_key("invoice-ready-email"),
     };
-    provider.send(&email).await?;
+    if !provider.accepted(&email.idempotency_key).await? {
+        provider.send(&email).await?;
+    }
+    // Chaos tests crash here: the provider has the email, the transaction does not.
+    ctx.fault_point(FaultPoint::InEffect)?;
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! the `invoice_worker`, `email_worker` and `publish_jobs` binaries (in `src/bin/`).
 //!
 //! - [`InvoiceJob`] is the message: `{"order_id", "amount", "email"}`.
-//! - [`schema`] creates the `orders`, `invoices` and `provider_calls` tables.
+//! - [`schema`] creates the `orders`, `invoices` and `provider_calls` tables, plus the
+//!   chaos suite's oracle: the append-only `effect_ledger` and the `worker_stats` counters.
 //! - [`handlers`] holds the two `#[handler]`s: [`send_invoice`] creates the invoice and sets
 //!   `orders.invoice_sent` with a guarded update, in the handler's transaction;
 //!   [`send_email`] sends the "invoice ready" email through the [`provider`] stand-in, guarded
@@ -50,4 +51,21 @@ impl InvoiceJob {
     pub fn message_id(&self) -> String {
         format!("invoice-job-{}", self.order_id)
     }
+
+    /// A poison job: its order id is in the range reserved for the chaos suite
+    /// ([`POISON_ORDERS`]), and both handlers fail it transiently every time, so it ends in
+    /// the dead-letter queue after `max_attempts`.
+    pub fn is_poison(&self) -> bool {
+        POISON_ORDERS.contains(&self.order_id)
+    }
+
+    /// A slow job (order ids ending in `37`: 1 %): the handlers sleep `SLOW_JOB_MS` on it
+    /// when that setting is non-zero (the chaos suite's Kafka run; off by default).
+    pub fn is_slow(&self) -> bool {
+        self.order_id % 100 == 37
+    }
 }
+
+/// Order ids reserved for poison jobs (the chaos suite's always-failing jobs). No real order
+/// uses them.
+pub const POISON_ORDERS: std::ops::Range<i64> = 900_000_000..1_000_000_000;

@@ -65,9 +65,40 @@ impl EmailProvider {
             .cloned()
     }
 
+    /// Whether a send with `idempotency_key` was already accepted: the lookup an idempotent
+    /// API offers (Stripe-style), not itself a send, so not recorded.
+    ///
+    /// Like such an API, the stand-in serialises requests per key: a lookup waits for a send
+    /// with the same key that is still in flight (e.g. from a worker killed mid-request,
+    /// whose key lock in the inbox is already released) instead of answering "no" and
+    /// letting a second send through.
+    pub async fn accepted(&self, idempotency_key: &str) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7))")
+            .bind(idempotency_key)
+            .execute(&mut *tx)
+            .await?;
+        let found = sqlx::query_scalar(&format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE idempotency_key = $1)",
+            self.table
+        ))
+        .bind(idempotency_key)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(found)
+    }
+
     /// "Sends" `email`: records the call. A real provider would deduplicate on
-    /// `idempotency_key`; the stand-in records every call so tests can count them.
+    /// `idempotency_key`; the stand-in records every send so tests can count them (callers
+    /// ask [`EmailProvider::accepted`] first).
     pub async fn send(&self, email: &Email) -> Result<(), sqlx::Error> {
+        // Held until the row is committed: see `accepted`.
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7))")
+            .bind(&email.idempotency_key)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(&format!(
             "INSERT INTO {} (idempotency_key, recipient, subject) VALUES ($1, $2, $3)",
             self.table
@@ -75,8 +106,8 @@ impl EmailProvider {
         .bind(&email.idempotency_key)
         .bind(&email.to)
         .bind(&email.subject)
-        .execute(&self.pool)
-        .await
-        .map(drop)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
     }
 }

@@ -1,4 +1,5 @@
-//! The tables of the example: `orders`, `invoices` and `provider_calls`.
+//! The tables of the example: `orders`, `invoices` and `provider_calls`, and the chaos
+//! suite's `effect_ledger` and `worker_stats`.
 
 use consumer_core::Identifier;
 use sqlx::PgPool;
@@ -9,6 +10,11 @@ use sqlx::PgPool;
 /// every call: the tests count rows, so a duplicate effect would show instead of being
 /// hidden by a constraint. A production schema would add `UNIQUE (order_id)` as a second
 /// line of defence.
+///
+/// `effect_ledger` is the chaos suite's oracle: one row per committed handler run, written
+/// by the handler inside its transaction, with no unique key on `(job_id, handler)`, so an
+/// effect committed twice shows as two rows. `worker_stats` holds each worker process's
+/// counters, written periodically and at shutdown when `STATS_INTERVAL_MS` is set.
 pub const TABLES: &str = r#"
 CREATE TABLE IF NOT EXISTS {schema}.orders (
     id           BIGINT PRIMARY KEY,
@@ -29,6 +35,32 @@ CREATE TABLE IF NOT EXISTS {schema}.provider_calls (
     recipient       TEXT NOT NULL,
     subject         TEXT NOT NULL,
     received_at     TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS provider_calls_idempotency_key
+    ON {schema}.provider_calls (idempotency_key);
+CREATE TABLE IF NOT EXISTS {schema}.effect_ledger (
+    job_id      BIGINT NOT NULL,
+    handler     TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    attempt     INTEGER NOT NULL,
+    pid         INTEGER NOT NULL,
+    recorded_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS {schema}.worker_stats (
+    pid           INTEGER NOT NULL,
+    started_at    TIMESTAMPTZ NOT NULL,
+    handler       TEXT NOT NULL,
+    received      BIGINT NOT NULL,
+    redelivered   BIGINT NOT NULL,
+    handler_runs  BIGINT NOT NULL,
+    completed     BIGINT NOT NULL,
+    duplicates    BIGINT NOT NULL,
+    retries       BIGINT NOT NULL,
+    dead_lettered BIGINT NOT NULL,
+    quarantined   BIGINT NOT NULL,
+    settle_errors BIGINT NOT NULL,
+    updated_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (pid, started_at)
 );
 "#;
 

@@ -4,14 +4,21 @@
 //! | --- | --- | --- |
 //! | `TRANSPORT` | `amqp` | the broker (see [`crate::transport`]) |
 //! | `AMQP_URL` | required for `amqp` | e.g. `amqp://user:pass@localhost:5672/%2f` |
+//! | `KAFKA_BROKERS` | required for `kafka` | e.g. `127.0.0.1:9092` |
+//! | `KAFKA_PARTITIONS` | `4` | partitions of the jobs topic when it is created (Kafka) |
+//! | other `KAFKA_*` | | passed to `consumer_kafka::KafkaConfig::from_vars`, e.g. `KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS` |
 //! | `DATABASE_URL` | required | PostgreSQL, e.g. `postgres://user:pass@localhost/db` |
 //! | `DB_SCHEMA` | `public` | schema of the tables and the inbox |
-//! | `QUEUE` | per binary | the queue this worker consumes |
-//! | `EXCHANGE` | `invoice_jobs` | fanout exchange the jobs are published to |
+//! | `QUEUE` | per binary | the queue this worker consumes (Kafka: its consumer group) |
+//! | `EXCHANGE` | `invoice_jobs` | fanout exchange the jobs are published to (Kafka: the topic) |
 //! | `QUEUE_TYPE` | `classic` | `classic` or `quorum` |
 //! | `CONCURRENCY` | `8` | deliveries processed at once |
 //! | `PREFETCH` | `32` | deliveries the broker sends ahead |
 //! | `WORK_MS` | `0` | simulated work per job, in milliseconds |
+//! | `SLOW_JOB_MS` | `0` | extra sleep on slow jobs (order ids ending in 37), chaos suite |
+//! | `STATS_INTERVAL_MS` | `0` (off) | write this process's counters to `worker_stats` this often and at shutdown |
+//! | `CONSUMER_FAULTS`, `CONSUMER_FAULT_SEED` | unset (off) | fault points that abort the process (`consumer_core::fault`), chaos suite |
+//! | `CONSUMER_BROKEN_ACK_BEFORE_COMMIT` | unset | **test-only, never in production**: `1` acks every delivery before its handler runs, to prove the chaos suite can fail |
 
 use std::time::Duration;
 
@@ -27,6 +34,10 @@ pub struct Settings {
     pub transport: TransportKind,
     /// The RabbitMQ URL (shown redacted).
     pub amqp_url: Option<RedactedUrl>,
+    /// The Kafka bootstrap brokers.
+    pub kafka_brokers: Option<String>,
+    /// Partitions of the jobs topic, when it is created (Kafka).
+    pub kafka_partitions: i32,
     /// The PostgreSQL URL (shown redacted).
     pub database_url: RedactedUrl,
     /// Schema of the tables and the inbox.
@@ -43,6 +54,12 @@ pub struct Settings {
     pub prefetch: u16,
     /// Simulated work per job.
     pub work: Duration,
+    /// Extra sleep on slow jobs (0: off).
+    pub slow_job: Duration,
+    /// How often to write this process's counters to `worker_stats` (`None`: never).
+    pub stats_interval: Option<Duration>,
+    /// DELIBERATELY BROKEN, test-only: ack before the handler runs. Never in production.
+    pub broken_ack_before_commit: bool,
 }
 
 impl Settings {
@@ -61,6 +78,10 @@ impl Settings {
         let amqp_url = get("AMQP_URL").map(RedactedUrl::new);
         if transport == TransportKind::Amqp && amqp_url.is_none() {
             bail!("AMQP_URL is not set (e.g. `eval \"$(scripts/rabbitmq.sh env)\"`)");
+        }
+        let kafka_brokers = get("KAFKA_BROKERS");
+        if transport == TransportKind::Kafka && kafka_brokers.is_none() {
+            bail!("KAFKA_BROKERS is not set (e.g. `eval \"$(scripts/kafka.sh env)\"`)");
         }
         let database_url = get("DATABASE_URL")
             .map(RedactedUrl::new)
@@ -81,9 +102,15 @@ impl Settings {
         let prefetch =
             u16::try_from(number("PREFETCH", 32)?).context("PREFETCH must be at most 65535")?;
         let queue_type: QueueType = get("QUEUE_TYPE").as_deref().unwrap_or("classic").parse()?;
+        let kafka_partitions = i32::try_from(number("KAFKA_PARTITIONS", 4)?)
+            .ok()
+            .filter(|p| *p > 0)
+            .context("KAFKA_PARTITIONS must be between 1 and 2^31-1")?;
         Ok(Settings {
             transport,
             amqp_url,
+            kafka_brokers,
+            kafka_partitions,
             database_url,
             schema: get("DB_SCHEMA").unwrap_or_else(|| "public".to_owned()),
             queue: get("QUEUE").unwrap_or_else(|| default_queue.to_owned()),
@@ -92,6 +119,15 @@ impl Settings {
             concurrency: usize::try_from(concurrency).context("CONCURRENCY is too large")?,
             prefetch,
             work: Duration::from_millis(number("WORK_MS", 0)?),
+            slow_job: Duration::from_millis(number("SLOW_JOB_MS", 0)?),
+            stats_interval: Some(number("STATS_INTERVAL_MS", 0)?)
+                .filter(|ms| *ms > 0)
+                .map(Duration::from_millis),
+            broken_ack_before_commit: match get("CONSUMER_BROKEN_ACK_BEFORE_COMMIT").as_deref() {
+                None | Some("0") => false,
+                Some("1") => true,
+                Some(other) => bail!("CONSUMER_BROKEN_ACK_BEFORE_COMMIT={other:?}: use 0 or 1"),
+            },
         })
     }
 }

@@ -1,0 +1,174 @@
+//! RabbitMQ: the run's exchange and queues, publishing, queue depth, broker restarts, and
+//! reading the dead-letter queues back.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use consumer_amqp::{headers, AmqpConfig, AmqpPublisher};
+use invoices::settings::Settings;
+use lapin::options::{BasicAckOptions, BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::types::AMQPValue;
+use lapin::{Connection, ConnectionProperties};
+
+use crate::fleet::Role;
+use crate::workload::{label, Outgoing};
+use crate::{DeadSeen, Names};
+
+/// The RabbitMQ side of a run.
+pub(crate) struct Amqp {
+    url: String,
+    scripts: PathBuf,
+    prefix: String,
+    exchange: String,
+    configs: Vec<(Role, AmqpConfig)>,
+    publisher: AmqpPublisher,
+}
+
+impl Amqp {
+    pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
+        let url = std::env::var("AMQP_URL")
+            .context("AMQP_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
+        let mut configs = Vec::new();
+        for role in [Role::Invoice, Role::Email] {
+            let vars = BTreeMap::from([
+                ("TRANSPORT", "amqp".to_owned()),
+                ("AMQP_URL", url.clone()),
+                ("DATABASE_URL", "postgres://unused".to_owned()),
+                ("EXCHANGE", names.exchange.clone()),
+            ]);
+            let settings = Settings::from_lookup(&names.queue(role), |k| vars.get(k).cloned())?;
+            let mut config = invoices::transport::amqp_config(&settings, &names.queue(role))?;
+            // Publishes wait out a broker restart instead of failing.
+            config.publish_timeout = Duration::from_secs(120);
+            config.startup_timeout = Duration::from_secs(120);
+            config.connection_name = Some(format!("chaos publisher {}", names.prefix));
+            configs.push((role, config));
+        }
+        let publisher = AmqpPublisher::connect(configs[0].1.clone()).await?;
+        publisher.declare(&configs[1].1).await?;
+        Ok(Amqp {
+            url,
+            scripts,
+            prefix: names.prefix.clone(),
+            exchange: names.exchange.clone(),
+            configs,
+            publisher,
+        })
+    }
+
+    pub(crate) fn worker_env(&self) -> Vec<(String, String)> {
+        vec![
+            ("TRANSPORT".to_owned(), "amqp".to_owned()),
+            ("AMQP_URL".to_owned(), self.url.clone()),
+        ]
+    }
+
+    pub(crate) async fn publish(&self, m: &Outgoing) -> anyhow::Result<()> {
+        let id = m.message_id.as_deref().unwrap_or("");
+        self.publisher
+            .publish("invoice", id, &m.payload, &BTreeMap::new())
+            .await?;
+        Ok(())
+    }
+
+    /// Messages in the run's work and retry queues, ready or unacked; `None` if the broker
+    /// cannot say right now.
+    pub(crate) async fn backlog(&self) -> Option<u64> {
+        let out = tokio::process::Command::new(self.scripts.join("rabbitmq.sh"))
+            .args([
+                "ctl",
+                "list_queues",
+                "name",
+                "messages",
+                "-q",
+                "--no-table-headers",
+            ])
+            .output()
+            .await
+            .ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        let mut total = 0;
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let mut parts = line.split_whitespace();
+            let (Some(name), Some(n)) = (parts.next(), parts.next()) else {
+                continue;
+            };
+            if name.starts_with(&self.prefix) && !name.ends_with(".dlq") {
+                total += n.parse::<u64>().ok()?;
+            }
+        }
+        Some(total)
+    }
+
+    pub(crate) async fn restart(&self) -> anyhow::Result<()> {
+        crate::script(&self.scripts.join("rabbitmq.sh"), &["restart"]).await
+    }
+
+    /// Takes every message from both dead-letter queues.
+    pub(crate) async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
+        let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+        let channel = conn.create_channel().await?;
+        let mut out = Vec::new();
+        for (role, config) in &self.configs {
+            let queue = config.dead_letter_queue_name();
+            while let Some(m) = channel
+                .basic_get(queue.as_str().into(), BasicGetOptions::default())
+                .await?
+            {
+                let p = &m.delivery.properties;
+                let id = p.message_id().as_ref().map(|s| s.to_string());
+                let reason = p.headers().as_ref().and_then(|h| {
+                    h.inner()
+                        .iter()
+                        .find(|(k, _)| k.as_str() == headers::DEAD_LETTER_REASON)
+                        .map(|(_, v)| match v {
+                            AMQPValue::LongString(s) => s.to_string(),
+                            AMQPValue::ShortString(s) => s.to_string(),
+                            other => format!("{other:?}"),
+                        })
+                });
+                out.push(DeadSeen {
+                    role: *role,
+                    label: label(id.as_deref(), &m.delivery.data),
+                    reason,
+                });
+                m.delivery.ack(BasicAckOptions::default()).await?;
+            }
+        }
+        let _ = conn.close(200, "ok".into()).await;
+        Ok(out)
+    }
+
+    /// Deletes the run's queues and exchange.
+    pub(crate) async fn cleanup(&self) -> anyhow::Result<()> {
+        self.publisher.close().await;
+        let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+        let channel = conn.create_channel().await?;
+        for (_, config) in &self.configs {
+            let mut queues = vec![config.queue.clone(), config.dead_letter_queue_name()];
+            queues.extend(
+                config
+                    .retry_delays
+                    .iter()
+                    .map(|d| config.retry_queue_name(*d)),
+            );
+            for q in queues {
+                channel
+                    .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+            }
+        }
+        channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await?;
+        let _ = conn.close(200, "ok".into()).await;
+        Ok(())
+    }
+}

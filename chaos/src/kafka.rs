@@ -1,0 +1,230 @@
+//! Kafka: the run's topic (one consumer group per worker binary), publishing, consumer lag,
+//! and reading the dead-letter topic back.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use consumer_kafka::{headers, KafkaConfig, KafkaPublisher};
+use invoices::settings::Settings;
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::fleet::Role;
+use crate::workload::{label, Outgoing};
+use crate::{DeadSeen, Names};
+
+/// Large enough for the several-MiB bad input and its dead-letter copy.
+const MAX_MESSAGE_BYTES: &str = "16777216";
+/// The workers' `max.poll.interval.ms`: librdkafka wants it at least `session.timeout.ms`,
+/// whose broker-side minimum is usually 6s.
+const MAX_POLL_INTERVAL_MS: u64 = 7_000;
+/// Slow jobs sleep this much longer than `max.poll.interval.ms`.
+const SLOW_JOB_MS: u64 = MAX_POLL_INTERVAL_MS + 1_000;
+
+/// The Kafka side of a run.
+pub(crate) struct Kafka {
+    brokers: String,
+    topic: String,
+    config: KafkaConfig,
+    groups: Vec<(Role, String)>,
+    publisher: KafkaPublisher,
+}
+
+/// The environment that makes 1 % of jobs slower than `max.poll.interval.ms`.
+pub(crate) fn slow_job_env() -> Vec<(String, String)> {
+    vec![("SLOW_JOB_MS".to_owned(), SLOW_JOB_MS.to_string())]
+}
+
+impl Kafka {
+    pub(crate) async fn connect(names: &Names) -> anyhow::Result<Self> {
+        let brokers = std::env::var("KAFKA_BROKERS")
+            .context("KAFKA_BROKERS is not set: eval \"$(scripts/servers.sh env)\" first")?;
+        let vars = BTreeMap::from([
+            ("TRANSPORT", "kafka".to_owned()),
+            ("KAFKA_BROKERS", brokers.clone()),
+            ("DATABASE_URL", "postgres://unused".to_owned()),
+            ("EXCHANGE", names.exchange.clone()),
+        ]);
+        let settings = Settings::from_lookup("unused", |k| vars.get(k).cloned())?;
+        let mut config = invoices::transport::kafka_config(&settings, &names.queue(Role::Invoice))?;
+        config
+            .producer_properties
+            .set("message.max.bytes", MAX_MESSAGE_BYTES);
+        consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
+        let publisher = KafkaPublisher::new(&config)?;
+        Ok(Kafka {
+            brokers,
+            topic: names.exchange.clone(),
+            groups: [Role::Invoice, Role::Email]
+                .into_iter()
+                .map(|r| (r, names.queue(r)))
+                .collect(),
+            config,
+            publisher,
+        })
+    }
+
+    pub(crate) fn worker_env(&self) -> Vec<(String, String)> {
+        [
+            ("TRANSPORT", "kafka".to_owned()),
+            ("KAFKA_BROKERS", self.brokers.clone()),
+            (
+                "KAFKA_PRODUCER_PROPERTY_MESSAGE_MAX_BYTES",
+                MAX_MESSAGE_BYTES.to_owned(),
+            ),
+            (
+                "KAFKA_CONSUMER_PROPERTY_SESSION_TIMEOUT_MS",
+                "6000".to_owned(),
+            ),
+            (
+                "KAFKA_CONSUMER_PROPERTY_HEARTBEAT_INTERVAL_MS",
+                "2000".to_owned(),
+            ),
+            (
+                "KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS",
+                MAX_POLL_INTERVAL_MS.to_string(),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    pub(crate) async fn publish(&self, m: &Outgoing) -> anyhow::Result<()> {
+        let key = m.label();
+        self.publisher
+            .publish(
+                &self.topic,
+                Some(key.as_bytes()),
+                m.message_id.as_deref(),
+                &m.payload,
+                &[],
+            )
+            .await?;
+        Ok(())
+    }
+
+    fn client(&self, group: &str) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers)
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("log_level", "3");
+        c
+    }
+
+    /// Consumer lag of both groups over the jobs topic and its retry topic: high watermark
+    /// minus committed offset, per partition. `None` if the broker cannot say right now.
+    pub(crate) async fn backlog(&self) -> Option<u64> {
+        let topics = [self.topic.clone(), self.config.retry_topic(&self.topic)];
+        let clients: Vec<ClientConfig> = self.groups.iter().map(|(_, g)| self.client(g)).collect();
+        tokio::task::spawn_blocking(move || {
+            let timeout = Duration::from_secs(10);
+            let mut total = 0u64;
+            for client in clients {
+                let consumer: BaseConsumer = client.create().ok()?;
+                let mut tpl = TopicPartitionList::new();
+                for topic in &topics {
+                    let md = consumer.fetch_metadata(Some(topic), timeout).ok()?;
+                    for t in md.topics() {
+                        for p in t.partitions() {
+                            tpl.add_partition(topic, p.id());
+                        }
+                    }
+                }
+                let committed = consumer.committed_offsets(tpl, timeout).ok()?;
+                for e in committed.elements() {
+                    let (low, high) = consumer
+                        .fetch_watermarks(e.topic(), e.partition(), timeout)
+                        .ok()?;
+                    let from = match e.offset() {
+                        Offset::Offset(o) => o.max(low),
+                        _ => low,
+                    };
+                    total += u64::try_from(high - from).unwrap_or(0);
+                }
+            }
+            Some(total)
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Reads the whole dead-letter topic (shared by both groups; `x-handler` says whose).
+    pub(crate) async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
+        let topic = self.config.dead_letter_topic(&self.topic);
+        let mut client = self.client(&format!("{}_dlq_reader", self.topic));
+        client.set("auto.offset.reset", "earliest");
+        let id_header = self.config.message_id_header.clone();
+        tokio::task::spawn_blocking(move || {
+            let timeout = Duration::from_secs(10);
+            let consumer: BaseConsumer = client.create()?;
+            let md = consumer.fetch_metadata(Some(&topic), timeout)?;
+            let mut tpl = TopicPartitionList::new();
+            let mut remaining = 0i64;
+            for t in md.topics() {
+                for p in t.partitions() {
+                    let (low, high) = consumer.fetch_watermarks(&topic, p.id(), timeout)?;
+                    remaining += high - low;
+                    tpl.add_partition_offset(&topic, p.id(), Offset::Beginning)?;
+                }
+            }
+            consumer.assign(&tpl)?;
+            let mut out = Vec::new();
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while remaining > 0 {
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "reading {topic}: {remaining} records not reached in 120s"
+                );
+                let Some(m) = consumer.poll(Duration::from_millis(500)) else {
+                    continue;
+                };
+                let m = m?;
+                remaining -= 1;
+                let mut hs: BTreeMap<String, String> = BTreeMap::new();
+                if let Some(headers) = m.headers() {
+                    for h in headers.iter() {
+                        if let Some(v) = h.value {
+                            hs.insert(h.key.to_owned(), String::from_utf8_lossy(v).into_owned());
+                        }
+                    }
+                }
+                let role = match hs.get(headers::HANDLER).map(String::as_str) {
+                    Some("send_invoice") => Role::Invoice,
+                    Some("send_email") => Role::Email,
+                    other => anyhow::bail!("dead letter with handler {other:?}"),
+                };
+                out.push(DeadSeen {
+                    role,
+                    label: label(
+                        hs.get(&id_header).map(String::as_str),
+                        m.payload().unwrap_or_default(),
+                    ),
+                    reason: hs.get(headers::DEAD_LETTER_REASON).cloned(),
+                });
+            }
+            Ok(out)
+        })
+        .await?
+    }
+
+    /// Deletes the run's topics (best effort: the broker keeps them in memory anyway).
+    pub(crate) async fn cleanup(&self) -> anyhow::Result<()> {
+        let admin: AdminClient<DefaultClientContext> = self.client("unused").create()?;
+        let topics = [
+            self.topic.clone(),
+            self.config.retry_topic(&self.topic),
+            self.config.dead_letter_topic(&self.topic),
+        ];
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        let _ = admin.delete_topics(&names, &AdminOptions::new()).await;
+        Ok(())
+    }
+}

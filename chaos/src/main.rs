@@ -1,0 +1,738 @@
+//! The chaos suite: runs the invoice example's workers as real processes against a real
+//! broker and PostgreSQL, kills them, stops them, restarts the broker and the database,
+//! lets fault points abort them, and then checks that every job's effects happened exactly
+//! once.
+//!
+//! Run with:
+//!
+//! ```text
+//! eval "$(scripts/servers.sh env)"
+//! cargo run --release -p chaos -- --broker amqp --profile ci [--seed N] [--broken]
+//! ```
+//!
+//! It builds the worker binaries first (`cargo build -p chaos -p invoices --bins`, same
+//! profile as itself; `--no-build` skips that) and runs them from its own directory. Each run uses its own PostgreSQL schema
+//! and its own queues or topics (`chaos_<seed>_<time>`). Exit status: 0 when the oracle
+//! passes, 3 on any violation ([`VIOLATION`]), 1 when the run itself could not be done.
+//!
+//! Layout: `workload` (what is published), `fleet` (the worker processes), `amqp` and
+//! `kafka` (the brokers), `oracle` (the checks and figures).
+
+// A command-line tool: its report is its standard output.
+#![allow(clippy::print_stdout)]
+
+mod amqp;
+mod fleet;
+mod kafka;
+mod oracle;
+mod rng;
+mod workload;
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+
+use crate::fleet::{Fleet, Role};
+use crate::rng::Rng;
+use crate::workload::Workload;
+
+/// The exit status of a run whose oracle found a violation.
+const VIOLATION: i32 = 3;
+
+/// Which broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BrokerKind {
+    Amqp,
+    Kafka,
+}
+
+/// How hard and how long.
+#[derive(Debug, Clone)]
+struct Profile {
+    name: &'static str,
+    unique: usize,
+    poison: usize,
+    publish_for: Duration,
+    kill_every: Duration,
+    stop_every: Duration,
+    stop_for: Duration,
+    broker_restarts: u32,
+    db_restarts: u32,
+    fault_rate: f64,
+    drain_deadline: Duration,
+    /// Kafka: add or remove a group member this often.
+    member_every: Duration,
+}
+
+impl Profile {
+    fn new(name: &str, broker: BrokerKind) -> anyhow::Result<Self> {
+        // tansu (scripts/kafka.sh) keeps topics and offsets in memory: a restart would lose
+        // every message, so the Kafka runs restart no broker.
+        let restarts = |n| if broker == BrokerKind::Amqp { n } else { 0 };
+        Ok(match name {
+            "ci" => Profile {
+                name: "ci",
+                unique: 2_000,
+                poison: 20,
+                publish_for: Duration::from_secs(60),
+                kill_every: Duration::from_secs(2),
+                stop_every: Duration::from_secs(20),
+                stop_for: Duration::from_secs(4),
+                broker_restarts: restarts(1),
+                db_restarts: 0,
+                fault_rate: 0.01,
+                drain_deadline: Duration::from_secs(300),
+                member_every: Duration::from_secs(10),
+            },
+            "full" => Profile {
+                name: "full",
+                unique: 10_000,
+                poison: 50,
+                publish_for: Duration::from_secs(480),
+                kill_every: Duration::from_secs(2),
+                stop_every: Duration::from_secs(20),
+                stop_for: Duration::from_secs(5),
+                broker_restarts: restarts(3),
+                db_restarts: 1,
+                fault_rate: 0.01,
+                drain_deadline: Duration::from_secs(600),
+                member_every: Duration::from_secs(15),
+            },
+            other => bail!("--profile {other:?}: use ci or full"),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Args {
+    broker: BrokerKind,
+    profile: Profile,
+    seed: u64,
+    broken: bool,
+    workers: usize,
+    build: bool,
+    keep: bool,
+}
+
+const USAGE: &str = "usage: chaos --broker amqp|kafka --profile ci|full [--seed N] [--broken] \
+[--workers N] [--publish-secs N] [--no-build] [--keep]";
+
+impl Args {
+    fn parse() -> anyhow::Result<Self> {
+        let mut broker = None;
+        let mut profile = None;
+        let mut seed = None;
+        let mut broken = false;
+        let mut workers = 4;
+        let mut publish_secs = None;
+        let mut build = true;
+        let mut keep = false;
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            let mut value = |name: &str| {
+                args.next()
+                    .with_context(|| format!("{name} needs a value; {USAGE}"))
+            };
+            match arg.as_str() {
+                "--broker" => {
+                    broker = Some(match value("--broker")?.as_str() {
+                        "amqp" | "rabbitmq" => BrokerKind::Amqp,
+                        "kafka" => BrokerKind::Kafka,
+                        other => bail!("--broker {other:?}: use amqp or kafka"),
+                    })
+                }
+                "--profile" => profile = Some(value("--profile")?),
+                "--seed" => seed = Some(u64::from_str(&value("--seed")?).context("--seed")?),
+                "--workers" => {
+                    workers = usize::from_str(&value("--workers")?).context("--workers")?
+                }
+                "--publish-secs" => {
+                    publish_secs =
+                        Some(u64::from_str(&value("--publish-secs")?).context("--publish-secs")?)
+                }
+                "--broken" => broken = true,
+                "--no-build" => build = false,
+                "--keep" => keep = true,
+                "-h" | "--help" => {
+                    println!("{USAGE}");
+                    std::process::exit(0);
+                }
+                other => bail!("unknown argument {other:?}; {USAGE}"),
+            }
+        }
+        let broker = broker.with_context(|| format!("--broker is required; {USAGE}"))?;
+        let mut profile = Profile::new(profile.as_deref().unwrap_or("ci"), broker)?;
+        if let Some(s) = publish_secs {
+            profile.publish_for = Duration::from_secs(s);
+        }
+        if workers < 2 {
+            bail!("--workers must be at least 2 (one of each worker)");
+        }
+        let seed = seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs() % 100_000)
+                .unwrap_or(1)
+        });
+        Ok(Args {
+            broker,
+            profile,
+            seed,
+            broken,
+            workers,
+            build,
+            keep,
+        })
+    }
+}
+
+/// The run's names: schema, exchange or topic, queues or groups.
+#[derive(Debug, Clone)]
+pub(crate) struct Names {
+    pub(crate) prefix: String,
+    pub(crate) schema: String,
+    pub(crate) exchange: String,
+}
+
+impl Names {
+    fn new(seed: u64) -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() % 100_000_000)
+            .unwrap_or(0);
+        let prefix = format!("chaos_{seed}_{t}");
+        Names {
+            schema: prefix.clone(),
+            exchange: format!("{prefix}_jobs"),
+            prefix,
+        }
+    }
+
+    /// The queue (RabbitMQ) or consumer group (Kafka) of a role.
+    pub(crate) fn queue(&self, role: Role) -> String {
+        match role {
+            Role::Invoice => format!("{}_invoices", self.prefix),
+            Role::Email => format!("{}_emails", self.prefix),
+        }
+    }
+}
+
+/// A message found in a dead-letter destination.
+#[derive(Debug, Clone)]
+pub(crate) struct DeadSeen {
+    pub(crate) role: Role,
+    pub(crate) label: String,
+    pub(crate) reason: Option<String>,
+}
+
+enum Broker {
+    Amqp(amqp::Amqp),
+    Kafka(kafka::Kafka),
+}
+
+impl Broker {
+    fn worker_env(&self) -> Vec<(String, String)> {
+        match self {
+            Broker::Amqp(b) => b.worker_env(),
+            Broker::Kafka(b) => b.worker_env(),
+        }
+    }
+
+    async fn publish(&self, m: &workload::Outgoing) -> anyhow::Result<()> {
+        match self {
+            Broker::Amqp(b) => b.publish(m).await,
+            Broker::Kafka(b) => b.publish(m).await,
+        }
+    }
+
+    async fn backlog(&self) -> Option<u64> {
+        match self {
+            Broker::Amqp(b) => b.backlog().await,
+            Broker::Kafka(b) => b.backlog().await,
+        }
+    }
+
+    async fn restart(&self) -> anyhow::Result<()> {
+        match self {
+            Broker::Amqp(b) => b.restart().await,
+            Broker::Kafka(_) => bail!("the Kafka broker keeps no data across restarts"),
+        }
+    }
+
+    async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
+        match self {
+            Broker::Amqp(b) => b.dead_letters().await,
+            Broker::Kafka(b) => b.dead_letters().await,
+        }
+    }
+
+    async fn cleanup(&self) -> anyhow::Result<()> {
+        match self {
+            Broker::Amqp(b) => b.cleanup().await,
+            Broker::Kafka(b) => b.cleanup().await,
+        }
+    }
+}
+
+/// The repository's `scripts/` directory.
+fn scripts_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts")
+}
+
+/// Runs a script, failing with its output.
+pub(crate) async fn script(path: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let out = tokio::process::Command::new(path)
+        .args(args)
+        .output()
+        .await
+        .with_context(|| format!("run {}", path.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} {args:?} failed: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Builds the example's worker binaries with the runner's own profile and returns the
+/// directory they are in (the runner's own).
+fn worker_binaries(build: bool) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locate the chaos binary")?;
+    let dir = exe
+        .parent()
+        .context("the chaos binary has no directory")?
+        .to_path_buf();
+    if build {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+        let mut cmd = std::process::Command::new(cargo);
+        // With `-p chaos` too, cargo resolves features as it did for this binary, so this
+        // reuses what `cargo run -p chaos` just compiled instead of a second build.
+        cmd.args([
+            "build",
+            "--quiet",
+            "-p",
+            "chaos",
+            "-p",
+            "invoices",
+            "--bins",
+            "--manifest-path",
+        ])
+        .arg(&manifest);
+        if !cfg!(debug_assertions) {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().context("run cargo build -p invoices --bins")?;
+        if !status.success() {
+            bail!("cargo build -p invoices --bins failed");
+        }
+    }
+    for role in [Role::Invoice, Role::Email] {
+        let bin = dir.join(role.binary());
+        if !bin.is_file() {
+            bail!(
+                "{} not found next to the chaos binary: run `cargo build --release -p invoices --bins`",
+                bin.display()
+            );
+        }
+    }
+    Ok(dir)
+}
+
+async fn connect_db(schema: &str) -> anyhow::Result<PgPool> {
+    let url = std::env::var("DATABASE_URL")
+        .context("DATABASE_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
+    let options = PgConnectOptions::from_str(&url)
+        .context("DATABASE_URL")?
+        .options([("search_path", schema)]);
+    Ok(PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(options)
+        .await?)
+}
+
+/// What happened during the run, besides what the fleet counts.
+#[derive(Debug, Default)]
+struct Happened {
+    published: u64,
+    publish_retries: u64,
+    broker_restarts: u32,
+    db_restarts: u32,
+    drained: bool,
+    errors: Vec<String>,
+}
+
+#[tokio::main]
+async fn main() {
+    let code = match run().await {
+        Ok(true) => 0,
+        Ok(false) => VIOLATION,
+        Err(e) => {
+            eprintln!("chaos: error: {e:#}");
+            println!("chaos: 0 passed, 1 failed (error)");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn run() -> anyhow::Result<bool> {
+    let args = Args::parse()?;
+    let p = args.profile.clone();
+    let bin_dir = worker_binaries(args.build)?;
+    let names = Names::new(args.seed);
+    let scripts = scripts_dir();
+    let log_dir = std::env::temp_dir().join(&names.prefix);
+    std::fs::create_dir_all(&log_dir)?;
+    let broker_name = match args.broker {
+        BrokerKind::Amqp => "RabbitMQ",
+        BrokerKind::Kafka => "Kafka (tansu)",
+    };
+    println!(
+        "chaos: {broker_name}, profile {}, seed {}, {} workers{}; schema and queues {}; worker logs in {}",
+        p.name,
+        args.seed,
+        args.workers,
+        if args.broken { ", BROKEN ack-before-commit" } else { "" },
+        names.prefix,
+        log_dir.display()
+    );
+
+    let mut rng = Rng::new(args.seed);
+    let workload = Workload::new(p.unique, p.poison, 3 * 1024 * 1024, &mut rng);
+    let pool = connect_db(&names.schema).await?;
+    invoices::schema::migrate(&pool, &names.schema).await?;
+    invoices::schema::place_orders(&pool, &workload.orders).await?;
+
+    let broker = match args.broker {
+        BrokerKind::Amqp => Broker::Amqp(amqp::Amqp::connect(&names, scripts.clone()).await?),
+        BrokerKind::Kafka => Broker::Kafka(kafka::Kafka::connect(&names).await?),
+    };
+    let database_url = std::env::var("DATABASE_URL")?;
+    let mut env = Vec::new();
+    for role in [Role::Invoice, Role::Email] {
+        let mut e = broker.worker_env();
+        e.extend(
+            [
+                ("DATABASE_URL", database_url.clone()),
+                ("DB_SCHEMA", names.schema.clone()),
+                ("QUEUE", names.queue(role)),
+                ("EXCHANGE", names.exchange.clone()),
+                ("CONCURRENCY", "8".to_owned()),
+                ("STATS_INTERVAL_MS", "1000".to_owned()),
+                ("RUST_LOG", "warn,lapin=off,rdkafka=off".to_owned()),
+                (
+                    "CONSUMER_BROKEN_ACK_BEFORE_COMMIT",
+                    if args.broken { "1" } else { "0" }.to_owned(),
+                ),
+            ]
+            .map(|(k, v)| (k.to_owned(), v)),
+        );
+        if args.broker == BrokerKind::Kafka {
+            e.extend(kafka::slow_job_env());
+        }
+        env.push((role, e));
+    }
+    let r = p.fault_rate;
+    let faults = format!("before_commit={r},after_commit={r},after_ack={r},in_effect={r}");
+    // Static group membership (`group.instance.id` per slot) would spare Kafka a rebalance
+    // per kill, but tansu 0.6 did not consume at all with it: off.
+    let static_members: Option<String> = None;
+    let mut fleet = Fleet::new(
+        &bin_dir,
+        &log_dir,
+        env,
+        Some(faults),
+        args.seed,
+        static_members,
+    );
+    for i in 0..args.workers {
+        fleet.add(if i % 2 == 0 {
+            Role::Invoice
+        } else {
+            Role::Email
+        })?;
+    }
+    let first_extra = args.workers;
+
+    let start = Instant::now();
+    let broker = std::sync::Arc::new(broker);
+    // The publisher: paced over the publishing window, each message retried until the
+    // broker confirms it (a retried message may arrive twice: same id, deduplicated).
+    let publisher = {
+        let broker = broker.clone();
+        let messages = workload.messages.clone();
+        let window = p.publish_for;
+        tokio::spawn(async move {
+            let mut published = 0u64;
+            let mut retries = 0u64;
+            let n = messages.len().max(1) as u32;
+            for (k, m) in messages.iter().enumerate() {
+                let due = start + window * u32::try_from(k).unwrap_or(u32::MAX) / n;
+                tokio::time::sleep_until(due.into()).await;
+                let mut tries = 0;
+                loop {
+                    match broker.publish(m).await {
+                        Ok(()) => break,
+                        Err(e) if tries < 60 => {
+                            tries += 1;
+                            retries += 1;
+                            eprintln!("chaos: publish {}: {e:#}; retrying", m.label());
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        Err(e) => return Err(e.context(format!("publish {}", m.label()))),
+                    }
+                }
+                published += 1;
+            }
+            Ok::<_, anyhow::Error>((published, retries))
+        })
+    };
+
+    let at = |fraction: f64| p.publish_for.mul_f64(fraction);
+    let mut broker_restart_at: Vec<Duration> = (0..p.broker_restarts)
+        .map(|k| at((f64::from(k) + 0.5) / f64::from(p.broker_restarts.max(1)) * 0.9))
+        .collect();
+    let mut db_restart_at: Vec<Duration> = (0..p.db_restarts).map(|_| at(0.65)).collect();
+    let mut happened = Happened::default();
+    let mut restarting: Option<tokio::task::JoinHandle<anyhow::Result<()>>> = None;
+    let mut next_kill = p.kill_every;
+    let mut next_stop = p.stop_every / 2;
+    let mut stopped: Option<(usize, Duration)> = None;
+    let mut next_member = p.member_every;
+    let mut add_next = true;
+    let mut publisher = Some(publisher);
+    let mut published_at: Option<Duration> = None;
+    let mut next_check = Duration::ZERO;
+    let mut empty_checks = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = start.elapsed();
+        fleet.reap()?;
+        if now >= next_kill {
+            fleet.kill_random(&mut rng);
+            next_kill += p.kill_every;
+        }
+        match stopped {
+            Some((i, until)) if now >= until => {
+                fleet.resume(i);
+                stopped = None;
+            }
+            None if now >= next_stop => {
+                stopped = fleet.stop_random(&mut rng).map(|i| (i, now + p.stop_for));
+                next_stop += p.stop_every;
+            }
+            _ => {}
+        }
+        if let Some(task) = restarting.take_if(|t| t.is_finished()) {
+            if let Err(e) = task.await? {
+                happened.errors.push(format!("{e:#}"));
+            }
+        }
+        if restarting.is_none() {
+            if broker_restart_at.first().is_some_and(|t| now >= *t) {
+                broker_restart_at.remove(0);
+                happened.broker_restarts += 1;
+                eprintln!("chaos: [{:.0}s] restarting the broker", now.as_secs_f64());
+                let broker = broker.clone();
+                restarting = Some(tokio::spawn(async move { broker.restart().await }));
+            } else if db_restart_at.first().is_some_and(|t| now >= *t) {
+                db_restart_at.remove(0);
+                happened.db_restarts += 1;
+                eprintln!("chaos: [{:.0}s] restarting PostgreSQL", now.as_secs_f64());
+                let script = scripts.join("postgres.sh");
+                restarting = Some(tokio::spawn(async move {
+                    crate::script(&script, &["restart"]).await
+                }));
+            }
+        }
+        if args.broker == BrokerKind::Kafka && published_at.is_none() && now >= next_member {
+            next_member += p.member_every;
+            if add_next {
+                let role = if rng.below(2) == 0 {
+                    Role::Invoice
+                } else {
+                    Role::Email
+                };
+                fleet.add(role)?;
+                fleet.counts.joined += 1;
+            } else {
+                fleet.remove_extra(first_extra, &mut rng);
+            }
+            add_next = !add_next;
+        }
+        if let Some(task) = publisher.take_if(|t| t.is_finished()) {
+            let (published, retries) = task.await??;
+            happened.published = published;
+            happened.publish_retries = retries;
+            published_at = Some(now);
+            eprintln!(
+                "chaos: [{:.0}s] published {published} messages; draining",
+                now.as_secs_f64()
+            );
+        }
+        let Some(published_at) = published_at else {
+            continue;
+        };
+        if now < next_check {
+            continue;
+        }
+        next_check = now + Duration::from_secs(1);
+        let quiet =
+            restarting.is_none() && broker_restart_at.is_empty() && db_restart_at.is_empty();
+        match broker.backlog().await {
+            Some(0) if quiet => empty_checks += 1,
+            _ => empty_checks = 0,
+        }
+        if empty_checks >= 3 {
+            happened.drained = true;
+            break;
+        }
+        if now > published_at + p.drain_deadline {
+            happened.errors.push(format!(
+                "not drained {:?} after publishing",
+                p.drain_deadline
+            ));
+            break;
+        }
+    }
+    if let Some((i, _)) = stopped {
+        fleet.resume(i);
+    }
+    if let Some(task) = restarting {
+        if let Err(e) = task.await? {
+            happened.errors.push(format!("{e:#}"));
+        }
+    }
+    let drained_after = start.elapsed();
+    fleet.shutdown(Duration::from_secs(60)).await?;
+    let elapsed = start.elapsed();
+
+    let dead = broker.dead_letters().await?;
+    let verdict = oracle::check(&pool, &workload, &dead).await?;
+    let figures = oracle::worker_figures(&pool).await?;
+    let c = &fleet.counts;
+    let passed = verdict.passed() && happened.drained && c.unexpected_exits.is_empty();
+
+    let rows: Vec<(&str, String)> = vec![
+        ("broker", broker_name.to_owned()),
+        ("profile / seed", format!("{} / {}", p.name, args.seed)),
+        (
+            "ack before commit (broken)",
+            if args.broken { "ON" } else { "off" }.to_owned(),
+        ),
+        ("published (messages)", happened.published.to_string()),
+        ("  unique valid jobs", workload.valid.len().to_string()),
+        ("  republished duplicates", workload.duplicates.to_string()),
+        ("  poison jobs", p.poison.to_string()),
+        (
+            "  bad inputs",
+            (workload.expected_dead.len() - p.poison).to_string(),
+        ),
+        ("  publish retries", happened.publish_retries.to_string()),
+        ("worker processes started", c.starts.to_string()),
+        ("kills (SIGKILL)", c.kills.to_string()),
+        ("pauses (SIGSTOP/SIGCONT)", c.stops.to_string()),
+        (
+            "members added / removed",
+            format!("{} / {}", c.joined, c.left),
+        ),
+        (
+            "broker restarts",
+            if args.broker == BrokerKind::Kafka {
+                "0 (tansu keeps no data across restarts)".to_owned()
+            } else {
+                happened.broker_restarts.to_string()
+            },
+        ),
+        ("DB restarts", happened.db_restarts.to_string()),
+        ("fault-point aborts (SIGABRT)", c.aborts.to_string()),
+        ("redeliveries seen", figures.redelivered.to_string()),
+        ("duplicates skipped", figures.duplicates.to_string()),
+        ("retries", figures.retries.to_string()),
+        ("extra attempts (inbox)", figures.extra_attempts.to_string()),
+        ("quarantined", figures.quarantined.to_string()),
+        ("dead-lettered", verdict.dead_lettered.to_string()),
+        (
+            "  dead-letter copies (deduped)",
+            verdict.dead_letter_copies.to_string(),
+        ),
+        (
+            "  expected but missing",
+            verdict.dead_letter_missing.to_string(),
+        ),
+        (
+            "  valid jobs dead-lettered",
+            verdict.valid_dead_lettered.to_string(),
+        ),
+        ("  unexplained", verdict.dead_letter_unexplained.to_string()),
+        ("lost", verdict.lost.to_string()),
+        ("duplicated", verdict.duplicated.to_string()),
+        ("unexpected", verdict.unexpected.to_string()),
+        (
+            "drained",
+            format!(
+                "{} (at {:.0}s)",
+                happened.drained,
+                drained_after.as_secs_f64()
+            ),
+        ),
+        ("elapsed", format!("{:.0}s", elapsed.as_secs_f64())),
+    ];
+    println!();
+    for (name, value) in rows {
+        println!("{name:<32}{value:>12}");
+    }
+    let reasons: Vec<String> = verdict
+        .reasons
+        .iter()
+        .map(|(r, n)| format!("{r}={n}"))
+        .collect();
+    println!("dead-letter reasons: {}", reasons.join(", "));
+    for e in &verdict.examples {
+        println!("  violation: {e}");
+    }
+    for e in &c.unexpected_exits {
+        println!("  unexpected worker exit: {e}");
+    }
+    for e in &happened.errors {
+        println!("  error: {e}");
+    }
+    println!();
+    if passed {
+        println!("OK: every job's effects happened exactly once.");
+    }
+    // A --broken run is expected to fail: nothing in it is worth keeping.
+    if (passed || args.broken) && !args.keep {
+        broker.cleanup().await?;
+        sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", names.schema))
+            .execute(&pool)
+            .await?;
+        let _ = std::fs::remove_dir_all(&log_dir);
+    }
+    if passed {
+        println!("chaos: 1 passed, 0 failed");
+    } else {
+        if !args.broken || args.keep {
+            println!(
+                "FAILED: kept schema {} and worker logs in {}",
+                names.schema,
+                log_dir.display()
+            );
+        }
+        let note = if args.broken {
+            " (expected: --broken)"
+        } else {
+            ""
+        };
+        println!("chaos: 0 passed, 1 failed{note}");
+    }
+    Ok(passed)
+}
