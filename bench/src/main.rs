@@ -548,5 +548,20 @@ async fn main() -> anyhow::Result<()> {
         "amqp: fw batched",
         "db floor, N/tx",
     );
+    ratio(
+        "kafka: fw 1/tx / db floor 1/tx",
+        "kafka: fw 1/tx",
+        "db floor, 1/tx",
+    );
+    ratio(
+        "kafka: fw batched / kafka: raw consume+store",
+        "kafka: fw batched",
+        "kafka: raw consume+store",
+    );
+    ratio(
+        "kafka: fw batched / db floor N/tx",
+        "kafka: fw batched",
+        "db floor, N/tx",
+    );
     Ok(())
 }
