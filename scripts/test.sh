@@ -20,12 +20,19 @@ cargo run --quiet -p quickstart
 echo "== cargo test --workspace"
 cargo test --workspace "$@"
 
-# The chaos suite (chaos/, CHAOS.md): real worker processes killed every ~2s, fault points
-# at 1 %, one broker restart; passes only with 0 lost, 0 duplicated, 0 unexpected effects.
-# The seed is random and printed; CHAOS_SEED=N reproduces a run's fault schedule.
+# The chaos suite (chaos/, CHAOS.md): real worker processes killed and restarted, fault
+# points that abort them, broker restarts (RabbitMQ); passes only with 0 lost, 0 duplicated,
+# 0 unexpected effects and exactly the expected dead letters. The seed is random and
+# printed; CHAOS_SEED=N reproduces a run's fault schedule.
 chaos=(cargo run --release --quiet -p chaos -- --profile ci ${CHAOS_SEED:+--seed "$CHAOS_SEED"})
 echo "== chaos suite, CI profile, RabbitMQ"
 "${chaos[@]}" --broker amqp
+
+echo "== chaos suite, CI profile, RabbitMQ, batched mode (64 per transaction)"
+"${chaos[@]}" --broker amqp --batch 64
+
+echo "== chaos suite, CI profile, Kafka"
+"${chaos[@]}" --broker kafka
 
 # Acceptance 3: the suite can fail. With the test-only ack-before-commit switch the runner
 # must report a violation (exit status 3), not pass and not crash.

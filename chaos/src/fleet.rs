@@ -72,9 +72,6 @@ pub(crate) struct Fleet {
     env: Vec<(Role, Vec<(String, String)>)>,
     fault_spec: Option<String>,
     seed: u64,
-    /// Kafka: a static group membership id per slot (`<prefix>_<slot>`), so a restarted
-    /// worker takes its partitions back without a rebalance.
-    static_members: Option<String>,
     slots: Vec<Slot>,
     pub(crate) counts: Counts,
 }
@@ -86,7 +83,6 @@ impl Fleet {
         env: Vec<(Role, Vec<(String, String)>)>,
         fault_spec: Option<String>,
         seed: u64,
-        static_members: Option<String>,
     ) -> Self {
         Fleet {
             bin_dir: bin_dir.to_owned(),
@@ -94,7 +90,6 @@ impl Fleet {
             env,
             fault_spec,
             seed,
-            static_members,
             slots: Vec::new(),
             counts: Counts::default(),
         }
@@ -132,12 +127,6 @@ impl Fleet {
             .kill_on_drop(true);
         if let Some((_, env)) = self.env.iter().find(|(r, _)| *r == slot.role) {
             cmd.envs(env.iter().map(|(k, v)| (k, v)));
-        }
-        if let Some(prefix) = &self.static_members {
-            cmd.env(
-                "KAFKA_CONSUMER_PROPERTY_GROUP_INSTANCE_ID",
-                format!("{prefix}_{i}"),
-            );
         }
         if let Some(spec) = &self.fault_spec {
             // A different, reproducible fault sequence per worker and incarnation.
@@ -238,8 +227,9 @@ impl Fleet {
         }
     }
 
-    /// Removes a random added member gracefully (SIGTERM); `false` if none is left.
-    pub(crate) fn remove_extra(&mut self, first_extra: usize, rng: &mut Rng) -> bool {
+    /// Removes a random added member for good, gracefully (SIGTERM) or, when `abrupt`, with
+    /// SIGKILL (it leaves by session timeout); `false` if none is left.
+    pub(crate) fn remove_extra(&mut self, first_extra: usize, rng: &mut Rng, abrupt: bool) -> bool {
         let extra: Vec<usize> = self
             .running()
             .into_iter()
@@ -250,7 +240,12 @@ impl Fleet {
         }
         let i = extra[usize::try_from(rng.below(extra.len() as u64)).unwrap_or(0)];
         self.slots[i].leaving = true;
-        signal(self.slots[i].pid, "TERM");
+        if abrupt {
+            self.slots[i].killed = true;
+            signal(self.slots[i].pid, "KILL");
+        } else {
+            signal(self.slots[i].pid, "TERM");
+        }
         self.counts.left += 1;
         true
     }

@@ -2,6 +2,7 @@
 //! and reading the dead-letter topic back.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -26,8 +27,16 @@ const MAX_POLL_INTERVAL_MS: u64 = 7_000;
 /// Slow jobs sleep this much longer than `max.poll.interval.ms`.
 const SLOW_JOB_MS: u64 = MAX_POLL_INTERVAL_MS + 1_000;
 
+/// Whether the broker keeps topics and offsets across a restart: `scripts/kafka.sh` with
+/// `CONSUMER_KAFKA_STORAGE=sqlite` (the runner restarts it through that script, so the
+/// variable is the one the script sees).
+pub(crate) fn keeps_data() -> bool {
+    std::env::var("CONSUMER_KAFKA_STORAGE").is_ok_and(|s| s == "sqlite")
+}
+
 /// The Kafka side of a run.
 pub(crate) struct Kafka {
+    scripts: PathBuf,
     brokers: String,
     topic: String,
     config: KafkaConfig,
@@ -41,7 +50,7 @@ pub(crate) fn slow_job_env() -> Vec<(String, String)> {
 }
 
 impl Kafka {
-    pub(crate) async fn connect(names: &Names) -> anyhow::Result<Self> {
+    pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
         let brokers = std::env::var("KAFKA_BROKERS")
             .context("KAFKA_BROKERS is not set: eval \"$(scripts/servers.sh env)\" first")?;
         let vars = BTreeMap::from([
@@ -58,6 +67,7 @@ impl Kafka {
         consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
         let publisher = KafkaPublisher::new(&config)?;
         Ok(Kafka {
+            scripts,
             brokers,
             topic: names.exchange.clone(),
             groups: [Role::Invoice, Role::Email]
@@ -85,6 +95,9 @@ impl Kafka {
                 "KAFKA_CONSUMER_PROPERTY_HEARTBEAT_INTERVAL_MS",
                 "2000".to_owned(),
             ),
+            // A revoke waits at most this long for in-flight records (a slow job is
+            // not waited for: the new owner redelivers it), so a rebalance is not held up.
+            ("KAFKA_REVOKE_TIMEOUT_MS", "2000".to_owned()),
             (
                 "KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS",
                 MAX_POLL_INTERVAL_MS.to_string(),
@@ -93,6 +106,15 @@ impl Kafka {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect()
+    }
+
+    /// Restarts the broker (same port); only with SQLite storage, see [`keeps_data`].
+    pub(crate) async fn restart(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            keeps_data(),
+            "the Kafka broker keeps no data across restarts (CONSUMER_KAFKA_STORAGE=sqlite does)"
+        );
+        crate::script(&self.scripts.join("kafka.sh"), &["restart"]).await
     }
 
     pub(crate) async fn publish(&self, m: &Outgoing) -> anyhow::Result<()> {

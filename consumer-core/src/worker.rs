@@ -91,10 +91,12 @@ impl std::fmt::Debug for WorkerConfig {
 
 /// Batched mode: many deliveries, one transaction, one commit.
 ///
-/// The keys of a batch are claimed with one statement, each handler runs inside its own
-/// savepoint of one shared transaction (a failing message rolls back only its own writes),
-/// and the batch commits once; then every delivery is settled. The guarantees of the
-/// per-message mode hold unchanged; what changes is the number of fsyncs per message.
+/// The keys of a batch are claimed with one statement, the handlers run in one shared
+/// transaction, and the batch commits once; then every delivery is settled. If any handler
+/// fails, that transaction is rolled back and the batch runs again one message per
+/// transaction, so one failure never sinks or half-commits the others (and no attempt is
+/// counted twice). The guarantees of the per-message mode hold unchanged; what changes is
+/// the number of fsyncs per message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchConfig {
     /// The most deliveries in one batch (at least 1).

@@ -198,7 +198,8 @@ pub struct KafkaConfig {
     pub max_buffered_per_partition: usize,
     /// How long a revoke waits for in-flight records of the revoked partitions to settle
     /// (default 10s). Settlements arriving later are dropped; the new owner redelivers and
-    /// the inbox deduplicates.
+    /// the inbox deduplicates. The wait runs inside the poll, so it must stay under half of
+    /// `max.poll.interval.ms` when that is set ([`KafkaConfig::validate`] checks).
     pub revoke_timeout: Duration,
     /// Longest wait for a retry or dead-letter copy's delivery report (default 30s).
     pub produce_timeout: Duration,
@@ -419,6 +420,33 @@ impl KafkaConfig {
         if self.revoke_timeout.is_zero() {
             return Err(Error::config("revoke_timeout", "must be greater than zero"));
         }
+        // The revoke callback runs inside the poll: waiting there longer than
+        // `max.poll.interval.ms` makes librdkafka leave the group, and it holds up the
+        // whole group's rebalance meanwhile.
+        let max_poll = [
+            ("consumer_properties", &self.consumer_properties),
+            ("properties", &self.properties),
+        ]
+        .into_iter()
+        .find_map(|(field, props)| {
+            let ms = props
+                .get("max.poll.interval.ms")?
+                .trim()
+                .parse::<u64>()
+                .ok();
+            Some((field, ms))
+        });
+        if let Some((field, Some(max_poll_ms))) = max_poll {
+            if self.revoke_timeout.as_millis() >= u128::from(max_poll_ms) / 2 {
+                return Err(Error::config(
+                    "revoke_timeout",
+                    format!(
+                        "must be less than half of max.poll.interval.ms ({max_poll_ms} ms, \
+                         from {field}): the revoke wait runs inside the poll"
+                    ),
+                ));
+            }
+        }
         if self.produce_timeout.is_zero() {
             return Err(Error::config(
                 "produce_timeout",
@@ -611,6 +639,18 @@ mod tests {
             Err(Error::Config { field, .. }) => field,
             other => panic!("expected a config error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn revoke_timeout_stays_under_half_the_poll_interval() {
+        let mut c = valid();
+        c.consumer_properties.set("max.poll.interval.ms", "7000");
+        assert_eq!(field_of(&c), "revoke_timeout");
+        c.revoke_timeout = Duration::from_millis(3000);
+        c.validate().unwrap();
+        let mut c = valid();
+        c.properties.set("max.poll.interval.ms", "6000");
+        assert_eq!(field_of(&c), "revoke_timeout");
     }
 
     #[test]

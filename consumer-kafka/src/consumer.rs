@@ -232,20 +232,22 @@ impl Shared {
             .filter(|&a| a >= 1)
             .unwrap_or(1);
         let origin = s.retry_sources.get(&*topic).cloned();
-        // Only copies on a retry topic wait for their due time.
+        // Another group's retry copy (groups share a topic's retry topic): not ours to run.
+        let foreign = origin.is_some()
+            && header_map
+                .get(headers::RETRY_GROUP)
+                .is_some_and(|g| *g != s.group_id);
+        // Only our own copies on a retry topic wait for their due time; a foreign copy is
+        // skipped at once instead of holding the partition until the other group's due time.
         let not_before = origin
             .as_ref()
+            .filter(|_| !foreign)
             .and_then(|_| header_map.get(headers::DUE_AT))
             .and_then(|d| d.parse::<i64>().ok())
             .and_then(|due| {
                 let wait = due.saturating_sub(unix_millis());
                 (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
             });
-        // Another group's retry copy (groups share a topic's retry topic): not ours to run.
-        let foreign = origin.is_some()
-            && header_map
-                .get(headers::RETRY_GROUP)
-                .is_some_and(|g| *g != s.group_id);
         let payload = m.payload().unwrap_or_default().to_vec();
         let record = Arc::new(Record {
             origin: origin.unwrap_or_else(|| topic.clone()),

@@ -19,6 +19,8 @@ async fn handler_slower_than_max_poll_interval_keeps_its_partitions() {
     config
         .consumer_properties
         .set("max.poll.interval.ms", "6000");
+    // The revoke wait runs inside the poll: it must stay under half the poll interval.
+    config.revoke_timeout = std::time::Duration::from_secs(2);
     // Two records of 8s each, one after the other: 16s of handler time in one partition,
     // well past two poll intervals; then a fast one.
     let ends = publish_all(

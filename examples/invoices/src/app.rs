@@ -97,6 +97,7 @@ pub async fn run_worker<H: Handler<Postgres>>(
     let config = WorkerConfig {
         concurrency: settings.concurrency,
         faults,
+        batch: settings.batch,
         broken_ack_before_commit: settings.broken_ack_before_commit,
         ..WorkerConfig::default()
     };
@@ -134,6 +135,7 @@ pub async fn run_worker<H: Handler<Postgres>>(
         queue = %settings.queue,
         concurrency = settings.concurrency,
         prefetch = settings.prefetch,
+        batch = ?settings.batch.map(|b| b.max_messages),
         database = %settings.database_url,
         "worker started"
     );

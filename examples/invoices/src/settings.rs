@@ -16,6 +16,8 @@
 //! | `PREFETCH` | `32` | deliveries the broker sends ahead |
 //! | `WORK_MS` | `0` | simulated work per job, in milliseconds |
 //! | `SLOW_JOB_MS` | `0` | extra sleep on slow jobs (order ids ending in 37), chaos suite |
+//! | `BATCH_SIZE` | `0` (off) | batched mode: up to this many deliveries per transaction (`consumer_core::BatchConfig`) |
+//! | `BATCH_WAIT_MS` | `5` | batched mode: how long to wait for more deliveries after the first |
 //! | `STATS_INTERVAL_MS` | `0` (off) | write this process's counters to `worker_stats` this often and at shutdown |
 //! | `CONSUMER_FAULTS`, `CONSUMER_FAULT_SEED` | unset (off) | fault points that abort the process (`consumer_core::fault`), chaos suite |
 //! | `CONSUMER_BROKEN_ACK_BEFORE_COMMIT` | unset | **test-only, never in production**: `1` acks every delivery before its handler runs, to prove the chaos suite can fail |
@@ -24,6 +26,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use consumer_amqp::{QueueType, RedactedUrl};
+use consumer_core::BatchConfig;
 
 use crate::transport::TransportKind;
 
@@ -56,6 +59,8 @@ pub struct Settings {
     pub work: Duration,
     /// Extra sleep on slow jobs (0: off).
     pub slow_job: Duration,
+    /// Batched mode (`None`: one transaction per delivery).
+    pub batch: Option<BatchConfig>,
     /// How often to write this process's counters to `worker_stats` (`None`: never).
     pub stats_interval: Option<Duration>,
     /// DELIBERATELY BROKEN, test-only: ack before the handler runs. Never in production.
@@ -106,6 +111,13 @@ impl Settings {
             .ok()
             .filter(|p| *p > 0)
             .context("KAFKA_PARTITIONS must be between 1 and 2^31-1")?;
+        let batch = match number("BATCH_SIZE", 0)? {
+            0 => None,
+            n => Some(BatchConfig {
+                max_messages: usize::try_from(n).context("BATCH_SIZE is too large")?,
+                max_wait: Duration::from_millis(number("BATCH_WAIT_MS", 5)?),
+            }),
+        };
         Ok(Settings {
             transport,
             amqp_url,
@@ -120,6 +132,7 @@ impl Settings {
             prefetch,
             work: Duration::from_millis(number("WORK_MS", 0)?),
             slow_job: Duration::from_millis(number("SLOW_JOB_MS", 0)?),
+            batch,
             stats_interval: Some(number("STATS_INTERVAL_MS", 0)?)
                 .filter(|ms| *ms > 0)
                 .map(Duration::from_millis),
