@@ -280,7 +280,7 @@ pub(crate) struct DeadSeen {
 
 enum Broker {
     Amqp(amqp::Amqp),
-    Kafka(kafka::Kafka),
+    Kafka(Box<kafka::Kafka>),
 }
 
 impl Broker {
@@ -466,7 +466,9 @@ async fn run() -> anyhow::Result<bool> {
 
     let broker = match args.broker {
         BrokerKind::Amqp => Broker::Amqp(amqp::Amqp::connect(&names, scripts.clone()).await?),
-        BrokerKind::Kafka => Broker::Kafka(kafka::Kafka::connect(&names, scripts.clone()).await?),
+        BrokerKind::Kafka => Broker::Kafka(Box::new(
+            kafka::Kafka::connect(&names, scripts.clone()).await?,
+        )),
     };
     let database_url = std::env::var("DATABASE_URL")?;
     let mut env = Vec::new();
