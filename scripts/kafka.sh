@@ -21,6 +21,7 @@
 # chaos suite's full profile restarts the broker). It needs tansu built with its `libsql`
 # feature, which this script installs once with `cargo install tansu --features
 # dynostore,libsql` into the cache dir: about 20 minutes on 2 cores, so CI does not use it.
+# Under the chaos suite's full profile tansu 0.6's SQLite engine panicked (CHAOS.md).
 #
 # State lives in ${CONSUMER_STATE_DIR:-/tmp/consumer-test}/kafka:
 #   tansu.pid, port, env   what the running broker uses, for other scripts
