@@ -62,8 +62,14 @@ pub(crate) async fn fill(url: &str, queue: &str, first: u64, o: &Options) -> any
 }
 
 /// Raw lapin: consume, ack with `multiple` every 64 deliveries, as a tuned hand-written
-/// consumer with nothing to do per message would.
-pub(crate) async fn raw(url: &str, queue: &str, o: &Options) -> anyhow::Result<Figures> {
+/// consumer with nothing to do per message would; with `each`, one ack per delivery (what
+/// the framework sends), to price the per-delivery acks.
+pub(crate) async fn raw(
+    url: &str,
+    queue: &str,
+    o: &Options,
+    each: bool,
+) -> anyhow::Result<Figures> {
     let conn = Connection::connect(url, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
     ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
@@ -85,10 +91,10 @@ pub(crate) async fn raw(url: &str, queue: &str, o: &Options) -> anyhow::Result<F
         let delivery = consumer.next().await.context("consumer ended")??;
         pending.push(Instant::now());
         seen += 1;
-        if pending.len() == 64 || seen == o.messages {
+        if each || pending.len() == 64 || seen == o.messages {
             delivery
                 .acker
-                .ack(BasicAckOptions { multiple: true })
+                .ack(BasicAckOptions { multiple: !each })
                 .await?;
             for t in pending.drain(..) {
                 latencies.push(t.elapsed().as_micros() as u64);
@@ -228,7 +234,7 @@ pub(crate) async fn framework(
     let s = worker.snapshot();
     anyhow::ensure!(
         s.completed == o.messages as u64,
-        "framework arm completed {} of {}",
+        "framework arm completed {} of {}: {s:?}",
         s.completed,
         o.messages
     );

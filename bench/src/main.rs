@@ -13,13 +13,25 @@
 //! - `db floor, 1/tx`: the inbox insert and the effect insert, one transaction per message,
 //!   no broker: what a durable inbox costs per message at best;
 //! - `db floor, N/tx`: the same rows, N messages per transaction;
+//! - `db floor, N/tx, 1 stmt/msg`: the same, but the effects inserted one statement per
+//!   message, as a handler called once per message does: the floor of batched mode;
 //! - `hand-written 1/tx`: a hand-written consumer of the in-memory broker doing the same as
 //!   the floor per message, then acking;
-//! - `framework 1/tx` and `framework batched`: the runtime on the in-memory broker.
+//! - `framework 1/tx` and `framework batched`: the runtime on the in-memory broker;
+//! - with `AMQP_URL` / `KAFKA_BROKERS` set, the same on RabbitMQ and Kafka, next to the raw
+//!   client (`amqp: raw ack each` acks every delivery alone, which prices per-delivery acks
+//!   against `amqp: raw consume+ack`'s `multiple` ack every 64).
 //!
-//! It prints msgs/s, process CPU time per message (this process only: the database server's
-//! CPU is not counted), p50/p99 publish-to-ack latency and the ratios, each the median over
-//! the repetitions.
+//! It prints msgs/s, this process's CPU time per message, the CPU time of the local
+//! PostgreSQL server processes per message (all of them, so other load on the same server
+//! counts too), p50/p99 publish-to-ack latency and the ratios, each the median over the
+//! repetitions.
+//!
+//! Options: `--messages N --reps N --size BYTES --batch N --concurrency N`; `--arms a,b` runs
+//! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`,
+//! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
+//! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
+//! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`).
 
 // A benchmark report is this program's output.
 #![allow(clippy::print_stdout)]
@@ -66,6 +78,10 @@ struct Options {
     batch: usize,
     concurrency: usize,
     prefetch: u16,
+    /// Only the arms whose name contains one of these (all arms if empty).
+    arms: Vec<String>,
+    /// Print this process's RSS to stderr every this many milliseconds (0: never).
+    rss_every_ms: u64,
 }
 
 impl Options {
@@ -77,12 +93,18 @@ impl Options {
             batch: 64,
             concurrency: 8,
             prefetch: 256,
+            arms: Vec::new(),
+            rss_every_ms: 0,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
             let value = args
                 .next()
                 .with_context(|| format!("{flag} needs a value"))?;
+            if flag == "--arms" {
+                o.arms = value.split(',').map(str::to_owned).collect();
+                continue;
+            }
             let n: usize = value
                 .parse()
                 .with_context(|| format!("{flag} {value}: not a number"))?;
@@ -92,8 +114,12 @@ impl Options {
                 "--size" => o.size = n,
                 "--batch" => o.batch = n,
                 "--concurrency" => o.concurrency = n,
+                "--rss-every-ms" => o.rss_every_ms = n as u64,
+                "--latency" => RECORD_LATENCY.store(n != 0, std::sync::atomic::Ordering::Relaxed),
                 _ => bail!(
-                    "unknown flag {flag}; valid: --messages --reps --size --batch --concurrency"
+                    "unknown flag {flag}; valid: --messages --reps --size --batch --concurrency \
+                     --arms NAME[,NAME...] (substrings of arm names) --rss-every-ms MS \
+                     --latency 0|1"
                 ),
             }
         }
@@ -109,6 +135,9 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     rss_mib: f64,
+    /// CPU time of the PostgreSQL server processes per message (all of them: backends,
+    /// WAL writer, checkpointer), if readable.
+    server_us_per_msg: f64,
     measured_latency: bool,
 }
 
@@ -131,6 +160,9 @@ impl Rss {
     }
 
     fn start() -> Self {
+        // Every arm calls this just before its clock starts: the server CPU baseline too.
+        let us = u64::try_from(server_cpu_time().as_micros()).unwrap_or(u64::MAX);
+        SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
         Rss {
             start_kib: Self::now_kib(),
         }
@@ -151,6 +183,36 @@ fn cpu_time() -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
+/// User + system CPU time of every `postgres` process on this machine (the benchmark's
+/// database is local), from /proc; zero where not readable.
+fn server_cpu_time() -> Duration {
+    let mut ticks = 0u64;
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let Some((head, tail)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            if !head.ends_with("(postgres") {
+                continue;
+            }
+            let f: Vec<&str> = tail.split_whitespace().collect();
+            let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            ticks += get(11) + get(12);
+        }
+    }
+    Duration::from_millis(ticks * 10)
+}
+
+/// Whether the framework arms record each delivery's latency (8 bytes a message: off for the
+/// long RSS runs, where that vector would be the growth seen).
+static RECORD_LATENCY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// The server CPU time when the running arm's clock started, in microseconds.
+static SERVER_CPU0_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Records delivery-to-ack latency around any acknowledger, and calls `on_settled`.
 struct Timed<F> {
     inner: Box<dyn Acknowledger>,
@@ -166,8 +228,10 @@ impl<F: FnOnce(&Settlement) + Send + 'static> Acknowledger for Timed<F> {
             let kind = s.clone();
             let r = this.inner.settle(s).await;
             let latency = u64::try_from(this.delivered.elapsed().as_micros()).unwrap_or(u64::MAX);
-            if let Ok(mut l) = this.latencies.lock() {
-                l.push(latency);
+            if RECORD_LATENCY.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(mut l) = this.latencies.lock() {
+                    l.push(latency);
+                }
             }
             (this.on_settled)(&kind);
             r
@@ -207,6 +271,13 @@ fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: 
         p50_ms: pct(0.50),
         p99_ms: pct(0.99),
         rss_mib: Rss::now_kib().saturating_sub(rss.start_kib) as f64 / 1024.0,
+        server_us_per_msg: server_cpu_time()
+            .saturating_sub(Duration::from_micros(
+                SERVER_CPU0_US.load(std::sync::atomic::Ordering::Relaxed),
+            ))
+            .as_secs_f64()
+            * 1e6
+            / n as f64,
         measured_latency: !latencies.is_empty(),
     }
 }
@@ -236,11 +307,14 @@ async fn reset(pool: &PgPool) -> anyhow::Result<()> {
 }
 
 /// The floor: inbox insert plus effect insert per message, `per_tx` messages a transaction.
+/// With `effect_per_message`, the effects are inserted one statement per message (as a
+/// handler called once per message does), the inbox rows still with one statement.
 async fn db_floor(
     pool: &PgPool,
     first: u64,
     o: &Options,
     per_tx: usize,
+    effect_per_message: bool,
 ) -> anyhow::Result<Figures> {
     let rss = Rss::start();
     let cpu0 = cpu_time();
@@ -264,13 +338,23 @@ async fn db_floor(
             .bind(&keys)
             .execute(&mut *tx)
             .await?;
-            sqlx::query(
-                "INSERT INTO effects (job_id, body) SELECT j, $2 FROM unnest($1::bigint[]) AS j",
-            )
-            .bind(&job_ids)
-            .bind(&body)
-            .execute(&mut *tx)
-            .await?;
+            if effect_per_message {
+                for id in &job_ids {
+                    sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
+                        .bind(id)
+                        .bind(&body)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            } else {
+                sqlx::query(
+                    "INSERT INTO effects (job_id, body) SELECT j, $2 FROM unnest($1::bigint[]) AS j",
+                )
+                .bind(&job_ids)
+                .bind(&body)
+                .execute(&mut *tx)
+                .await?;
+            }
             tx.commit().await?;
             anyhow::Ok(())
         }
@@ -377,6 +461,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let o = Options::parse()?;
+    // Warnings of the runtime and the transports (a lost channel, a database error) explain
+    // a failed arm; RUST_LOG=... for more.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let url = std::env::var("DATABASE_URL")
         .context("DATABASE_URL: run `eval \"$(scripts/postgres.sh env)\"` first")?;
     let pool = PgPoolOptions::new()
@@ -417,6 +510,7 @@ async fn main() -> anyhow::Result<()> {
     let mut arms = vec![
         "db floor, 1/tx",
         "db floor, N/tx",
+        "db floor, N/tx, 1 stmt/msg",
         "memory: hand 1/tx",
         "memory: fw 1/tx",
         "memory: fw batched",
@@ -424,6 +518,7 @@ async fn main() -> anyhow::Result<()> {
     if amqp_url.is_some() {
         arms.extend([
             "amqp: raw consume+ack",
+            "amqp: raw ack each",
             "amqp: hand 1/tx",
             "amqp: fw 1/tx",
             "amqp: fw batched",
@@ -440,6 +535,24 @@ async fn main() -> anyhow::Result<()> {
         ]);
     } else {
         eprintln!("KAFKA_BROKERS is not set: skipping the Kafka arms");
+    }
+    if !o.arms.is_empty() {
+        arms.retain(|arm| o.arms.iter().any(|want| arm.contains(want.as_str())));
+    }
+    if o.rss_every_ms > 0 {
+        // A flat line here over a long run is the "RSS stays flat" check.
+        let every = Duration::from_millis(o.rss_every_ms);
+        let t0 = Instant::now();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                eprintln!(
+                    "rss t={:>7.1}s {:>8} KiB",
+                    t0.elapsed().as_secs_f64(),
+                    Rss::now_kib()
+                );
+            }
+        });
     }
     let queue = format!("bench_{}", std::process::id());
     let mut results: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
@@ -459,12 +572,14 @@ async fn main() -> anyhow::Result<()> {
                 kafka::fill(brokers, &topic, first, &o).await?;
             }
             let f = match arm {
-                "db floor, 1/tx" => db_floor(&pool, first, &o, 1).await?,
-                "db floor, N/tx" => db_floor(&pool, first, &o, o.batch).await?,
+                "db floor, 1/tx" => db_floor(&pool, first, &o, 1, false).await?,
+                "db floor, N/tx" => db_floor(&pool, first, &o, o.batch, false).await?,
+                "db floor, N/tx, 1 stmt/msg" => db_floor(&pool, first, &o, o.batch, true).await?,
                 "memory: hand 1/tx" => hand_written(&pool, first, &o).await?,
                 "memory: fw 1/tx" => framework(&inbox, first, &o, None).await?,
                 "memory: fw batched" => framework(&inbox, first, &o, batched).await?,
-                "amqp: raw consume+ack" => amqp::raw(url, &queue, &o).await?,
+                "amqp: raw consume+ack" => amqp::raw(url, &queue, &o, false).await?,
+                "amqp: raw ack each" => amqp::raw(url, &queue, &o, true).await?,
                 "amqp: hand 1/tx" => amqp::hand_written(url, &queue, &pool, &o).await?,
                 "amqp: fw 1/tx" => amqp::framework(url, &queue, &inbox, &o, None).await?,
                 "amqp: fw batched" => amqp::framework(url, &queue, &inbox, &o, batched).await?,
@@ -474,7 +589,7 @@ async fn main() -> anyhow::Result<()> {
                 }
                 _ => kafka::framework(brokers, &topic, &group, &inbox, &o, batched).await?,
             };
-            eprintln!("rep {rep} {arm:<22} {:>9.0} msg/s", f.rate);
+            eprintln!("rep {rep} {arm:<26} {:>9.0} msg/s", f.rate);
             results.entry(arm).or_default().push(f);
             first += o.messages as u64;
         }
@@ -485,8 +600,8 @@ async fn main() -> anyhow::Result<()> {
         o.messages, o.size, o.reps, o.concurrency, o.batch
     );
     println!(
-        "{:<22} {:>10} {:>12} {:>9} {:>9} {:>9}",
-        "arm", "msgs/s", "CPU µs/msg", "p50 ms", "p99 ms", "ΔRSS MiB"
+        "{:<26} {:>10} {:>12} {:>12} {:>9} {:>9} {:>9}",
+        "arm", "msgs/s", "CPU µs/msg", "PG µs/msg", "p50 ms", "p99 ms", "ΔRSS MiB"
     );
     let mut rate = BTreeMap::new();
     for &arm in &arms {
@@ -503,10 +618,11 @@ async fn main() -> anyhow::Result<()> {
             }
         };
         println!(
-            "{:<22} {:>10.0} {:>12.1} {:>9} {:>9} {:>9.1}",
+            "{:<26} {:>10.0} {:>12.1} {:>12.1} {:>9} {:>9} {:>9.1}",
             arm,
             r,
             m(|f| f.cpu_us_per_msg),
+            m(|f| f.server_us_per_msg),
             lat(m(|f| f.p50_ms)),
             lat(m(|f| f.p99_ms)),
             m(|f| f.rss_mib),
@@ -534,6 +650,11 @@ async fn main() -> anyhow::Result<()> {
         "db floor, N/tx",
     );
     ratio(
+        "memory: fw batched / floor N/tx 1 stmt/msg",
+        "memory: fw batched",
+        "db floor, N/tx, 1 stmt/msg",
+    );
+    ratio(
         "amqp: fw 1/tx / amqp: hand 1/tx",
         "amqp: fw 1/tx",
         "amqp: hand 1/tx",
@@ -541,6 +662,11 @@ async fn main() -> anyhow::Result<()> {
     ratio(
         "amqp: fw batched / amqp: raw consume+ack",
         "amqp: fw batched",
+        "amqp: raw consume+ack",
+    );
+    ratio(
+        "amqp: raw ack each / amqp: raw consume+ack",
+        "amqp: raw ack each",
         "amqp: raw consume+ack",
     );
     ratio(

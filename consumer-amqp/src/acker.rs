@@ -1,6 +1,7 @@
 //! From a lapin delivery to an [`Incoming`], and its settlement.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -29,6 +30,7 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
         data,
         acker,
     } = d;
+    link.acks.delivered(delivery_tag);
     let table = properties.headers().as_ref();
     let payload = Bytes::from(data);
     let delivery = Delivery {
@@ -64,12 +66,91 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
     }
 }
 
-/// Settles one delivery on the channel it came from.
+/// The deliveries of one consuming channel that are not settled yet, so that acks can be
+/// coalesced into one `multiple` ack where that is safe.
 ///
-/// Each tag is acked on its own (no `multiple`): deliveries finish out of order under
-/// concurrency, and acking individually is what keeps "only contiguous settled tags" true
-/// without bookkeeping. Against a local broker the ack is not the bottleneck (the handler's
-/// commits are), so coalescing was not worth its risk.
+/// A `multiple` ack of tag T settles every unsettled delivery up to T on the channel, so it
+/// is sent only for a run of deliveries that starts at the oldest unsettled one and whose
+/// outcomes are all durable and waiting for their ack. A delivery still in flight, or one
+/// about to be requeued, stops the run: it is never acked by another's `multiple` ack.
+/// Deliveries that finish out of order are acked on their own, as before; a batch that
+/// commits in order is acked with one frame instead of one per delivery.
+pub(crate) struct AckBook<A = lapin::Acker> {
+    /// Delivery tag to its acker once it only waits for its ack (`None` while in flight).
+    pending: Mutex<BTreeMap<u64, Option<A>>>,
+    /// Held while an ack or nack is being sent, so that frames leave in the order they were
+    /// planned in: a `multiple` ack never overtakes a requeue it must not cover.
+    sending: tokio::sync::Mutex<()>,
+}
+
+impl<A> Default for AckBook<A> {
+    fn default() -> Self {
+        AckBook {
+            pending: Mutex::new(BTreeMap::new()),
+            sending: tokio::sync::Mutex::new(()),
+        }
+    }
+}
+
+/// What to send to settle one ready delivery.
+#[derive(Debug, PartialEq, Eq)]
+enum AckPlan<A> {
+    /// Already acked by another delivery's `multiple` ack.
+    Done,
+    /// Ack the deliveries up to and including this tag, with this acker, in one frame.
+    Through(u64, A),
+    /// Ack this delivery alone.
+    Alone,
+}
+
+impl<A: Clone> AckBook<A> {
+    pub(crate) fn delivered(&self, tag: u64) {
+        self.entries().insert(tag, None);
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Option<A>>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ready(&self, tag: u64, acker: &A) {
+        if let Some(slot) = self.entries().get_mut(&tag) {
+            *slot = Some(acker.clone());
+        }
+    }
+
+    /// Called with `sending` held.
+    fn plan(&self, tag: u64) -> AckPlan<A> {
+        let entries = self.entries();
+        if !entries.contains_key(&tag) {
+            return AckPlan::Done;
+        }
+        // The run of ready deliveries from the oldest unsettled one.
+        let mut last = None;
+        for (t, acker) in entries.iter() {
+            match acker {
+                Some(acker) => last = Some((*t, acker)),
+                None => break,
+            }
+        }
+        match last {
+            // `tag` is ready, so it is in the run exactly when the run reaches it.
+            Some((last, acker)) if last >= tag => AckPlan::Through(last, acker.clone()),
+            _ => AckPlan::Alone,
+        }
+    }
+
+    /// Forgets the deliveries up to and including `tag` (settled by one `multiple` frame).
+    fn settled_through(&self, tag: u64) {
+        self.entries().retain(|t, _| *t > tag);
+    }
+
+    fn settled(&self, tag: u64) {
+        self.entries().remove(&tag);
+    }
+}
+
+/// Settles one delivery on the channel it came from; acks go through the channel's
+/// [`AckBook`].
 struct AmqpAcker {
     link: Arc<Link>,
     acker: lapin::Acker,
@@ -140,8 +221,13 @@ impl AmqpAcker {
                     multiple: false,
                     requeue: true,
                 };
-                if let Err(nack) = self.acker.nack(requeue).await {
-                    tracing::debug!(error = %nack, "could not requeue after a failed publish");
+                let book = &self.link.acks;
+                {
+                    let _sending = book.sending.lock().await;
+                    if let Err(nack) = self.acker.nack(requeue).await {
+                        tracing::debug!(error = %nack, "could not requeue after a failed publish");
+                    }
+                    book.settled(self.delivery_tag);
                 }
                 Err(e)
             }
@@ -152,8 +238,31 @@ impl AmqpAcker {
         if !self.link.is_alive() {
             return Err(Error::ChannelClosed);
         }
-        match self.acker.ack(BasicAckOptions { multiple: false }).await {
-            Ok(true) => Ok(()),
+        let book = &self.link.acks;
+        let tag = self.delivery_tag;
+        book.ready(tag, &self.acker);
+        // Let the other deliveries of a batch, settled together, mark themselves ready
+        // first: then the first of them acks all of them in one frame.
+        tokio::task::yield_now().await;
+        let _sending = book.sending.lock().await;
+        let (acker, multiple) = match book.plan(tag) {
+            AckPlan::Done => return Ok(()),
+            AckPlan::Through(last, acker) => (acker, Some(last)),
+            AckPlan::Alone => (self.acker.clone(), None),
+        };
+        let sent = acker
+            .ack(BasicAckOptions {
+                multiple: multiple.is_some(),
+            })
+            .await;
+        match sent {
+            Ok(true) => {
+                match multiple {
+                    Some(last) => book.settled_through(last),
+                    None => book.settled(tag),
+                }
+                Ok(())
+            }
             // lapin poisons the ackers of a closed channel.
             Ok(false) => Err(Error::ChannelClosed),
             Err(e) => Err(Error::Ack { source: e.into() }),
@@ -249,6 +358,32 @@ fn copy_properties(original: &BasicProperties, headers: FieldTable) -> BasicProp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_multiple_ack_never_covers_a_delivery_in_flight() {
+        let book = AckBook::<&str>::default();
+        for tag in 1..=6 {
+            book.delivered(tag);
+        }
+        // 2 is ready but 1 is in flight: 2 is acked alone.
+        book.ready(2, &"a2");
+        assert_eq!(book.plan(2), AckPlan::Alone);
+        book.settled(2);
+        // 1, 3 and 4 ready (2 settled): one frame through 4, sent with 4's acker.
+        book.ready(3, &"a3");
+        book.ready(4, &"a4");
+        book.ready(1, &"a1");
+        assert_eq!(book.plan(1), AckPlan::Through(4, "a4"));
+        book.settled_through(4);
+        assert_eq!(book.plan(3), AckPlan::Done);
+        assert_eq!(book.plan(4), AckPlan::Done);
+        // 5 in flight (say, being requeued), 6 ready: 6 alone, 5 never covered.
+        book.ready(6, &"a6");
+        assert_eq!(book.plan(6), AckPlan::Alone);
+        book.settled(6);
+        book.settled(5);
+        assert!(book.entries().is_empty());
+    }
 
     #[test]
     fn copies_keep_properties_but_expiration_and_user_id() {

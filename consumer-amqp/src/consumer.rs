@@ -26,6 +26,8 @@ pub(crate) struct Link {
     alive: AtomicBool,
     pub(crate) publisher: ConfirmChannel,
     pub(crate) topology: Arc<Topology>,
+    /// The consuming channel's unsettled deliveries, for coalesced acks.
+    pub(crate) acks: acker::AckBook,
     reset: Notify,
 }
 
@@ -271,6 +273,7 @@ impl Session {
             alive: AtomicBool::new(true),
             publisher,
             topology: topology.clone(),
+            acks: acker::AckBook::default(),
             reset: Notify::new(),
         });
         Ok((consumer, link))

@@ -27,8 +27,11 @@
 //! The runtime settles a delivery only after the handler's transaction committed (or the
 //! inbox recorded a duplicate). Then:
 //!
-//! - `Ack`: `basic.ack` of that one delivery tag. Tags are acked one by one, never with
-//!   `multiple`, so an ack can never cover a delivery that is still running.
+//! - `Ack`: `basic.ack` of that delivery tag. Acks settled together (a batch) are coalesced
+//!   into one `basic.ack` with `multiple`, but only over a run of deliveries that starts at
+//!   the channel's oldest unsettled delivery and whose outcomes are all durable: a `multiple`
+//!   ack never covers a delivery that is still running or being requeued. A delivery that
+//!   finishes out of order is acked alone.
 //! - `Retry { delay, attempt }`: a copy (same body, properties and message id, plus
 //!   [`headers::ATTEMPT`] = `attempt`, [`headers::FIRST_FAILURE`] and the original exchange
 //!   and routing key) is published to the retry queue for `delay`; once the broker

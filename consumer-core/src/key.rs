@@ -128,37 +128,72 @@ impl KeyTemplate {
 /// SHA-256 (hex) of the payload's canonical JSON: object keys sorted, no insignificant
 /// white space. Two payloads that differ only in key order or spacing hash the same.
 pub fn canonical_hash(payload: &Value) -> String {
-    // serde_json's `Map` is a BTreeMap unless `preserve_order` is on, so serialising a
-    // `Value` sorts keys; `canonicalize` makes that independent of the feature.
-    let canonical = serde_json::to_vec(&canonicalize(payload)).unwrap_or_default();
-    hex::encode(Sha256::digest(&canonical))
+    // Serialised straight into the hasher: no sorted copy of the payload, no byte buffer.
+    // serde_json's `Map` is a BTreeMap unless `preserve_order` is on; `Canonical` sorts the
+    // keys itself, so the bytes do not depend on that feature.
+    let mut hasher = HashWriter(Sha256::new());
+    if serde_json::to_writer(&mut hasher, &Canonical(payload)).is_err() {
+        // Unreachable: a `Value` always serialises and the writer never fails.
+        return hex::encode(Sha256::digest(b""));
+    }
+    hex::encode(hasher.0.finalize())
 }
 
-fn canonicalize(v: &Value) -> Value {
-    match v {
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.cmp(b.0));
-            Value::Object(
-                entries
-                    .into_iter()
-                    .map(|(k, v)| (k.clone(), canonicalize(v)))
-                    .collect(),
-            )
+/// A `Value` serialised with object keys in sorted order.
+struct Canonical<'a>(&'a Value);
+
+impl serde::Serialize for Canonical<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap, SerializeSeq};
+        match self.0 {
+            Value::Object(map) => {
+                let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+                let mut m = s.serialize_map(Some(entries.len()))?;
+                for (k, v) in entries {
+                    m.serialize_entry(k, &Canonical(v))?;
+                }
+                m.end()
+            }
+            Value::Array(items) => {
+                let mut seq = s.serialize_seq(Some(items.len()))?;
+                for v in items {
+                    seq.serialize_element(&Canonical(v))?;
+                }
+                seq.end()
+            }
+            other => other.serialize(s),
         }
-        Value::Array(items) => Value::Array(items.iter().map(canonicalize).collect()),
-        other => other.clone(),
     }
 }
 
-/// SHA-256 (hex) of raw bytes: the payload fingerprint for non-JSON-equal comparisons.
-pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
+/// Feeds serialised bytes to the hash.
+struct HashWriter(Sha256);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// SHA-256 of length-prefixed parts.
+pub(crate) fn sha256(parts: &[&[u8]]) -> [u8; 32] {
     let mut h = Sha256::new();
     for p in parts {
         h.update((p.len() as u64).to_be_bytes());
         h.update(p);
     }
-    hex::encode(h.finalize())
+    h.finalize().into()
+}
+
+/// SHA-256 (hex) of raw bytes: the payload fingerprint for non-JSON-equal comparisons.
+pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
+    hex::encode(sha256(parts))
 }
 
 #[cfg(test)]
@@ -193,6 +228,18 @@ mod tests {
                 .render(&json!({"id": 1}))
                 .unwrap(),
             "{x}-1"
+        );
+    }
+
+    #[test]
+    fn canonical_hash_is_sha256_of_sorted_compact_json() {
+        // The stored hashes of earlier versions must still match: pin the exact bytes hashed.
+        let v: Value = serde_json::from_str(r#"{ "b": [ {"y": 1, "x": "é\n"} ], "a": null }"#)
+            .expect("valid json");
+        let bytes = r#"{"a":null,"b":[{"x":"é\n","y":1}]}"#;
+        assert_eq!(
+            canonical_hash(&v),
+            hex::encode(Sha256::digest(bytes.as_bytes()))
         );
     }
 

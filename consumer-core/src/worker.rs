@@ -588,7 +588,15 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             return Ok(());
         }
 
-        let ran = match self.run_in_transaction(lease.conn(), to_run).await? {
+        let mut unlocked = false;
+        let (conn, held) = lease.held();
+        let ran = self
+            .run_in_transaction(conn, held, &mut unlocked, to_run)
+            .await;
+        if unlocked {
+            lease.released_in_db();
+        }
+        let ran = match ran? {
             Ok(ran) => ran,
             Err((e, not_run)) => {
                 lease.release().await;
@@ -611,10 +619,14 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// and commits once. If any handler fails, the whole transaction is rolled back and each
     /// message runs again alone, in its own transaction (its attempt is not counted twice:
     /// the locks and the claim are still held). Returns each message with its failure, if
-    /// any; `Err` of the inner result when no transaction could begin.
+    /// any; `Err` of the inner result when no transaction could begin. The batch's completion
+    /// releases the database locks `unlock` and sets `unlocked`; the one-by-one reruns keep
+    /// them until the caller releases the lease.
     async fn run_in_transaction(
         &self,
         conn: &mut DB::Connection,
+        unlock: &[i64],
+        unlocked: &mut bool,
         to_run: Vec<(Pending<H::Message>, u32)>,
     ) -> Result<Result<Vec<Ran>, (sqlx::Error, Vec<Pending<H::Message>>)>, Crash> {
         let s = &self.inner.settings;
@@ -653,7 +665,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 self.fault(FaultPoint::BeforeCommit, key)?;
             }
             let committed = async {
-                DB::complete_many(&mut tx, names, &s.name, &keys, s.retention).await?;
+                DB::complete_many(&mut tx, names, &s.name, &keys, s.retention, unlock).await?;
+                *unlocked = !unlock.is_empty();
                 tx.commit().await
             }
             .await;
@@ -691,7 +704,15 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 Err(_) => Some(HandlerError::permanent("the payload no longer decodes")),
                 Ok(p) => {
                     match self
-                        .run_in_own_transaction(conn, &delivery, &key, attempt, p.message)
+                        .run_in_own_transaction(
+                            conn,
+                            &[],
+                            &mut false,
+                            &delivery,
+                            &key,
+                            attempt,
+                            p.message,
+                        )
                         .await?
                     {
                         Ok(failure) => failure,
@@ -992,11 +1013,17 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         };
         tracing::Span::current().record("attempt", attempt);
 
-        // The handler's transaction: its writes and the inbox completion commit together.
-        let failure = match self
-            .run_in_own_transaction(lease.conn(), delivery, &key, attempt, message)
-            .await?
-        {
+        // The handler's transaction: its writes and the inbox completion commit together;
+        // the completion also releases the database lock (see `Backend::complete`).
+        let mut unlocked = false;
+        let (conn, held) = lease.held();
+        let ran = self
+            .run_in_own_transaction(conn, held, &mut unlocked, delivery, &key, attempt, message)
+            .await;
+        if unlocked {
+            lease.released_in_db();
+        }
+        let failure = match ran? {
             Ok(failure) => failure,
             Err(e) => {
                 lease.release().await;
@@ -1031,12 +1058,16 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         }
     }
 
-    /// One message in one transaction: run the handler, mark the key completed, commit.
+    /// One message in one transaction: run the handler, mark the key completed (releasing
+    /// the database locks `unlock` in that statement, and then setting `unlocked`), commit.
     /// `Ok(Ok(None))` committed; `Ok(Ok(Some(e)))` failed and rolled back; `Ok(Err(e))` the
     /// transaction could not begin; `Err` a simulated crash.
+    #[allow(clippy::too_many_arguments)]
     async fn run_in_own_transaction(
         &self,
         conn: &mut DB::Connection,
+        unlock: &[i64],
+        unlocked: &mut bool,
         delivery: &Delivery,
         key: &str,
         attempt: u32,
@@ -1060,9 +1091,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         Ok(Ok(match result {
             Ok(()) => {
                 self.fault(FaultPoint::BeforeCommit, key)?;
+                let names = self.inner.inbox.names();
                 let committed = async {
-                    DB::complete(&mut tx, self.inner.inbox.names(), &s.name, key, s.retention)
-                        .await?;
+                    DB::complete(&mut tx, names, &s.name, key, s.retention, unlock).await?;
+                    *unlocked = !unlock.is_empty();
                     tx.commit().await
                 }
                 .await;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use amqp_support::{config, init_tracing, wait_for, worker_config, Db, Rabbit, Running, LONG};
 use consumer_amqp::{AmqpPublisher, ExchangeType, QueueType};
-use consumer_core::Worker;
+use consumer_core::{BatchConfig, Worker, WorkerConfig};
 use futures::{StreamExt, TryStreamExt};
 use invoices::{send_email, send_invoice, InvoiceJob};
 
@@ -18,6 +18,20 @@ const DUPLICATES: i64 = 100;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn thousand_jobs_with_duplicates_give_thousand_invoices_and_provider_calls() {
+    thousand_jobs(None).await;
+}
+
+/// The same in batched mode: batches mix completions, duplicates and retries (an email
+/// before its invoice), so their deliveries are acked both in coalesced `multiple` frames
+/// and alone, around retry copies still being published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thousand_jobs_with_duplicates_in_batches_give_thousand_invoices_and_provider_calls() {
+    thousand_jobs(Some(BatchConfig::default())).await;
+}
+
+// The body of both tests above, so test code: it may unwrap and print.
+#[allow(clippy::unwrap_used, clippy::print_stdout)]
+async fn thousand_jobs(batch: Option<BatchConfig>) {
     init_tracing();
     let db = Db::new().await;
     let exchange = amqp_support::unique_name("jobs");
@@ -37,10 +51,14 @@ async fn thousand_jobs_with_duplicates_give_thousand_invoices_and_provider_calls
         .await
         .expect("place the orders");
 
+    let worker_config = || WorkerConfig {
+        batch,
+        ..worker_config(8)
+    };
     let invoice_worker =
-        Worker::with_config(db.inbox(20).await, send_invoice, worker_config(8)).unwrap();
+        Worker::with_config(db.inbox(20).await, send_invoice, worker_config()).unwrap();
     let email_worker =
-        Worker::with_config(db.inbox(20).await, send_email, worker_config(8)).unwrap();
+        Worker::with_config(db.inbox(20).await, send_email, worker_config()).unwrap();
     let invoicing = Running::start(invoice_worker, invoice_config.clone()).await;
     let emailing = Running::start(email_worker, email_config.clone()).await;
 

@@ -8,7 +8,9 @@
 //! 1. [`Backend::begin_attempt`] counts the attempt in its own small transaction and commits it
 //!    *before* the handler runs, so an attempt that kills the process is still counted.
 //! 2. The handler's transaction ends with [`Backend::complete`], which marks the key completed
-//!    in the same commit as the handler's writes.
+//!    in the same commit as the handler's writes. The same statement releases the database
+//!    lock: from there the updated row's lock, held to the commit, keeps another worker's
+//!    attempt count on the key waiting, and that count then sees the key completed.
 
 mod locks;
 mod postgres;
@@ -68,6 +70,25 @@ pub struct TableNames {
     pub(crate) expires_index: String,
     /// Distinguishes this inbox in lock ids.
     pub(crate) lock_namespace: String,
+    /// The backend's statements on this table, rendered once (see [`Backend::statements`]).
+    pub(crate) sql: Statements,
+}
+
+/// The inbox statements with the table name filled in, built once per inbox rather than
+/// formatted per statement. A backend leaves empty what it does not use.
+#[derive(Debug, Clone, Default)]
+#[doc(hidden)]
+pub struct Statements {
+    pub(crate) begin_attempt: String,
+    pub(crate) begin_attempts: String,
+    pub(crate) select_entries: String,
+    pub(crate) fetch_entry: String,
+    pub(crate) complete: String,
+    pub(crate) complete_and_unlock: String,
+    pub(crate) complete_many: String,
+    pub(crate) complete_many_and_unlock: String,
+    pub(crate) record_failure: String,
+    pub(crate) purge_expired: String,
 }
 
 impl TableNames {
@@ -88,6 +109,7 @@ impl TableNames {
             expires_index: format!("\"{table}_expires_at\""),
             lock_namespace: qualify(table.as_str()),
             schema,
+            sql: Statements::default(),
         })
     }
 
@@ -204,6 +226,10 @@ pub trait Backend: sqlx::Database + private::Sealed {
     #[doc(hidden)]
     fn check_config(names: &TableNames) -> Result<(), Error>;
 
+    /// The statements on the table `names` describes (its `sql` field is not set yet).
+    #[doc(hidden)]
+    fn statements(names: &TableNames) -> Statements;
+
     #[doc(hidden)]
     fn migrate<'a>(pool: &'a Pool<Self>, names: &'a TableNames)
         -> BoxFuture<'a, Result<(), Error>>;
@@ -260,10 +286,13 @@ pub trait Backend: sqlx::Database + private::Sealed {
         handler: &'a str,
         keys: &'a [String],
         retention: Duration,
+        unlock: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            for key in keys {
-                Self::complete(conn, names, handler, key, retention).await?;
+            for (i, key) in keys.iter().enumerate() {
+                // All unlocks with the last key, once every row is marked.
+                let unlock = if i + 1 == keys.len() { unlock } else { &[] };
+                Self::complete(conn, names, handler, key, retention, unlock).await?;
             }
             Ok(())
         })
@@ -274,6 +303,11 @@ pub trait Backend: sqlx::Database + private::Sealed {
         conn: &mut Self::Connection,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>>;
 
+    /// Marks the key completed in the handler's transaction and, in the same statement,
+    /// releases the database locks `unlock` (sorted lock ids; may be empty). Releasing them
+    /// before the commit is safe: the row lock this update takes holds any other worker's
+    /// attempt count on the key (and so its handler) until this transaction ends, and then
+    /// that count sees the committed completion. It saves the unlock's round trip.
     #[doc(hidden)]
     fn complete<'a>(
         conn: &'a mut Self::Connection,
@@ -281,6 +315,7 @@ pub trait Backend: sqlx::Database + private::Sealed {
         handler: &'a str,
         key: &'a str,
         retention: Duration,
+        unlock: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
     #[doc(hidden)]
@@ -346,8 +381,9 @@ impl<DB: Backend> Inbox<DB> {
     /// Validates `config`, runs the shipped migrations (idempotent, safe to race between
     /// workers) and returns the inbox. A bad name fails here, naming the field.
     pub async fn new(pool: Pool<DB>, config: InboxConfig) -> Result<Self, Error> {
-        let names = TableNames::new(&config)?;
+        let mut names = TableNames::new(&config)?;
         DB::check_config(&names)?;
+        names.sql = DB::statements(&names);
         DB::migrate(&pool, &names).await?;
         Ok(Inbox {
             pool,
@@ -472,6 +508,22 @@ impl<DB: Backend> Lease<DB> {
         }
     }
 
+    /// The connection and the lock ids still held in the database (none once released),
+    /// for a statement that releases them ([`Backend::complete`]).
+    pub(crate) fn held(&mut self) -> (&mut DB::Connection, &[i64]) {
+        let held: &[i64] = if self.db_locked { &self.lock_ids } else { &[] };
+        match self.conn.as_mut() {
+            Some(c) => (c, held),
+            None => unreachable!("the connection is only taken in Drop"),
+        }
+    }
+
+    /// A statement released the database locks: [`Lease::release`] has nothing left to do
+    /// in the database, and the connection may go back to the pool even if dropped.
+    pub(crate) fn released_in_db(&mut self) {
+        self.db_locked = false;
+    }
+
     /// Releases the database lock; the connection goes back to the pool.
     pub(crate) async fn release(mut self) {
         if !self.db_locked {
@@ -493,10 +545,25 @@ impl<DB: Backend> Drop for Lease<DB> {
     }
 }
 
+/// The first 8 bytes of the SHA-256 of (namespace, handler, key), big-endian. Workers of
+/// different versions must agree on it: keep it stable.
 fn lock_id(namespace: &str, handler: &str, key: &str) -> i64 {
-    let hex = crate::key::sha256_hex(&[namespace.as_bytes(), handler.as_bytes(), key.as_bytes()]);
-    let bytes = hex::decode(&hex[..16]).unwrap_or_default();
-    let mut arr = [0u8; 8];
-    arr.copy_from_slice(&bytes[..8.min(bytes.len())]);
-    i64::from_be_bytes(arr)
+    let digest = crate::key::sha256(&[namespace.as_bytes(), handler.as_bytes(), key.as_bytes()]);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_ids_are_stable() {
+        // Workers of different versions lock the same key: this value must never change.
+        assert_eq!(
+            lock_id("\"consumer_inbox\"", "bench", "m-1"),
+            5434538691312428815
+        );
+    }
 }

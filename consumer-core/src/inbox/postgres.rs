@@ -5,11 +5,64 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
 
-use super::{Backend, Claim, EntryStatus, InboxEntry, TableNames};
+use super::{Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
 use crate::guard::GuardValue;
 use crate::Error;
 
 const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../migrations/postgres/0001_inbox.sql"))];
+
+// The statements, with `{inbox}` for the table; rendered once per inbox.
+
+/// One round trip: take the key's session lock, make this statement's implicit transaction
+/// commit asynchronously, count the attempt. The count must survive the worker being killed,
+/// not the database server crashing, so it stays off the fsync path; the handler's own
+/// transaction commits synchronously. (An INSERT ... ON CONFLICT DO UPDATE sees the latest
+/// committed row even if it was committed while this statement waited for the lock.)
+const BEGIN_ATTEMPT: &str =
+    "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM unnest($5::bigint[]) AS u(id)), \
+     c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
+     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
+     SELECT $1, $2, $3, 'pending', 1 FROM l, c \
+     ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
+     WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
+     RETURNING attempts";
+
+/// [`BEGIN_ATTEMPT`] for many keys: the locks in ascending order (the sorted subquery, and
+/// the aggregate makes all of them come before any row), asynchronous commit, the counts.
+const BEGIN_ATTEMPTS: &str = "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM \
+       (SELECT id FROM unnest($5::bigint[]) AS u(id) ORDER BY id) AS s), \
+     c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
+     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
+     SELECT $1, u.key, u.hash, 'pending', 1 \
+     FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c \
+     ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
+     WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
+     RETURNING key, attempts";
+
+const SELECT_ENTRIES: &str = "SELECT key, status, attempts, payload_hash, last_error FROM {inbox} \
+     WHERE handler = $1 AND key = ANY($2)";
+
+const FETCH_ENTRY: &str = "SELECT status, attempts, payload_hash, last_error FROM {inbox} \
+     WHERE handler = $1 AND key = $2";
+
+/// Marks keys completed; the caller appends the `WHERE`.
+const COMPLETE: &str = "UPDATE {inbox} SET status = 'completed', completed_at = now(), \
+     updated_at = now(), expires_at = now() + $3 * interval '1 millisecond', last_error = NULL";
+
+/// Follows `WITH done AS (<COMPLETE ...> RETURNING 1)`: releases the session locks `$4`
+/// only after the update ran to the end (each unlock waits on the row count of `done`, and a
+/// data-modifying CTE runs to completion before its output is complete), so the updated rows
+/// are locked by this transaction before any key lock is released.
+const UNLOCK_AFTER_DONE: &str = ", d AS (SELECT count(*) AS n FROM done) \
+     SELECT count(CASE WHEN d.n >= 0 THEN pg_advisory_unlock(u.id) END) \
+     FROM d, unnest($4::bigint[]) AS u(id)";
+
+const RECORD_FAILURE: &str = "UPDATE {inbox} SET last_error = $3, updated_at = now(), \
+     status = CASE WHEN $4 THEN 'dead' ELSE status END \
+     WHERE handler = $1 AND key = $2 AND status <> 'completed'";
+
+const PURGE_EXPIRED: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM {inbox} WHERE status = 'completed' AND expires_at < now() LIMIT $1))";
 
 impl Backend for Postgres {
     const NAME: &'static str = "postgres";
@@ -20,6 +73,25 @@ impl Backend for Postgres {
 
     fn check_config(_names: &TableNames) -> Result<(), Error> {
         Ok(())
+    }
+
+    fn statements(names: &TableNames) -> Statements {
+        Statements {
+            begin_attempt: names.render(BEGIN_ATTEMPT),
+            begin_attempts: names.render(BEGIN_ATTEMPTS),
+            select_entries: names.render(SELECT_ENTRIES),
+            fetch_entry: names.render(FETCH_ENTRY),
+            complete: names.render(&format!("{COMPLETE} WHERE handler = $1 AND key = $2")),
+            complete_and_unlock: names.render(&format!(
+                "WITH done AS ({COMPLETE} WHERE handler = $1 AND key = $2 RETURNING 1){UNLOCK_AFTER_DONE}"
+            )),
+            complete_many: names.render(&format!("{COMPLETE} WHERE handler = $1 AND key = ANY($2)")),
+            complete_many_and_unlock: names.render(&format!(
+                "WITH done AS ({COMPLETE} WHERE handler = $1 AND key = ANY($2) RETURNING 1){UNLOCK_AFTER_DONE}"
+            )),
+            record_failure: names.render(RECORD_FAILURE),
+            purge_expired: names.render(PURGE_EXPIRED),
+        }
     }
 
     fn migrate<'a>(
@@ -53,28 +125,15 @@ impl Backend for Postgres {
         Box::pin(async move {
             let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
             let hashes: Vec<&str> = items.iter().map(|(_, h)| h.as_str()).collect();
-            // One statement: the locks (in ascending order: the sorted subquery, and the
-            // aggregate makes all of them come before any row), asynchronous commit (see
-            // `begin_attempt`), and the count.
-            let counted: Vec<(String, i32)> = sqlx::query_as(&format!(
-                "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM \
-                   (SELECT id FROM unnest($5::bigint[]) AS u(id) ORDER BY id) AS s), \
-                 c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-                 INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
-                 SELECT $1, u.key, u.hash, 'pending', 1 \
-                 FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c \
-                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
-                 WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
-                 RETURNING key, attempts",
-                t = names.inbox
-            ))
-            .bind(handler)
-            .bind(&keys)
-            .bind(&hashes)
-            .bind(i64::from(max_attempts))
-            .bind(lock_ids)
-            .fetch_all(&mut *conn)
-            .await?;
+            // One statement: see `BEGIN_ATTEMPTS`.
+            let counted: Vec<(String, i32)> = sqlx::query_as(&names.sql.begin_attempts)
+                .bind(handler)
+                .bind(&keys)
+                .bind(&hashes)
+                .bind(i64::from(max_attempts))
+                .bind(lock_ids)
+                .fetch_all(&mut *conn)
+                .await?;
             let counted: std::collections::HashMap<String, i32> = counted.into_iter().collect();
             let missing: Vec<&str> = keys
                 .iter()
@@ -83,15 +142,11 @@ impl Backend for Postgres {
                 .collect();
             let mut existing = std::collections::HashMap::new();
             if !missing.is_empty() {
-                let rows = sqlx::query(&format!(
-                    "SELECT key, status, attempts, payload_hash, last_error FROM {} \
-                     WHERE handler = $1 AND key = ANY($2)",
-                    names.inbox
-                ))
-                .bind(handler)
-                .bind(&missing)
-                .fetch_all(&mut *conn)
-                .await?;
+                let rows = sqlx::query(&names.sql.select_entries)
+                    .bind(handler)
+                    .bind(&missing)
+                    .fetch_all(&mut *conn)
+                    .await?;
                 for r in rows {
                     existing.insert(r.try_get::<String, _>("key")?, entry_from_row(&r)?);
                 }
@@ -117,19 +172,20 @@ impl Backend for Postgres {
         handler: &'a str,
         keys: &'a [String],
         retention: Duration,
+        unlock: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query(&format!(
-                "UPDATE {} SET status = 'completed', completed_at = now(), updated_at = now(), \
-                 expires_at = now() + $3 * interval '1 millisecond', last_error = NULL \
-                 WHERE handler = $1 AND key = ANY($2)",
-                names.inbox
-            ))
-            .bind(handler)
-            .bind(keys)
-            .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
-            .execute(conn)
-            .await?;
+            let sql = if unlock.is_empty() {
+                &names.sql.complete_many
+            } else {
+                &names.sql.complete_many_and_unlock
+            };
+            let q = sqlx::query(sql)
+                .bind(handler)
+                .bind(keys)
+                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+            let q = if unlock.is_empty() { q } else { q.bind(unlock) };
+            q.execute(conn).await?;
             Ok(())
         })
     }
@@ -144,29 +200,15 @@ impl Backend for Postgres {
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
         Box::pin(async move {
-            // One round trip: take the key's session lock, make this statement's implicit
-            // transaction commit asynchronously, count the attempt. The count must survive
-            // the worker being killed, not the database server crashing, so it stays off the
-            // fsync path; the handler's own transaction commits synchronously. (An INSERT ...
-            // ON CONFLICT DO UPDATE sees the latest committed row even if it was committed
-            // while this statement waited for the lock.)
-            let counted: Option<i32> = sqlx::query_scalar(&format!(
-                "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM unnest($5::bigint[]) AS u(id)), \
-                 c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-                 INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts) \
-                 SELECT $1, $2, $3, 'pending', 1 FROM l, c \
-                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
-                 WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
-                 RETURNING attempts",
-                t = names.inbox
-            ))
-            .bind(handler)
-            .bind(key)
-            .bind(payload_hash)
-            .bind(i64::from(max_attempts))
-            .bind(lock_ids)
-            .fetch_optional(&mut *conn)
-            .await?;
+            // One round trip: see `BEGIN_ATTEMPT`.
+            let counted: Option<i32> = sqlx::query_scalar(&names.sql.begin_attempt)
+                .bind(handler)
+                .bind(key)
+                .bind(payload_hash)
+                .bind(i64::from(max_attempts))
+                .bind(lock_ids)
+                .fetch_optional(&mut *conn)
+                .await?;
             Ok(match counted {
                 Some(attempt) => Claim::Run {
                     attempt: attempt.max(0) as u32,
@@ -191,19 +233,20 @@ impl Backend for Postgres {
         handler: &'a str,
         key: &'a str,
         retention: Duration,
+        unlock: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query(&format!(
-                "UPDATE {} SET status = 'completed', completed_at = now(), updated_at = now(), \
-                 expires_at = now() + $3 * interval '1 millisecond', last_error = NULL \
-                 WHERE handler = $1 AND key = $2",
-                names.inbox
-            ))
-            .bind(handler)
-            .bind(key)
-            .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
-            .execute(conn)
-            .await?;
+            let sql = if unlock.is_empty() {
+                &names.sql.complete
+            } else {
+                &names.sql.complete_and_unlock
+            };
+            let q = sqlx::query(sql)
+                .bind(handler)
+                .bind(key)
+                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+            let q = if unlock.is_empty() { q } else { q.bind(unlock) };
+            q.execute(conn).await?;
             Ok(())
         })
     }
@@ -217,18 +260,13 @@ impl Backend for Postgres {
         dead: bool,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query(&format!(
-                "UPDATE {} SET last_error = $3, updated_at = now(), \
-                 status = CASE WHEN $4 THEN 'dead' ELSE status END \
-                 WHERE handler = $1 AND key = $2 AND status <> 'completed'",
-                names.inbox
-            ))
-            .bind(handler)
-            .bind(key)
-            .bind(error)
-            .bind(dead)
-            .execute(conn)
-            .await?;
+            sqlx::query(&names.sql.record_failure)
+                .bind(handler)
+                .bind(key)
+                .bind(error)
+                .bind(dead)
+                .execute(conn)
+                .await?;
             Ok(())
         })
     }
@@ -251,14 +289,10 @@ impl Backend for Postgres {
         batch: u32,
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let r = sqlx::query(&format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(\
-                 SELECT ctid FROM {t} WHERE status = 'completed' AND expires_at < now() LIMIT $1))",
-                t = names.inbox
-            ))
-            .bind(i64::from(batch))
-            .execute(pool)
-            .await?;
+            let r = sqlx::query(&names.sql.purge_expired)
+                .bind(i64::from(batch))
+                .execute(pool)
+                .await?;
             Ok(r.rows_affected())
         })
     }
@@ -287,14 +321,11 @@ async fn fetch_entry(
     handler: &str,
     key: &str,
 ) -> Result<Option<InboxEntry>, sqlx::Error> {
-    let row = sqlx::query(&format!(
-        "SELECT status, attempts, payload_hash, last_error FROM {} WHERE handler = $1 AND key = $2",
-        names.inbox
-    ))
-    .bind(handler)
-    .bind(key)
-    .fetch_optional(conn)
-    .await?;
+    let row = sqlx::query(&names.sql.fetch_entry)
+        .bind(handler)
+        .bind(key)
+        .fetch_optional(conn)
+        .await?;
     row.as_ref().map(entry_from_row).transpose()
 }
 

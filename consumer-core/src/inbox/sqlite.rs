@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
 
-use super::{Backend, Claim, EntryStatus, InboxEntry, TableNames};
+use super::{Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
 use crate::guard::GuardValue;
 use crate::Error;
 
@@ -43,6 +43,37 @@ impl Backend for Sqlite {
         Box::pin(migrate(pool, names))
     }
 
+    fn statements(names: &TableNames) -> Statements {
+        Statements {
+            begin_attempt: names.render(
+                "INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, first_seen, updated_at) \
+                 VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5) \
+                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = ?5 \
+                 WHERE i.status = 'pending' AND i.payload_hash = excluded.payload_hash AND i.attempts < ?4 \
+                 RETURNING attempts",
+            ),
+            fetch_entry: names.render(
+                "SELECT status, attempts, payload_hash, last_error FROM {inbox} \
+                 WHERE handler = ?1 AND key = ?2",
+            ),
+            complete: names.render(
+                "UPDATE {inbox} SET status = 'completed', completed_at = ?3, updated_at = ?3, \
+                 expires_at = ?4, last_error = NULL WHERE handler = ?1 AND key = ?2",
+            ),
+            record_failure: names.render(
+                "UPDATE {inbox} SET last_error = ?3, updated_at = ?5, \
+                 status = CASE WHEN ?4 THEN 'dead' ELSE status END \
+                 WHERE handler = ?1 AND key = ?2 AND status <> 'completed'",
+            ),
+            purge_expired: names.render(
+                "DELETE FROM {inbox} WHERE rowid IN (\
+                 SELECT rowid FROM {inbox} WHERE status = 'completed' AND expires_at < ?1 LIMIT ?2)",
+            ),
+            // Batches use the trait's per-key defaults; SQLite has no database locks.
+            ..Statements::default()
+        }
+    }
+
     // One process: the in-process key locks are the whole story; there is no database lock.
     fn unlock_keys<'a>(
         _conn: &'a mut SqliteConnection,
@@ -62,21 +93,14 @@ impl Backend for Sqlite {
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
         Box::pin(async move {
             let now = now_ms();
-            let counted: Option<i64> = sqlx::query_scalar(&format!(
-                "INSERT INTO {t} AS i (handler, key, payload_hash, status, attempts, first_seen, updated_at) \
-                 VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5) \
-                 ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = ?5 \
-                 WHERE i.status = 'pending' AND i.payload_hash = excluded.payload_hash AND i.attempts < ?4 \
-                 RETURNING attempts",
-                t = names.inbox
-            ))
-            .bind(handler)
-            .bind(key)
-            .bind(payload_hash)
-            .bind(i64::from(max_attempts))
-            .bind(now)
-            .fetch_optional(&mut *conn)
-            .await?;
+            let counted: Option<i64> = sqlx::query_scalar(&names.sql.begin_attempt)
+                .bind(handler)
+                .bind(key)
+                .bind(payload_hash)
+                .bind(i64::from(max_attempts))
+                .bind(now)
+                .fetch_optional(&mut *conn)
+                .await?;
             Ok(match counted {
                 Some(attempt) => Claim::Run {
                     attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
@@ -103,22 +127,20 @@ impl Backend for Sqlite {
         handler: &'a str,
         key: &'a str,
         retention: Duration,
+        // No database locks on SQLite (see `unlock_keys`).
+        _unlock: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
             let now = now_ms();
             let expires =
                 now.saturating_add(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-            sqlx::query(&format!(
-                "UPDATE {} SET status = 'completed', completed_at = ?3, updated_at = ?3, \
-                 expires_at = ?4, last_error = NULL WHERE handler = ?1 AND key = ?2",
-                names.inbox
-            ))
-            .bind(handler)
-            .bind(key)
-            .bind(now)
-            .bind(expires)
-            .execute(conn)
-            .await?;
+            sqlx::query(&names.sql.complete)
+                .bind(handler)
+                .bind(key)
+                .bind(now)
+                .bind(expires)
+                .execute(conn)
+                .await?;
             Ok(())
         })
     }
@@ -132,19 +154,14 @@ impl Backend for Sqlite {
         dead: bool,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query(&format!(
-                "UPDATE {} SET last_error = ?3, updated_at = ?5, \
-                 status = CASE WHEN ?4 THEN 'dead' ELSE status END \
-                 WHERE handler = ?1 AND key = ?2 AND status <> 'completed'",
-                names.inbox
-            ))
-            .bind(handler)
-            .bind(key)
-            .bind(error)
-            .bind(dead)
-            .bind(now_ms())
-            .execute(conn)
-            .await?;
+            sqlx::query(&names.sql.record_failure)
+                .bind(handler)
+                .bind(key)
+                .bind(error)
+                .bind(dead)
+                .bind(now_ms())
+                .execute(conn)
+                .await?;
             Ok(())
         })
     }
@@ -167,15 +184,11 @@ impl Backend for Sqlite {
         batch: u32,
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let r = sqlx::query(&format!(
-                "DELETE FROM {t} WHERE rowid IN (\
-                 SELECT rowid FROM {t} WHERE status = 'completed' AND expires_at < ?1 LIMIT ?2)",
-                t = names.inbox
-            ))
-            .bind(now_ms())
-            .bind(i64::from(batch))
-            .execute(pool)
-            .await?;
+            let r = sqlx::query(&names.sql.purge_expired)
+                .bind(now_ms())
+                .bind(i64::from(batch))
+                .execute(pool)
+                .await?;
             Ok(r.rows_affected())
         })
     }
@@ -204,14 +217,11 @@ async fn fetch_entry(
     handler: &str,
     key: &str,
 ) -> Result<Option<InboxEntry>, sqlx::Error> {
-    let row = sqlx::query(&format!(
-        "SELECT status, attempts, payload_hash, last_error FROM {} WHERE handler = ?1 AND key = ?2",
-        names.inbox
-    ))
-    .bind(handler)
-    .bind(key)
-    .fetch_optional(conn)
-    .await?;
+    let row = sqlx::query(&names.sql.fetch_entry)
+        .bind(handler)
+        .bind(key)
+        .fetch_optional(conn)
+        .await?;
     row.map(|r| {
         Ok(InboxEntry {
             status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
