@@ -76,8 +76,10 @@ async fn connections_closed_and_broker_restarted_midstream_every_job_runs_once()
     })
     .await;
     let reconnected_in = t.elapsed();
+    // `close_all_connections` is a CLI call that can take seconds on a loaded machine, and
+    // the worker goes on meanwhile: progress is 50 more invoices, or all of them.
     wait_for("progress after reconnecting", LONG, || async {
-        invoices().await >= closed_at + 50
+        invoices().await >= (closed_at + 50).min(JOBS)
     })
     .await;
 
