@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher};
-use consumer_core::{BatchConfig, Inbox, Settlement, Worker, WorkerConfig};
+use consumer_core::{BatchConfig, Inbox, Settlement};
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -15,7 +15,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use sqlx::{PgPool, Postgres};
 
-use crate::{cpu_time, figures, payload, record, timed, Figures, Job, Options, Rss};
+use crate::{bench_worker, cpu_time, figures, payload, timed, Figures, Job, Options, Rss};
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
     ShortString::try_new(s).map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
@@ -193,16 +193,7 @@ pub(crate) async fn framework(
     let mut config = AmqpConfig::new(url, queue);
     config.prefetch = o.prefetch;
     let consumer = AmqpConsumer::connect(config).await?;
-    let worker = Worker::with_config(
-        inbox.clone(),
-        record,
-        WorkerConfig {
-            concurrency: o.concurrency,
-            retention_interval: None,
-            batch,
-            ..WorkerConfig::default()
-        },
-    )?;
+    let worker = bench_worker(inbox, o, batch)?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let done_tx = Arc::new(Mutex::new(Some(done_tx)));

@@ -8,14 +8,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use consumer_core::{BatchConfig, Inbox, Settlement, Worker, WorkerConfig};
+use consumer_core::{BatchConfig, Inbox, Settlement};
 use consumer_kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher, ProcessingOrder};
 use futures::StreamExt;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::{ClientConfig, Message as _};
 use sqlx::Postgres;
 
-use crate::{cpu_time, figures, payload, record, timed, Figures, Options, Rss};
+use crate::{bench_worker, cpu_time, figures, payload, timed, Figures, Options, Rss};
 
 const PARTITIONS: i32 = 4;
 
@@ -111,16 +111,7 @@ pub(crate) async fn framework(
     c.order = ProcessingOrder::Key;
     let consumer = KafkaConsumer::new(c)?;
     let closed = consumer.closed();
-    let worker = Worker::with_config(
-        inbox.clone(),
-        record,
-        WorkerConfig {
-            concurrency: o.concurrency,
-            retention_interval: None,
-            batch,
-            ..WorkerConfig::default()
-        },
-    )?;
+    let worker = bench_worker(inbox, o, batch)?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let done_tx = Arc::new(Mutex::new(Some(done_tx)));

@@ -415,6 +415,25 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
     Ok(figures(o.messages, wall, cpu, &mut l, rss))
 }
 
+/// The framework's worker for the `record` handler, as every framework arm runs it: the
+/// bench's concurrency, `batch`, no retention task.
+fn bench_worker(
+    inbox: &Inbox<Postgres>,
+    o: &Options,
+    batch: Option<BatchConfig>,
+) -> anyhow::Result<Worker<Postgres, record>> {
+    Ok(Worker::with_config(
+        inbox.clone(),
+        record,
+        WorkerConfig {
+            concurrency: o.concurrency,
+            retention_interval: None,
+            batch,
+            ..WorkerConfig::default()
+        },
+    )?)
+}
+
 /// The framework on the in-memory broker.
 async fn framework(
     inbox: &Inbox<Postgres>,
@@ -425,16 +444,7 @@ async fn framework(
     let broker = MemoryBroker::new();
     fill(&broker, "q", first, o);
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
-    let worker = Worker::with_config(
-        inbox.clone(),
-        record,
-        WorkerConfig {
-            concurrency: o.concurrency,
-            retention_interval: None,
-            batch,
-            ..WorkerConfig::default()
-        },
-    )?;
+    let worker = bench_worker(inbox, o, batch)?;
     let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
