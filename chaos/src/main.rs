@@ -114,8 +114,8 @@ impl Profile {
     }
 
     /// Kafka's consumer groups need a quiet spell after every membership change: on tansu
-    /// 0.6 a group takes 6-15 s to settle after a member dies (the dead member's session
-    /// timeout, then a join round with a 3 s pause per follower), and a change during that
+    /// 0.6 a restarted member waited 3-13 s (median 7 s) for its partitions (the dead
+    /// member's session timeout, then a join round with a 3 s pause per follower), and a change during that
     /// spell starts it over. A kill every 2 s (and a fault-point abort every few seconds)
     /// keeps both groups rebalancing forever, so the Kafka runs space the crashes out;
     /// CHAOS.md has the measurements.
