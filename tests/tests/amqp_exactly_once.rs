@@ -15,6 +15,8 @@ use invoices::{send_email, send_invoice, InvoiceJob};
 
 const JOBS: i64 = 1000;
 const DUPLICATES: i64 = 100;
+/// Jobs published before the invoice worker starts, so their emails must retry.
+const EARLY: usize = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn thousand_jobs_with_duplicates_give_thousand_invoices_and_provider_calls() {
@@ -55,11 +57,17 @@ async fn thousand_jobs(batch: Option<BatchConfig>) {
         batch,
         ..worker_config(8)
     };
-    let invoice_worker =
-        Worker::with_config(db.inbox(20).await, send_invoice, worker_config()).unwrap();
-    let email_worker =
-        Worker::with_config(db.inbox(20).await, send_email, worker_config()).unwrap();
-    let invoicing = Running::start(invoice_worker, invoice_config.clone()).await;
+    // The emails retry until their invoice exists; more attempts than the default so none
+    // runs out while the invoice worker works through a loaded machine's backlog.
+    let email_worker = Worker::with_config(
+        db.inbox(20).await,
+        send_email,
+        WorkerConfig {
+            max_attempts: Some(30),
+            ..worker_config()
+        },
+    )
+    .unwrap();
     let emailing = Running::start(email_worker, email_config.clone()).await;
 
     // Declaring both queues before publishing, so each gets every job.
@@ -68,18 +76,21 @@ async fn thousand_jobs(batch: Option<BatchConfig>) {
         .unwrap();
     publisher.declare(&email_config).await.unwrap();
     let start = Instant::now();
+    // The first jobs go out while only the email worker runs, so their emails find no
+    // invoice and go through the quorum retry queues for certain (not by a race).
+    let (early, rest) = jobs.split_at(EARLY);
+    publish(&publisher, early.iter())
+        .await
+        .expect("publish and confirm the early jobs");
+    wait_for("an email to be sent to a retry queue", LONG, || async {
+        emailing.worker.snapshot().retries > 0
+    })
+    .await;
+    let invoice_worker =
+        Worker::with_config(db.inbox(20).await, send_invoice, worker_config()).unwrap();
+    let invoicing = Running::start(invoice_worker, invoice_config.clone()).await;
     let republished = jobs.iter().filter(|j| j.order_id % 10 == 0);
-    futures::stream::iter(jobs.iter().chain(republished))
-        .map(|job| {
-            let publisher = &publisher;
-            async move {
-                publisher
-                    .publish_json("invoice", &job.message_id(), job)
-                    .await
-            }
-        })
-        .buffer_unordered(64)
-        .try_collect::<Vec<()>>()
+    publish(&publisher, rest.iter().chain(republished))
         .await
         .expect("publish and confirm every job");
     let published_in = start.elapsed();
@@ -138,4 +149,20 @@ async fn thousand_jobs(batch: Option<BatchConfig>) {
     }
     Rabbit::delete_topology(&invoice_config).await;
     Rabbit::delete_topology(&email_config).await;
+}
+
+/// Publishes `jobs` with up to 64 confirms outstanding.
+async fn publish<'a>(
+    publisher: &AmqpPublisher,
+    jobs: impl Iterator<Item = &'a InvoiceJob>,
+) -> Result<(), consumer_amqp::Error> {
+    futures::stream::iter(jobs)
+        .map(|job| async move {
+            publisher
+                .publish_json("invoice", &job.message_id(), job)
+                .await
+        })
+        .buffer_unordered(64)
+        .try_collect::<()>()
+        .await
 }
