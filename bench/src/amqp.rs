@@ -193,7 +193,7 @@ pub(crate) async fn framework(
     let mut config = AmqpConfig::new(url, queue);
     config.prefetch = o.prefetch;
     let consumer = AmqpConsumer::connect(config).await?;
-    let worker = bench_worker(inbox, o, batch)?;
+    let worker = bench_worker(inbox, crate::record, o, batch)?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let done_tx = Arc::new(Mutex::new(Some(done_tx)));

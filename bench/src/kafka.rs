@@ -111,7 +111,7 @@ pub(crate) async fn framework(
     c.order = ProcessingOrder::Key;
     let consumer = KafkaConsumer::new(c)?;
     let closed = consumer.closed();
-    let worker = bench_worker(inbox, o, batch)?;
+    let worker = bench_worker(inbox, crate::record, o, batch)?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let done_tx = Arc::new(Mutex::new(Some(done_tx)));

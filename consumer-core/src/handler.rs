@@ -129,6 +129,96 @@ pub trait Handler<DB: Backend>: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), HandlerError>>
     where
         'c: 'a;
+
+    /// Whether [`Handler::handle_batch`] is implemented: `#[handler(batch = "fn_name")]`
+    /// sets it. Only batched mode ([`BatchConfig`](crate::BatchConfig)) uses it.
+    fn handles_batches(&self) -> bool {
+        false
+    }
+
+    /// Runs a whole batch at once, in the batch's transaction, so its effects can be written
+    /// with one statement (say an `INSERT ... SELECT * FROM unnest(...)`) instead of one per
+    /// message. Called in batched mode when [`Handler::handles_batches`] is true, with the
+    /// batch's runnable messages (distinct keys, claimed, in delivery order; what is known of
+    /// each is in `ctx`, by index).
+    ///
+    /// It must have the effects of calling [`Handler::handle`] for each message: if it fails,
+    /// or panics, or times out (the handler's timeout applies to the whole batch), the batch
+    /// is rolled back and every message runs again alone through `handle`, in its own
+    /// transaction, so each gets its own outcome. The default fails, so that a handler which
+    /// claims batches without implementing this still processes every message.
+    fn handle_batch<'a, 'c>(
+        &'a self,
+        ctx: &'a mut BatchContext<'c, DB>,
+        messages: Vec<Self::Message>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>
+    where
+        'c: 'a,
+    {
+        let _ = (ctx, messages);
+        Box::pin(async { Err(HandlerError::transient("no batch function")) })
+    }
+}
+
+/// What a batch function receives (see [`Handler::handle_batch`]): the batch's open
+/// transaction and, by index in the batch, each message's key, attempt and delivery.
+///
+/// Everything written through [`BatchContext::db`] commits atomically with the inbox marking
+/// every key of the batch completed, and before any of its deliveries is acked.
+pub struct BatchContext<'c, DB: Backend> {
+    pub(crate) conn: &'c mut DB::Connection,
+    pub(crate) handler: &'c str,
+    pub(crate) members: &'c [BatchMember<'c>],
+}
+
+/// What the runtime knows of one message of a batch.
+pub(crate) struct BatchMember<'c> {
+    pub(crate) key: &'c str,
+    pub(crate) attempt: u32,
+    pub(crate) delivery: &'c Delivery,
+}
+
+impl<'c, DB: Backend> BatchContext<'c, DB> {
+    /// The transaction's connection: use it as the executor for every write.
+    pub fn db(&mut self) -> &mut DB::Connection {
+        self.conn
+    }
+
+    /// The handler's stable name.
+    pub fn handler(&self) -> &str {
+        self.handler
+    }
+
+    /// How many messages the batch holds.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the batch is empty (it never is when the runtime calls the handler).
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The idempotency key of message `i`. Panics if `i` is out of range, as indexing does.
+    pub fn key(&self, i: usize) -> &str {
+        self.members[i].key
+    }
+
+    /// The attempt number of message `i`, as counted by the inbox (1 for the first).
+    pub fn attempt(&self, i: usize) -> u32 {
+        self.members[i].attempt
+    }
+
+    /// The delivery of message `i`: message id, headers, source.
+    pub fn delivery(&self, i: usize) -> &Delivery {
+        self.members[i].delivery
+    }
+
+    /// A stable key for an effect of message `i` outside the database: the same as
+    /// [`Context::idempotency_key`] gives that message when it runs alone.
+    pub fn idempotency_key(&self, i: usize, effect: &str) -> String {
+        crate::guard::idempotency_key(self.handler, self.members[i].key, effect)
+    }
 }
 
 /// What a handler receives: the open transaction and facts about the delivery.

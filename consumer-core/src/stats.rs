@@ -28,7 +28,8 @@ macro_rules! counters {
 counters! {
     /// Deliveries received.
     received,
-    /// Handler invocations (attempts that ran the handler).
+    /// Handler invocations (attempts that ran the handler; a batch function counts once per
+    /// message of its batch).
     handler_runs,
     /// Deliveries whose handler committed.
     completed,
@@ -52,8 +53,9 @@ counters! {
     settle_errors,
     /// Batched mode: transactions that committed a batch.
     batches,
-    /// Batched mode: handler runs rolled back because another message of the batch failed
-    /// (those messages then ran again one by one). Included in `handler_runs`.
+    /// Batched mode: handler runs rolled back because another message of the batch failed,
+    /// or the batch function did (those messages then ran again one by one). Included in
+    /// `handler_runs`.
     batch_reruns,
 }
 

@@ -17,7 +17,7 @@ use crate::delivery::{
     Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Settlement, Transport,
 };
 use crate::fault::{FaultAction, FaultInjector, FaultPoint};
-use crate::handler::{ConflictPolicy, Context, Handler, HandlerOptions};
+use crate::handler::{BatchContext, BatchMember, ConflictPolicy, Context, Handler, HandlerOptions};
 use crate::inbox::{Backend, Claim, Inbox};
 use crate::key::{canonical_hash, KeyTemplate};
 use crate::retry::{ExponentialBackoff, Jitter};
@@ -97,6 +97,10 @@ impl std::fmt::Debug for WorkerConfig {
 /// transaction, so one failure never sinks or half-commits the others (and no attempt is
 /// counted twice). The guarantees of the per-message mode hold unchanged; what changes is
 /// the number of fsyncs per message.
+///
+/// A handler with a batch function (`#[handler(batch = "fn_name")]`, see
+/// [`Handler::handle_batch`]) gets the whole batch in one call and can write its effects
+/// with one statement; the one-by-one rerun after a failure uses the per-message handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchConfig {
     /// The most deliveries in one batch (at least 1).
@@ -615,8 +619,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         Ok(())
     }
 
-    /// Runs the messages one after another in one transaction, marks their keys completed
-    /// and commits once. If any handler fails, the whole transaction is rolled back and each
+    /// Runs the messages in one transaction (through the handler's batch function if it has
+    /// one, else one after another), marks their keys completed and commits once. If any handler fails, the whole transaction is rolled back and each
     /// message runs again alone, in its own transaction (its attempt is not counted twice:
     /// the locks and the claim are still held). Returns each message with its failure, if
     /// any; `Err` of the inner result when no transaction could begin. The batch's completion
@@ -641,23 +645,55 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let mut items = Vec::with_capacity(to_run.len());
         let mut failed = false;
         let mut tentative_runs = 0;
-        for ((delivery, acker, p), attempt) in to_run {
-            let Prepared { message, key, .. } = p;
-            if !failed {
-                tentative_runs += 1;
-                let result = {
-                    let mut ctx = self.context(&mut tx, &key, attempt, &delivery);
-                    self.invoke(&mut ctx, message, true).await
-                };
-                if let Err(e) = result {
-                    if let Some(point) = e.crash {
-                        return Err(Crash(point));
-                    }
-                    tracing::debug!(key, error = %e, "a handler failed: the batch runs again one by one");
-                    failed = true;
-                }
+        if self.inner.handler.handles_batches() {
+            let mut messages = Vec::with_capacity(to_run.len());
+            for ((delivery, acker, p), attempt) in to_run {
+                messages.push(p.message);
+                items.push((delivery, acker, p.key, attempt));
             }
-            items.push((delivery, acker, key, attempt));
+            tentative_runs = items.len() as u64;
+            let result = {
+                let members: Vec<BatchMember<'_>> = items
+                    .iter()
+                    .map(|(delivery, _, key, attempt)| BatchMember {
+                        key,
+                        attempt: *attempt,
+                        delivery,
+                    })
+                    .collect();
+                let mut ctx = BatchContext {
+                    conn: &mut *tx,
+                    handler: &s.name,
+                    members: &members,
+                };
+                self.invoke_batch(&mut ctx, messages).await
+            };
+            if let Err(e) = result {
+                if let Some(point) = e.crash {
+                    return Err(Crash(point));
+                }
+                tracing::debug!(error = %e, "the batch function failed: the batch runs again one by one");
+                failed = true;
+            }
+        } else {
+            for ((delivery, acker, p), attempt) in to_run {
+                let Prepared { message, key, .. } = p;
+                if !failed {
+                    tentative_runs += 1;
+                    let result = {
+                        let mut ctx = self.context(&mut tx, &key, attempt, &delivery);
+                        self.invoke(&mut ctx, message, true).await
+                    };
+                    if let Err(e) = result {
+                        if let Some(point) = e.crash {
+                            return Err(Crash(point));
+                        }
+                        tracing::debug!(key, error = %e, "a handler failed: the batch runs again one by one");
+                        failed = true;
+                    }
+                }
+                items.push((delivery, acker, key, attempt));
+            }
         }
         if !failed {
             let keys: Vec<String> = items.iter().map(|i| i.2.clone()).collect();
@@ -939,6 +975,32 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     "handler timed out after {timeout:?}"
                 )))
             }
+        }
+    }
+
+    /// Runs the handler's batch function in `ctx`, turning a panic or a timeout (the
+    /// handler's, for the whole batch) into a failure. Always tentative: a failed batch runs
+    /// again one message at a time, where panics and timeouts are counted.
+    async fn invoke_batch(
+        &self,
+        ctx: &mut BatchContext<'_, DB>,
+        messages: Vec<H::Message>,
+    ) -> Result<(), HandlerError> {
+        let timeout = self.inner.settings.timeout;
+        self.inner
+            .stats
+            .handler_runs
+            .fetch_add(messages.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let run = AssertUnwindSafe(self.inner.handler.handle_batch(ctx, messages)).catch_unwind();
+        match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => Err(HandlerError::transient(format!(
+                "batch function panicked: {}",
+                panic_message(&*panic)
+            ))),
+            Err(_) => Err(HandlerError::transient(format!(
+                "batch function timed out after {timeout:?}"
+            ))),
         }
     }
 

@@ -76,6 +76,34 @@ fn expand(handler: &Handler) -> TokenStream {
         ::std::boxed::Box::pin(async move { #run })
     };
 
+    // With `batch = "f"`: `f(ctx, messages)` for the whole batch, its errors located on the
+    // string that names it.
+    let batch = handler.batch.as_ref().map(|path| {
+        let at = Span::call_site().located_at(path.span());
+        let run = quote_spanned! {at=>
+            #path(ctx, messages).await.map_err(::core::convert::Into::into)
+        };
+        quote! {
+            fn handles_batches(&self) -> bool {
+                true
+            }
+
+            fn handle_batch<'a, 'c>(
+                &'a self,
+                ctx: &'a mut ::consumer_core::__private::BatchContext<'c, #db>,
+                messages: ::std::vec::Vec<Self::Message>,
+            ) -> ::consumer_core::__private::BoxFuture<
+                'a,
+                ::core::result::Result<(), ::consumer_core::__private::HandlerError>,
+            >
+            where
+                'c: 'a,
+            {
+                ::std::boxed::Box::pin(async move { #run })
+            }
+        }
+    });
+
     quote! {
         #(#docs)*
         #separator
@@ -122,6 +150,8 @@ fn expand(handler: &Handler) -> TokenStream {
             {
                 #future
             }
+
+            #batch
         }
     }
 }

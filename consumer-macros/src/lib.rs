@@ -62,8 +62,18 @@ use proc_macro::TokenStream;
 /// | `timeout` | `"30s"` (> 0) | longest an attempt may run |
 /// | `payload_hash` | `true` / `false` | allow a payload hash as the key when there is no other |
 /// | `on_conflict` | `"dead_letter"` / `"skip"` | what to do when a key arrives again with a different payload |
+/// | `batch` | `"insert_invoices"` (a path) | a batch function for batched mode (below) |
 ///
 /// Durations are an integer followed by `ms`, `s`, `m`, `h` or `d`.
+///
+/// # Batch functions
+///
+/// In batched mode the runtime calls the handler once per message of a batch, inside the
+/// batch's one transaction. `batch = "f"` names an
+/// `async fn f(ctx: &mut BatchContext<'_, DB>, messages: Vec<M>) -> Result<(), E>` that gets
+/// the whole batch instead, so it can write every message's effects with one statement. It
+/// must do what the handler would do for each message: if it fails, the batch is rolled back
+/// and each message runs alone through the handler, so each gets its own outcome.
 #[proc_macro_attribute]
 pub fn handler(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::handler(args.into(), item.into()).into()

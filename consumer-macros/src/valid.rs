@@ -22,6 +22,7 @@ const OPTIONS: &[&str] = &[
     "timeout",
     "payload_hash",
     "on_conflict",
+    "batch",
 ];
 
 /// A function that passed validation, with what `expand` needs from it.
@@ -36,6 +37,8 @@ pub(crate) struct Handler {
     pub(crate) output: Type,
     /// The options, checked.
     pub(crate) options: Options,
+    /// The batch function named by `batch = "..."`, spanned on that string.
+    pub(crate) batch: Option<syn::Path>,
 }
 
 /// The attribute's options, checked. `None` means "not given": `HandlerOptions::new`'s
@@ -54,6 +57,8 @@ pub(crate) struct Options {
     /// Milliseconds.
     pub(crate) timeout: Option<u64>,
     pub(crate) on_conflict: Option<ConflictPolicy>,
+    /// The batch function's path, as written.
+    pub(crate) batch: Option<String>,
 }
 
 /// Errors collected so far; reported together.
@@ -87,11 +92,14 @@ pub(crate) fn validate(
     item: ItemFn,
 ) -> Result<Handler, syn::Error> {
     let mut errors = Errors::default();
-    let options = match options {
-        Ok(metas) => Some(check_options(metas, &item.sig.ident, &mut errors)),
+    let (options, batch) = match options {
+        Ok(metas) => {
+            let (options, batch) = check_options(metas, &item.sig.ident, &mut errors);
+            (Some(options), batch)
+        }
         Err(syntax) => {
             errors.push(syntax);
-            None
+            (None, None)
         }
     };
     let signature = check_signature(&item, &mut errors);
@@ -102,6 +110,7 @@ pub(crate) fn validate(
             message,
             output,
             options,
+            batch,
         }),
         (Some(errors), _, _) => Err(errors),
         // Every `None` above comes with an error pushed.
@@ -112,8 +121,14 @@ pub(crate) fn validate(
     }
 }
 
-fn check_options(metas: Vec<Meta>, fn_name: &Ident, errors: &mut Errors) -> Options {
+/// The options, and the batch function's path (spanned on its string) if one is named.
+fn check_options(
+    metas: Vec<Meta>,
+    fn_name: &Ident,
+    errors: &mut Errors,
+) -> (Options, Option<syn::Path>) {
     let mut options = Options::default();
+    let mut batch = None;
     let mut name = None;
     let mut seen: Vec<String> = Vec::new();
     for meta in metas {
@@ -196,6 +211,17 @@ fn check_options(metas: Vec<Meta>, fn_name: &Ident, errors: &mut Errors) -> Opti
                 options.on_conflict = Some(on(&lit, values::parse_conflict_policy(&lit.value()))?);
                 Ok(())
             }),
+            "batch" => string(value, &key).and_then(|lit| {
+                let path = lit.parse::<syn::Path>().map_err(|_| {
+                    syn::Error::new_spanned(
+                        &lit,
+                        "`batch` names the batch function by its path, as in `batch = \"insert_invoices\"`",
+                    )
+                })?;
+                batch = Some(path);
+                options.batch = Some(lit.value());
+                Ok(())
+            }),
             _ => unreachable!("`{key}` is in OPTIONS but not handled"),
         };
         if let Err(error) = checked {
@@ -217,7 +243,7 @@ fn check_options(metas: Vec<Meta>, fn_name: &Ident, errors: &mut Errors) -> Opti
             name
         }
     };
-    options
+    (options, batch)
 }
 
 fn list_options() -> String {
@@ -235,6 +261,7 @@ fn example(option: &str) -> &'static str {
         "timeout" => "\"30s\"",
         "payload_hash" => "true",
         "on_conflict" => "\"dead_letter\"",
+        "batch" => "\"insert_invoices\"",
         _ => "...",
     }
 }
@@ -550,6 +577,7 @@ mod tests {
             timeout = "30s",
             payload_hash = true,
             on_conflict = "skip",
+            batch = "crate::billing::send_invoices",
         ));
         assert_eq!(
             got,
@@ -562,6 +590,7 @@ mod tests {
                 retention: Some(7 * 86_400_000),
                 timeout: Some(30_000),
                 on_conflict: Some(ConflictPolicy::Skip),
+                batch: Some("crate::billing::send_invoices".to_owned()),
             })
         );
     }
@@ -577,6 +606,7 @@ mod tests {
             timeout = "0s",
             payload_hash = "yes",
             on_conflict = "ignore",
+            batch = "not a path",
             colour = "blue",
             key = "dup-{id}",
             payload_hash,
@@ -591,7 +621,8 @@ mod tests {
             "`timeout` must be greater than zero",
             "expected `true` or `false`, as in `payload_hash = true`",
             "unknown conflict policy",
-            "unknown option `colour`; valid options are `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`",
+            "`batch` names the batch function by its path, as in `batch = \"insert_invoices\"`",
+            "unknown option `colour`; valid options are `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`, `batch`",
             "duplicate option `key`",
             "duplicate option `payload_hash`",
         ];
@@ -612,7 +643,7 @@ mod tests {
             [
                 "expected `payload_hash = true`",
                 "expected `name = \"send_invoice\"`",
-                "expected an option name, one of `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`",
+                "expected an option name, one of `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`, `batch`",
             ]
         );
     }

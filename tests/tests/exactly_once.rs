@@ -16,8 +16,9 @@ use common::{wait_until, PgEnv, SqliteEnv, DEADLINE};
 use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
-    handler, Backend, BatchConfig, Context, DeadLetterReason, EntryStatus, Error, FlagGuard,
-    Handler, HandlerError, Inbox, NoJitter, StatsSnapshot, Transition, Worker, WorkerConfig,
+    handler, Backend, BatchConfig, BatchContext, Context, DeadLetterReason, EntryStatus, Error,
+    FlagGuard, Handler, HandlerError, Inbox, NoJitter, StatsSnapshot, Transition, Worker,
+    WorkerConfig,
 };
 use futures::future::BoxFuture;
 use serde::Deserialize;
@@ -109,6 +110,85 @@ record_handler!(
     "INSERT INTO ledger (job_id, attempt) VALUES (?1, ?2)"
 );
 
+/// The same handler with a batch function, which writes a batch's ledger rows with one
+/// statement. Jobs that use the guards make it fail, so the batch reruns one by one through
+/// the handler; a failing, panicking or sleeping job fails, panics or sleeps the batch.
+macro_rules! bulk_handler {
+    ($name:ident, $single:ident, $batch:literal, $db:ty) => {
+        #[handler(name = "record", max_attempts = 3, backoff = "5ms..20ms", batch = $batch)]
+        async fn $name(ctx: &mut Context<'_, $db>, job: Job) -> Result<(), HandlerError> {
+            $single::call(ctx, job).await
+        }
+    };
+}
+
+bulk_handler!(bulk_pg, record_pg, "record_pg_batch", Postgres);
+bulk_handler!(bulk_sqlite, record_sqlite, "record_sqlite_batch", Sqlite);
+
+/// Batch function calls per queue (the location of the deliveries' source), so a test can
+/// tell that its batches went through the batch function.
+static BATCH_CALLS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// The ledger rows of a batch, after each job's scripted behaviour.
+fn ledger_rows<DB: Backend>(
+    ctx: &BatchContext<'_, DB>,
+    jobs: &[Job],
+) -> Result<(Vec<String>, Vec<i32>), HandlerError> {
+    if jobs.iter().any(|j| j.order_id.is_some()) {
+        return Err(HandlerError::transient("jobs with guards run one by one"));
+    }
+    let mut rows = (Vec::new(), Vec::new());
+    for (i, job) in jobs.iter().enumerate() {
+        job.behave(ctx.attempt(i))?;
+        rows.0.push(job.id.clone());
+        rows.1
+            .push(i32::try_from(ctx.attempt(i)).unwrap_or(i32::MAX));
+    }
+    BATCH_CALLS
+        .lock()
+        .unwrap()
+        .push(ctx.delivery(0).source.location.clone());
+    Ok(rows)
+}
+
+async fn sleep_for(jobs: &[Job]) {
+    let ms = jobs.iter().map(|j| j.sleep_ms).max().unwrap_or(0);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+async fn record_pg_batch(
+    ctx: &mut BatchContext<'_, Postgres>,
+    jobs: Vec<Job>,
+) -> Result<(), HandlerError> {
+    let (ids, attempts) = ledger_rows(ctx, &jobs)?;
+    sleep_for(&jobs).await;
+    sqlx::query(
+        "INSERT INTO ledger (job_id, attempt) SELECT * FROM unnest($1::text[], $2::int4[])",
+    )
+    .bind(ids)
+    .bind(attempts)
+    .execute(ctx.db())
+    .await?;
+    Ok(())
+}
+
+async fn record_sqlite_batch(
+    ctx: &mut BatchContext<'_, Sqlite>,
+    jobs: Vec<Job>,
+) -> Result<(), HandlerError> {
+    let (ids, attempts) = ledger_rows(ctx, &jobs)?;
+    sleep_for(&jobs).await;
+    let rows: Vec<(String, i32)> = ids.into_iter().zip(attempts).collect();
+    sqlx::query(
+        "INSERT INTO ledger (job_id, attempt) \
+         SELECT value ->> '$[0]', value ->> '$[1]' FROM json_each(?1)",
+    )
+    .bind(serde_json::to_string(&rows).map_err(HandlerError::permanent)?)
+    .execute(ctx.db())
+    .await?;
+    Ok(())
+}
+
 /// What a scenario needs from a backend.
 struct Harness<DB: Backend, H> {
     handler: H,
@@ -124,9 +204,17 @@ struct Harness<DB: Backend, H> {
 }
 
 async fn pg_harness(batch: Option<BatchConfig>) -> Harness<Postgres, record_pg> {
+    pg_harness_with(record_pg, batch).await
+}
+
+async fn pg_bulk_harness(batch: Option<BatchConfig>) -> Harness<Postgres, bulk_pg> {
+    pg_harness_with(bulk_pg, batch).await
+}
+
+async fn pg_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> Harness<Postgres, H> {
     let env = Arc::new(PgEnv::new().await);
     Harness {
-        handler: record_pg,
+        handler,
         batch,
         new_inbox: Box::new(move || {
             let env = env.clone();
@@ -161,9 +249,17 @@ async fn pg_harness(batch: Option<BatchConfig>) -> Harness<Postgres, record_pg> 
 }
 
 async fn sqlite_harness(batch: Option<BatchConfig>) -> Harness<Sqlite, record_sqlite> {
+    sqlite_harness_with(record_sqlite, batch).await
+}
+
+async fn sqlite_bulk_harness(batch: Option<BatchConfig>) -> Harness<Sqlite, bulk_sqlite> {
+    sqlite_harness_with(bulk_sqlite, batch).await
+}
+
+async fn sqlite_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> Harness<Sqlite, H> {
     let env = Arc::new(SqliteEnv::new().await);
     Harness {
-        handler: record_sqlite,
+        handler,
         batch,
         new_inbox: Box::new(move || {
             let env = env.clone();
@@ -618,6 +714,17 @@ async fn many_distinct_jobs_each_once<DB: Backend, H: Handler<DB> + Clone>(h: Ha
     } else {
         assert_eq!(s.batches, 0);
     }
+    let calls = BATCH_CALLS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|q| **q == queue)
+        .count();
+    if h.batch.is_some() && h.handler.handles_batches() {
+        assert!(calls > 0, "the batch function was never called: {s:?}");
+    } else {
+        assert_eq!(calls, 0, "a batch function outside batched mode");
+    }
 }
 
 macro_rules! scenarios {
@@ -682,3 +789,5 @@ scenarios!(postgres, pg_harness, None);
 scenarios!(sqlite, sqlite_harness, None);
 scenarios!(postgres_batched, pg_harness, BATCHED);
 scenarios!(sqlite_batched, sqlite_harness, BATCHED);
+scenarios!(postgres_batch_function, pg_bulk_harness, BATCHED);
+scenarios!(sqlite_batch_function, sqlite_bulk_harness, BATCHED);

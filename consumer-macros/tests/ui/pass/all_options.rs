@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use consumer_core::{handler, ConflictPolicy, Context, Handler, HandlerError, HandlerOptions};
+use consumer_core::{
+    handler, BatchContext, ConflictPolicy, Context, Handler, HandlerError, HandlerOptions,
+};
 use sqlx::{Postgres, Sqlite};
 
 #[derive(serde::Deserialize)]
@@ -19,7 +21,8 @@ struct InvoiceJob {
     retention = "7d",
     timeout = "30s",
     payload_hash = false,
-    on_conflict = "dead_letter"
+    on_conflict = "dead_letter",
+    batch = "batches::send_invoices"
 )]
 async fn send_invoice(ctx: &mut Context<'_, Postgres>, job: InvoiceJob) -> Result<(), HandlerError> {
     let _ = (ctx.key(), job.order_id);
@@ -41,11 +44,26 @@ async fn send_receipt(ctx: &mut Context<'_, Sqlite>, job: InvoiceJob) -> Result<
     Ok(())
 }
 
+mod batches {
+    use super::*;
+
+    /// The batch function: a path, reached from the generated impl.
+    pub(crate) async fn send_invoices(
+        ctx: &mut BatchContext<'_, Postgres>,
+        jobs: Vec<InvoiceJob>,
+    ) -> Result<(), std::io::Error> {
+        let _ = (ctx.len(), ctx.key(0), jobs.len());
+        Ok(())
+    }
+}
+
 fn same_options(got: HandlerOptions, want: HandlerOptions) {
     assert_eq!(format!("{got:?}"), format!("{want:?}"));
 }
 
 fn main() {
+    assert!(Handler::<Postgres>::handles_batches(&send_invoice));
+    assert!(!Handler::<Sqlite>::handles_batches(&send_receipt));
     same_options(
         Handler::<Postgres>::options(&send_invoice),
         HandlerOptions::new("send_invoice")
