@@ -33,6 +33,7 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
     link.acks.delivered(delivery_tag);
     let table = properties.headers().as_ref();
     let payload = Bytes::from(data);
+    let attempt = headers::attempt(table);
     let delivery = Delivery {
         message_id: properties
             .message_id()
@@ -42,7 +43,10 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
         payload: payload.clone(),
         headers: headers::to_strings(table),
         redelivered,
-        attempt: headers::attempt(table),
+        attempt,
+        // RabbitMQ flags a delivery redelivered if any consumer may have had it before
+        // (requeued, or recovered after a broker restart); a retry copy carries its attempt.
+        fresh: !redelivered && attempt == 1,
         source: Source {
             transport: "amqp",
             location: format!(

@@ -48,6 +48,16 @@ pub struct Delivery {
     /// The delivery attempt as the transport counts it (1 for the first), from a retry header.
     /// The inbox keeps the authoritative count, which also counts crashes.
     pub attempt: u32,
+    /// The transport guarantees that no consumer was handed this message before (RabbitMQ:
+    /// not flagged redelivered and no retry attempt header). `false` when it cannot tell,
+    /// as on Kafka, where a record past the committed offset may have been processed by a
+    /// member that then died.
+    ///
+    /// A fresh delivery cannot be the repeat of an attempt that crashed, so the runtime does
+    /// not count its attempt ahead of the handler: it claims the key in the handler's
+    /// transaction (as a hand-written consumer would), one statement and one row version
+    /// cheaper. A redelivery takes the counted path.
+    pub fresh: bool,
     /// Where it came from.
     pub source: Source,
 }

@@ -229,6 +229,7 @@ fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
         headers: stored.message.headers.clone(),
         redelivered: stored.redelivered,
         attempt: stored.attempt,
+        fresh: !stored.redelivered && stored.attempt == 1,
         source: Source {
             transport: "memory",
             location: queue.to_owned(),

@@ -242,8 +242,20 @@ type Ran = (
     u32,
     Option<HandlerError>,
 );
+/// A batch member whose handler ran in the batch's transaction: delivery, acker, key,
+/// attempt.
+type Member = (Delivery, Box<dyn Acknowledger>, String, u32);
 /// A settlement waiting to be applied.
 type Settled = (Box<dyn Acknowledger>, Settlement, Outcome);
+
+/// What the fresh path did with a delivery.
+enum Fresh<M> {
+    /// The key has a row already: the message goes to the counted path.
+    Unclaimed(M),
+    /// The handler ran (or the transaction could not begin): `None` committed, `Some`
+    /// failed and rolled back.
+    Ran(Result<Option<HandlerError>, sqlx::Error>),
+}
 
 /// Why a delivery's processing stopped without settling (a simulated crash).
 struct Crash(FaultPoint);
@@ -498,8 +510,21 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 }
             }
             let batch_keys: Vec<String> = runnable.iter().map(|(_, _, p)| p.key.clone()).collect();
-            if !runnable.is_empty() {
-                self.run_batch(runnable, &mut settled).await?;
+            let (fresh, counted): (Vec<_>, Vec<_>) =
+                runnable.into_iter().partition(|(d, _, _)| d.fresh);
+            let mut unclaimed = Vec::new();
+            if !fresh.is_empty() {
+                self.run_fresh_batch(fresh, &mut settled, &mut unclaimed)
+                    .await?;
+            }
+            if !counted.is_empty() {
+                self.run_batch(counted, &mut settled).await?;
+            }
+            // Fresh deliveries whose keys had rows (a republished duplicate, say), now that
+            // this batch's locks are released.
+            for (delivery, acker, p) in unclaimed {
+                let (settlement, outcome) = self.decide_prepared(&delivery, p).await?;
+                settled.push((acker, settlement, outcome));
             }
             // A fault point fires for the batch if it fires for any of its keys.
             for key in &batch_keys {
@@ -642,6 +667,77 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 return Ok(Err((e, not_run)));
             }
         };
+        let (items, failed, tentative_runs) = self.run_handlers(&mut tx, to_run).await?;
+        if !failed {
+            let keys: Vec<String> = items.iter().map(|i| i.2.clone()).collect();
+            for key in &keys {
+                self.fault(FaultPoint::BeforeCommit, key)?;
+            }
+            let committed = async {
+                DB::complete_many(&mut tx, names, &s.name, &keys, s.retention, unlock).await?;
+                *unlocked = !unlock.is_empty();
+                tx.commit().await
+            }
+            .await;
+            return Ok(Ok(match committed {
+                Ok(()) => {
+                    Stats::bump(&self.inner.stats.batches);
+                    items
+                        .into_iter()
+                        .map(|(d, a, k, n)| (d, a, k, n, None))
+                        .collect()
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    items
+                        .into_iter()
+                        .map(|(d, a, k, n)| {
+                            let f = HandlerError::transient(format!("batch commit failed: {e}"));
+                            (d, a, k, n, Some(f))
+                        })
+                        .collect()
+                }
+            }));
+        }
+        self.abandon_batch(tx, tentative_runs).await;
+        // One by one. The messages were moved into the handlers: decode them again.
+        let mut ran = Vec::with_capacity(items.len());
+        for (delivery, acker, key, attempt) in items {
+            let failure = match self.prepare(&delivery) {
+                Err(_) => Some(HandlerError::permanent("the payload no longer decodes")),
+                Ok(p) => {
+                    match self
+                        .run_in_own_transaction(
+                            conn,
+                            &[],
+                            &mut false,
+                            &delivery,
+                            &key,
+                            attempt,
+                            p.message,
+                        )
+                        .await?
+                    {
+                        Ok(failure) => failure,
+                        Err(e) => Some(HandlerError::transient(e)),
+                    }
+                }
+            };
+            ran.push((delivery, acker, key, attempt, failure));
+        }
+        Ok(Ok(ran))
+    }
+
+    /// Runs a batch's handlers in the open transaction `tx`: the handler's batch function if
+    /// it has one, else the handler once per message, stopping at the first failure. Returns
+    /// the messages (delivery, acker, key, attempt), whether one failed (the caller rolls
+    /// back and reruns them one by one) and how many runs were tentative.
+    async fn run_handlers(
+        &self,
+        tx: &mut DB::Connection,
+        to_run: Vec<(Pending<H::Message>, u32)>,
+    ) -> Result<(Vec<Member>, bool, u64), Crash> {
+        let s = &self.inner.settings;
         let mut items = Vec::with_capacity(to_run.len());
         let mut failed = false;
         let mut tentative_runs = 0;
@@ -681,7 +777,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 if !failed {
                     tentative_runs += 1;
                     let result = {
-                        let mut ctx = self.context(&mut tx, &key, attempt, &delivery);
+                        let mut ctx = self.context(&mut *tx, &key, attempt, &delivery);
                         self.invoke(&mut ctx, message, true).await
                     };
                     if let Err(e) = result {
@@ -695,37 +791,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 items.push((delivery, acker, key, attempt));
             }
         }
-        if !failed {
-            let keys: Vec<String> = items.iter().map(|i| i.2.clone()).collect();
-            for key in &keys {
-                self.fault(FaultPoint::BeforeCommit, key)?;
-            }
-            let committed = async {
-                DB::complete_many(&mut tx, names, &s.name, &keys, s.retention, unlock).await?;
-                *unlocked = !unlock.is_empty();
-                tx.commit().await
-            }
-            .await;
-            return Ok(Ok(match committed {
-                Ok(()) => {
-                    Stats::bump(&self.inner.stats.batches);
-                    items
-                        .into_iter()
-                        .map(|(d, a, k, n)| (d, a, k, n, None))
-                        .collect()
-                }
-                Err(e) => {
-                    let e = e.to_string();
-                    items
-                        .into_iter()
-                        .map(|(d, a, k, n)| {
-                            let f = HandlerError::transient(format!("batch commit failed: {e}"));
-                            (d, a, k, n, Some(f))
-                        })
-                        .collect()
-                }
-            }));
-        }
+        Ok((items, failed, tentative_runs))
+    }
+
+    /// Rolls back a batch in which a handler failed and counts its tentative runs (the
+    /// messages then run again one by one).
+    async fn abandon_batch(&self, tx: sqlx::Transaction<'_, DB>, tentative_runs: u64) {
         if let Err(rb) = tx.rollback().await {
             tracing::warn!(error = %rb, "batch rollback failed");
         }
@@ -733,32 +804,6 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             .stats
             .batch_reruns
             .fetch_add(tentative_runs, std::sync::atomic::Ordering::Relaxed);
-        // One by one. The messages were moved into the handlers: decode them again.
-        let mut ran = Vec::with_capacity(items.len());
-        for (delivery, acker, key, attempt) in items {
-            let failure = match self.prepare(&delivery) {
-                Err(_) => Some(HandlerError::permanent("the payload no longer decodes")),
-                Ok(p) => {
-                    match self
-                        .run_in_own_transaction(
-                            conn,
-                            &[],
-                            &mut false,
-                            &delivery,
-                            &key,
-                            attempt,
-                            p.message,
-                        )
-                        .await?
-                    {
-                        Ok(failure) => failure,
-                        Err(e) => Some(HandlerError::transient(e)),
-                    }
-                }
-            };
-            ran.push((delivery, acker, key, attempt, failure));
-        }
-        Ok(Ok(ran))
     }
 
     fn count(&self, outcome: Outcome) {
@@ -1045,17 +1090,46 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         delivery: &Delivery,
         key_out: &mut Option<String>,
     ) -> Result<(Settlement, Outcome), Crash> {
-        let s = &self.inner.settings;
-        let Prepared { message, key, hash } = match self.prepare(delivery) {
+        let prepared = match self.prepare(delivery) {
             Ok(p) => p,
             Err(settled) => return Ok(settled),
         };
-        tracing::Span::current().record("key", key.as_str());
-        *key_out = Some(key.clone());
+        tracing::Span::current().record("key", prepared.key.as_str());
+        *key_out = Some(prepared.key.clone());
+        self.decide_prepared(delivery, prepared).await
+    }
 
+    /// [`Worker::decide`] once the message is decoded and keyed: a fresh delivery claims its
+    /// key in the handler's transaction; anything else, or a fresh delivery whose key has a
+    /// row already, counts its attempt first.
+    async fn decide_prepared(
+        &self,
+        delivery: &Delivery,
+        prepared: Prepared<H::Message>,
+    ) -> Result<(Settlement, Outcome), Crash> {
+        let s = &self.inner.settings;
+        let Prepared { message, key, hash } = prepared;
         let mut lease = match self.inner.inbox.lease(&s.name, &key).await {
             Ok(l) => l,
             Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+        };
+        let message = if delivery.fresh {
+            match self
+                .run_fresh(lease.conn(), delivery, &key, &hash, message)
+                .await?
+            {
+                Fresh::Unclaimed(message) => message,
+                Fresh::Ran(ran) => {
+                    tracing::Span::current().record("attempt", 1);
+                    let settled = self
+                        .fresh_outcome(lease.conn(), delivery, &key, &hash, ran)
+                        .await;
+                    lease.release().await;
+                    return Ok(settled);
+                }
+            }
+        } else {
+            message
         };
         let names = self.inner.inbox.names();
         let (conn, lock_ids) = lease.locking();
@@ -1101,6 +1175,217 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         };
         lease.release().await;
         Ok(settled)
+    }
+
+    /// The fresh path (see [`Delivery::fresh`]): in one transaction, claim the key as
+    /// completed, run the handler, commit. No attempt is counted ahead: a fresh delivery is
+    /// nobody's repeat, so a crash during it leaves nothing to count (the redelivery then
+    /// takes the counted path). `Fresh::Unclaimed` gives the message back when the key has
+    /// a row: the counted path decides (duplicate, conflict, pending attempts).
+    async fn run_fresh(
+        &self,
+        conn: &mut DB::Connection,
+        delivery: &Delivery,
+        key: &str,
+        hash: &str,
+        message: H::Message,
+    ) -> Result<Fresh<H::Message>, Crash> {
+        let s = &self.inner.settings;
+        let names = self.inner.inbox.names();
+        let mut tx = match DB::begin_handler(conn).await {
+            Ok(tx) => tx,
+            Err(e) => return Ok(Fresh::Ran(Err(e))),
+        };
+        match DB::claim_fresh(&mut tx, names, &s.name, key, hash, s.retention).await {
+            Ok(true) => {}
+            Ok(false) => {
+                if let Err(e) = tx.rollback().await {
+                    return Ok(Fresh::Ran(Err(e)));
+                }
+                return Ok(Fresh::Unclaimed(message));
+            }
+            Err(e) => return Ok(Fresh::Ran(Err(e))),
+        }
+        let result = {
+            let mut ctx = self.context(&mut tx, key, 1, delivery);
+            self.invoke(&mut ctx, message, false).await
+        };
+        match result {
+            Ok(()) => {
+                self.fault(FaultPoint::BeforeCommit, key)?;
+                Ok(Fresh::Ran(Ok(tx.commit().await.err().map(|e| {
+                    HandlerError::transient(format!("commit failed: {e}"))
+                }))))
+            }
+            Err(HandlerError {
+                crash: Some(point), ..
+            }) => Err(Crash(point)),
+            Err(failure) => {
+                if let Err(rb) = tx.rollback().await {
+                    tracing::warn!(error = %rb, "rollback failed");
+                }
+                Ok(Fresh::Ran(Ok(Some(failure))))
+            }
+        }
+    }
+
+    /// Settles a fresh attempt that ran: a failure is counted first (its claim was rolled
+    /// back), then retried or dead-lettered as any failed attempt 1.
+    async fn fresh_outcome(
+        &self,
+        conn: &mut DB::Connection,
+        delivery: &Delivery,
+        key: &str,
+        hash: &str,
+        ran: Result<Option<HandlerError>, sqlx::Error>,
+    ) -> (Settlement, Outcome) {
+        match ran {
+            Err(e) => self.retry_after_db_error(delivery, &e),
+            Ok(None) => (Settlement::Ack, Outcome::Completed),
+            Ok(Some(failure)) => {
+                let names = self.inner.inbox.names();
+                let s = &self.inner.settings;
+                if let Err(e) = DB::count_fresh_failure(conn, names, &s.name, key, hash).await {
+                    Stats::bump(&self.inner.stats.db_errors);
+                    tracing::warn!(key, error = %e, "could not count a failed attempt");
+                }
+                self.fail(conn, delivery, key, 1, &failure).await
+            }
+        }
+    }
+
+    /// The fresh path for the fresh members of a batch: one transaction claims their keys
+    /// (one statement), runs their handlers and commits. Keys that have a row already go to
+    /// `unclaimed`, for the counted path after this batch. If a handler fails, the batch
+    /// rolls back and each message runs alone on the fresh path.
+    async fn run_fresh_batch(
+        &self,
+        fresh: Vec<Pending<H::Message>>,
+        settled: &mut Vec<Settled>,
+        unclaimed: &mut Vec<Pending<H::Message>>,
+    ) -> Result<(), Crash> {
+        let s = &self.inner.settings;
+        let on_db_error =
+            |e: &sqlx::Error, pending: Vec<Pending<H::Message>>, settled: &mut Vec<Settled>| {
+                for (delivery, acker, _) in pending {
+                    let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
+                    settled.push((acker, settlement, outcome));
+                }
+            };
+        let keys: Vec<&str> = fresh.iter().map(|(_, _, p)| p.key.as_str()).collect();
+        let mut lease = match self.inner.inbox.lease_many(&s.name, &keys).await {
+            Ok(l) => l,
+            Err(e) => {
+                on_db_error(&e, fresh, settled);
+                return Ok(());
+            }
+        };
+        let done = self
+            .fresh_batch_on(lease.conn(), fresh, settled, unclaimed)
+            .await;
+        lease.release().await;
+        done
+    }
+
+    /// [`Worker::run_fresh_batch`] on the leased connection `conn`.
+    async fn fresh_batch_on(
+        &self,
+        conn: &mut DB::Connection,
+        fresh: Vec<Pending<H::Message>>,
+        settled: &mut Vec<Settled>,
+        unclaimed: &mut Vec<Pending<H::Message>>,
+    ) -> Result<(), Crash> {
+        let s = &self.inner.settings;
+        let names = self.inner.inbox.names();
+        let on_db_error =
+            |e: &sqlx::Error, pending: Vec<Pending<H::Message>>, settled: &mut Vec<Settled>| {
+                for (delivery, acker, _) in pending {
+                    let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
+                    settled.push((acker, settlement, outcome));
+                }
+            };
+        let items: Vec<(String, String)> = fresh
+            .iter()
+            .map(|(_, _, p)| (p.key.clone(), p.hash.clone()))
+            .collect();
+        let mut tx = match DB::begin_handler(&mut *conn).await {
+            Ok(tx) => tx,
+            Err(e) => {
+                on_db_error(&e, fresh, settled);
+                return Ok(());
+            }
+        };
+        let claimed = match DB::claim_fresh_many(&mut tx, names, &s.name, &items, s.retention).await
+        {
+            Ok(claimed) => claimed
+                .into_iter()
+                .collect::<std::collections::HashSet<_>>(),
+            Err(e) => {
+                drop(tx);
+                on_db_error(&e, fresh, settled);
+                return Ok(());
+            }
+        };
+        let (to_run, taken): (Vec<_>, Vec<_>) = fresh
+            .into_iter()
+            .partition(|(_, _, p)| claimed.contains(&p.key));
+        unclaimed.extend(taken);
+        if to_run.is_empty() {
+            drop(tx);
+            return Ok(());
+        }
+        let to_run = to_run.into_iter().map(|pending| (pending, 1)).collect();
+        let (members, failed, tentative_runs) = self.run_handlers(&mut tx, to_run).await?;
+        if !failed {
+            for (_, _, key, _) in &members {
+                self.fault(FaultPoint::BeforeCommit, key)?;
+            }
+            let committed = tx.commit().await;
+            match &committed {
+                Ok(()) => Stats::bump(&self.inner.stats.batches),
+                Err(e) => tracing::warn!(error = %e, "batch commit failed"),
+            }
+            for (delivery, acker, key, _) in members {
+                let ran = match &committed {
+                    Ok(()) => Ok(None),
+                    Err(e) => Ok(Some(HandlerError::transient(format!(
+                        "batch commit failed: {e}"
+                    )))),
+                };
+                let hash = self.prepare(&delivery).map(|p| p.hash).unwrap_or_default();
+                let (settlement, outcome) = self
+                    .fresh_outcome(&mut *conn, &delivery, &key, &hash, ran)
+                    .await;
+                settled.push((acker, settlement, outcome));
+            }
+            return Ok(());
+        }
+        self.abandon_batch(tx, tentative_runs).await;
+        // One by one. The messages were moved into the handlers: decode them again.
+        for (delivery, acker, key, _) in members {
+            let (settlement, outcome) = match self.prepare(&delivery) {
+                Err(settled) => settled,
+                Ok(p) => {
+                    let hash = p.hash.clone();
+                    match self
+                        .run_fresh(&mut *conn, &delivery, &key, &hash, p.message)
+                        .await?
+                    {
+                        Fresh::Unclaimed(message) => {
+                            let p = Prepared { message, key, hash };
+                            unclaimed.push((delivery, acker, p));
+                            continue;
+                        }
+                        Fresh::Ran(ran) => {
+                            self.fresh_outcome(&mut *conn, &delivery, &key, &hash, ran)
+                                .await
+                        }
+                    }
+                }
+            };
+            settled.push((acker, settlement, outcome));
+        }
+        Ok(())
     }
 
     fn context<'c>(

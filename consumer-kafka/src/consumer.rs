@@ -263,6 +263,9 @@ impl Shared {
                 headers: header_map,
                 redelivered: false,
                 attempt,
+                // A record past the committed offset may have been processed by a member
+                // that then died: Kafka cannot say, so every attempt is counted.
+                fresh: false,
                 source: Source {
                     transport: "kafka",
                     location,

@@ -89,6 +89,9 @@ pub struct Statements {
     pub(crate) complete_many_and_unlock: String,
     pub(crate) record_failure: String,
     pub(crate) purge_expired: String,
+    pub(crate) claim_fresh: String,
+    pub(crate) claim_fresh_many: String,
+    pub(crate) count_fresh_failure: String,
 }
 
 impl TableNames {
@@ -297,6 +300,55 @@ pub trait Backend: sqlx::Database + private::Sealed {
             Ok(())
         })
     }
+
+    /// For a delivery never delivered before ([`Delivery::fresh`](crate::Delivery::fresh)),
+    /// in the handler's transaction: inserts the key as completed (1 attempt) unless the key
+    /// has a row, waiting for a transaction that is inserting it. `true` if this transaction
+    /// inserted it; then its commit is the completion, and a rollback leaves no trace.
+    #[doc(hidden)]
+    fn claim_fresh<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+
+    /// [`Backend::claim_fresh`] for several distinct keys (`(key, payload_hash)` pairs),
+    /// in key order (so two batches sharing keys wait on each other, never deadlock);
+    /// returns the keys inserted.
+    #[doc(hidden)]
+    fn claim_fresh_many<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        items: &'a [(String, String)],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut sorted: Vec<&(String, String)> = items.iter().collect();
+            sorted.sort_unstable();
+            let mut claimed = Vec::with_capacity(items.len());
+            for (key, hash) in sorted {
+                if Self::claim_fresh(conn, names, handler, key, hash, retention).await? {
+                    claimed.push(key.clone());
+                }
+            }
+            Ok(claimed)
+        })
+    }
+
+    /// A fresh delivery's attempt failed and rolled back its claim: counts that attempt
+    /// (a pending row with 1 attempt) unless the key has a row by now.
+    #[doc(hidden)]
+    fn count_fresh_failure<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
     #[doc(hidden)]
     fn begin_handler(

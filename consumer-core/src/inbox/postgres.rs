@@ -29,12 +29,14 @@ const BEGIN_ATTEMPT: &str =
 
 /// [`BEGIN_ATTEMPT`] for many keys: the locks in ascending order (the sorted subquery, and
 /// the aggregate makes all of them come before any row), asynchronous commit, the counts.
+/// Rows go in key order, as [`CLAIM_FRESH_MANY`]'s do, so that a batch waiting on another's
+/// uncommitted insert of a key can never be waited on by it for another key.
 const BEGIN_ATTEMPTS: &str = "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM \
        (SELECT id FROM unnest($5::bigint[]) AS u(id) ORDER BY id) AS s), \
      c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
      INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
      SELECT $1, u.key, u.hash, 'pending', 1 \
-     FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c \
+     FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c ORDER BY u.key \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
      RETURNING key, attempts";
@@ -60,6 +62,25 @@ const UNLOCK_AFTER_DONE: &str = ", d AS (SELECT count(*) AS n FROM done) \
 const RECORD_FAILURE: &str = "UPDATE {inbox} SET last_error = $3, updated_at = now(), \
      status = CASE WHEN $4 THEN 'dead' ELSE status END \
      WHERE handler = $1 AND key = $2 AND status <> 'completed'";
+
+/// A fresh delivery's claim, in the handler's transaction (see `Backend::claim_fresh`): the
+/// row is inserted already completed, so the commit that makes the handler's writes durable
+/// is the completion, with no attempt counted ahead and no second row version.
+const CLAIM_FRESH: &str = "INSERT INTO {inbox} \
+     (handler, key, payload_hash, status, attempts, completed_at, expires_at) \
+     VALUES ($1, $2, $3, 'completed', 1, now(), now() + $4 * interval '1 millisecond') \
+     ON CONFLICT (handler, key) DO NOTHING";
+
+/// [`CLAIM_FRESH`] for many keys, inserted in key order.
+const CLAIM_FRESH_MANY: &str = "INSERT INTO {inbox} \
+     (handler, key, payload_hash, status, attempts, completed_at, expires_at) \
+     SELECT $1, u.key, u.hash, 'completed', 1, now(), now() + $4 * interval '1 millisecond' \
+     FROM unnest($2::text[], $3::text[]) AS u(key, hash) ORDER BY u.key \
+     ON CONFLICT (handler, key) DO NOTHING RETURNING key";
+
+const COUNT_FRESH_FAILURE: &str = "INSERT INTO {inbox} \
+     (handler, key, payload_hash, status, attempts) VALUES ($1, $2, $3, 'pending', 1) \
+     ON CONFLICT (handler, key) DO NOTHING";
 
 const PURGE_EXPIRED: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
      SELECT ctid FROM {inbox} WHERE status = 'completed' AND expires_at < now() LIMIT $1))";
@@ -91,6 +112,9 @@ impl Backend for Postgres {
             )),
             record_failure: names.render(RECORD_FAILURE),
             purge_expired: names.render(PURGE_EXPIRED),
+            claim_fresh: names.render(CLAIM_FRESH),
+            claim_fresh_many: names.render(CLAIM_FRESH_MANY),
+            count_fresh_failure: names.render(COUNT_FRESH_FAILURE),
         }
     }
 
@@ -225,6 +249,64 @@ impl Backend for Postgres {
         conn: &mut PgConnection,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
         conn.begin()
+    }
+
+    fn claim_fresh<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(&names.sql.claim_fresh)
+                .bind(handler)
+                .bind(key)
+                .bind(payload_hash)
+                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+                .execute(conn)
+                .await?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
+
+    fn claim_fresh_many<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        items: &'a [(String, String)],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
+        Box::pin(async move {
+            let (keys, hashes): (Vec<&str>, Vec<&str>) =
+                items.iter().map(|(k, h)| (k.as_str(), h.as_str())).unzip();
+            sqlx::query_scalar(&names.sql.claim_fresh_many)
+                .bind(handler)
+                .bind(keys)
+                .bind(hashes)
+                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+                .fetch_all(conn)
+                .await
+        })
+    }
+
+    fn count_fresh_failure<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&names.sql.count_fresh_failure)
+                .bind(handler)
+                .bind(key)
+                .bind(payload_hash)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
     }
 
     fn complete<'a>(

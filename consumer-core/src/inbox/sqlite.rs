@@ -69,6 +69,17 @@ impl Backend for Sqlite {
                 "DELETE FROM {inbox} WHERE rowid IN (\
                  SELECT rowid FROM {inbox} WHERE status = 'completed' AND expires_at < ?1 LIMIT ?2)",
             ),
+            claim_fresh: names.render(
+                "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \
+                 updated_at, completed_at, expires_at) \
+                 VALUES (?1, ?2, ?3, 'completed', 1, ?4, ?4, ?4, ?5) \
+                 ON CONFLICT (handler, key) DO NOTHING",
+            ),
+            count_fresh_failure: names.render(
+                "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \
+                 updated_at) VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?4) \
+                 ON CONFLICT (handler, key) DO NOTHING",
+            ),
             // Batches use the trait's per-key defaults; SQLite has no database locks.
             ..Statements::default()
         }
@@ -119,6 +130,49 @@ impl Backend for Sqlite {
         // A deferred transaction that reads, then writes, fails at once with SQLITE_BUSY when
         // another connection wrote in between; IMMEDIATE waits for the write lock instead.
         conn.begin_with("BEGIN IMMEDIATE")
+    }
+
+    fn claim_fresh<'a>(
+        conn: &'a mut SqliteConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let now = now_ms();
+            let expires =
+                now.saturating_add(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+            let done = sqlx::query(&names.sql.claim_fresh)
+                .bind(handler)
+                .bind(key)
+                .bind(payload_hash)
+                .bind(now)
+                .bind(expires)
+                .execute(conn)
+                .await?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
+
+    fn count_fresh_failure<'a>(
+        conn: &'a mut SqliteConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        payload_hash: &'a str,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&names.sql.count_fresh_failure)
+                .bind(handler)
+                .bind(key)
+                .bind(payload_hash)
+                .bind(now_ms())
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
     }
 
     fn complete<'a>(
