@@ -198,7 +198,8 @@ pub struct KafkaConfig {
     pub commit: CommitMode,
     /// How often settled offsets are committed or stored (default 500ms).
     pub commit_interval: Duration,
-    /// Records buffered per partition before it is paused (default 500).
+    /// Records buffered per partition before it is paused (default 500); it is resumed when
+    /// half of them have settled.
     pub max_buffered_per_partition: usize,
     /// How long a revoke waits for in-flight records of the revoked partitions to settle
     /// (default 10s). Settlements arriving later are dropped; the new owner redelivers and
