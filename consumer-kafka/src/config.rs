@@ -13,6 +13,8 @@ use crate::Error;
 
 /// Longest Kafka topic name.
 const MAX_TOPIC_LEN: usize = 249;
+/// The consumer's default `fetch.wait.max.ms` (see `consumer_client_config`).
+const FETCH_WAIT_MAX_MS: &str = "100";
 
 /// Properties the transport sets itself; passing them through would break its guarantees.
 const RESERVED: &[(&str, &str)] = &[
@@ -173,7 +175,9 @@ pub struct KafkaConfig {
     /// e.g. `security.protocol`, `sasl.mechanism`, `sasl.username`, `sasl.password`.
     pub properties: ClientProperties,
     /// Properties for the consumer only, e.g. `session.timeout.ms`, `max.poll.interval.ms`,
-    /// `auto.offset.reset` (default `earliest`), `partition.assignment.strategy`.
+    /// `auto.offset.reset` (default `earliest`), `partition.assignment.strategy`,
+    /// `fetch.wait.max.ms` (default 100, not librdkafka's 500: a partition paused because its
+    /// buffer was full fetches again when it resumes, and waits up to this long for it).
     pub consumer_properties: ClientProperties,
     /// Properties for the producer only, e.g. `linger.ms`, `compression.type`.
     pub producer_properties: ClientProperties,
@@ -194,7 +198,8 @@ pub struct KafkaConfig {
     pub commit: CommitMode,
     /// How often settled offsets are committed or stored (default 500ms).
     pub commit_interval: Duration,
-    /// Records buffered per partition before it is paused (default 500).
+    /// Records buffered per partition before it is paused (default 500); it is resumed when
+    /// half of them have settled.
     pub max_buffered_per_partition: usize,
     /// How long a revoke waits for in-flight records of the revoked partitions to settle
     /// (default 10s). Settlements arriving later are dropped; the new owner redelivers and
@@ -476,6 +481,13 @@ impl KafkaConfig {
             .set("group.id", &self.group_id)
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false");
+        // librdkafka drops what it prefetched for a partition the transport pauses (a full
+        // buffer), so the resume fetches again; that fetch waits behind the one already at the
+        // broker, which holds it up to this long when it asks only for partitions without new
+        // records (a retry topic, a drained partition). librdkafka's default, 500 ms, stalls a
+        // backlogged partition that long at every resume (the bench: 4,800 msg/s against
+        // 18,000-21,000 with 100 ms). An idle consumer sends 10 fetches a second instead of 2.
+        c.set("fetch.wait.max.ms", FETCH_WAIT_MAX_MS);
         self.properties.apply(&mut c);
         self.consumer_properties.apply(&mut c);
         // Last, so nothing above can override them (validate rejects them anyway).
@@ -631,6 +643,18 @@ mod tests {
         assert_eq!(
             valid().subscribed_topics(),
             vec!["orders".to_owned(), "orders.retry".to_owned()]
+        );
+    }
+
+    #[test]
+    fn fetch_wait_defaults_to_100ms_and_can_be_set() {
+        let c = valid().consumer_client_config();
+        assert_eq!(c.get("fetch.wait.max.ms"), Some(FETCH_WAIT_MAX_MS));
+        let mut c = valid();
+        c.consumer_properties.set("fetch.wait.max.ms", "500");
+        assert_eq!(
+            c.consumer_client_config().get("fetch.wait.max.ms"),
+            Some("500")
         );
     }
 

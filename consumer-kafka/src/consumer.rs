@@ -43,6 +43,9 @@ use crate::{headers, Error, KafkaPublisher};
 
 /// How long one poll waits for a record before housekeeping runs.
 const POLL_WAIT: Duration = Duration::from_millis(50);
+/// How long one poll waits while a partition is paused because its buffer is full: its
+/// resume (at the next housekeeping) must not wait for [`POLL_WAIT`], or the handlers run dry.
+const POLL_WAIT_PAUSED: Duration = Duration::from_millis(5);
 /// Records taken per round before housekeeping runs.
 const POLL_BATCH: usize = 500;
 /// Every this many commit intervals the current positions are committed again, even if
@@ -86,6 +89,8 @@ struct Partition {
     paused: bool,
     /// Last commit point committed (or stored).
     committed: Option<i64>,
+    /// Paused because its buffer was full: resumed when it is half empty.
+    full: bool,
 }
 
 #[derive(Default)]
@@ -292,7 +297,7 @@ impl Shared {
             );
             return;
         }
-        p.tracker.push(
+        let pushed = p.tracker.push(
             offset,
             key,
             not_before,
@@ -302,21 +307,40 @@ impl Shared {
                 redelivered: false,
             },
         );
+        // A stream waiting for records gets this one now, not after the poll round.
+        let waker = if pushed && not_before.is_none() {
+            state.waker.take()
+        } else {
+            None
+        };
+        drop(state);
+        Shared::wake(waker);
     }
 
     /// Pauses partitions whose buffer is full or whose next retry is not due, resumes the
-    /// others, and wakes the stream when something may be handed out.
-    fn housekeeping(&self, consumer: &BaseConsumer<ConsumerCtx>) {
+    /// others, and wakes the stream when something may be handed out. Returns whether a
+    /// partition is paused because its buffer is full.
+    ///
+    /// A full partition is resumed only when its buffer is half empty, not at the first free
+    /// slot: librdkafka drops what it prefetched for a partition when it is paused, so every
+    /// resume costs a fetch, which waits behind any fetch request already at the broker (up
+    /// to `fetch.wait.max.ms` when that one asks only for partitions without new records).
+    /// Resuming at one free slot would pay that for a handful of records each time.
+    fn housekeeping(&self, consumer: &BaseConsumer<ConsumerCtx>) -> bool {
         let now = Instant::now();
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
+        let max = self.settings.max_buffered;
+        let mut any_full = false;
         let waker = {
             let mut state = self.lock();
             let mut ready = false;
             for ((topic, partition), p) in state.partitions.iter_mut() {
                 let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
-                let want_pause =
-                    p.revoking || p.tracker.len() >= self.settings.max_buffered || waiting_for_due;
+                let len = p.tracker.len();
+                p.full = if p.full { len > max / 2 } else { len >= max };
+                any_full |= p.full && !p.revoking;
+                let want_pause = p.revoking || p.full || waiting_for_due;
                 if want_pause != p.paused {
                     let list = if want_pause { &mut pause } else { &mut resume };
                     list.add_partition(topic, *partition);
@@ -343,6 +367,7 @@ impl Shared {
                 tracing::warn!(error = %e, "resuming partitions failed");
             }
         }
+        any_full
     }
 
     /// Commits (or stores) the contiguous settled position of every owned partition that
@@ -513,6 +538,7 @@ impl Shared {
                         revoking: false,
                         paused: false,
                         committed: None,
+                        full: false,
                     },
                 );
                 events.push(OffsetEvent::Assigned {
@@ -941,8 +967,13 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
     let refresh_interval =
         (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR).max(MIN_COMMIT_REFRESH);
     let mut last_summary = Instant::now();
+    let mut any_full = false;
     while !shared.stop.load(Ordering::SeqCst) {
-        let mut wait = POLL_WAIT;
+        let mut wait = if any_full {
+            POLL_WAIT_PAUSED
+        } else {
+            POLL_WAIT
+        };
         for _ in 0..POLL_BATCH {
             match consumer.poll(wait) {
                 None => break,
@@ -956,7 +987,7 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
                 }
             }
         }
-        shared.housekeeping(&consumer);
+        any_full = shared.housekeeping(&consumer);
         if tracing::enabled!(tracing::Level::DEBUG)
             && last_summary.elapsed() >= Duration::from_secs(2)
         {

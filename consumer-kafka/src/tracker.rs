@@ -7,7 +7,8 @@
 //! slow one never moves it. Offsets need not be contiguous numbers (compaction, transaction
 //! markers), so "contiguous" means contiguous in the sequence of fetched records.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 use crate::ProcessingOrder;
@@ -37,11 +38,22 @@ struct Entry<T> {
 }
 
 /// The records of one partition between the commit point and the fetch position.
+///
+/// Besides the records in offset order it keeps, per key, the offsets of that key's
+/// unsettled records, and the set of waiting records that are the first unsettled record of
+/// their key (`heads`). Under [`ProcessingOrder::Key`] exactly those may go, so handing one
+/// out does not scan the buffer (up to `max_buffered_per_partition` records, most of them
+/// in flight or settled behind a slower one).
 #[derive(Debug)]
 pub(crate) struct PartitionTracker<T> {
     entries: VecDeque<Entry<T>>,
     /// One past the last fetched offset.
     next_offset: Option<i64>,
+    /// Per key, the offsets of its unsettled records (waiting, in flight or abandoned),
+    /// oldest first. Records pushed settled are not in it.
+    keys: HashMap<KeyId, VecDeque<i64>>,
+    /// The waiting records that no earlier unsettled record of their key holds back.
+    heads: BTreeSet<i64>,
 }
 
 impl<T> Default for PartitionTracker<T> {
@@ -49,6 +61,8 @@ impl<T> Default for PartitionTracker<T> {
         PartitionTracker {
             entries: VecDeque::new(),
             next_offset: None,
+            keys: HashMap::new(),
+            heads: BTreeSet::new(),
         }
     }
 }
@@ -63,6 +77,30 @@ impl<T> PartitionTracker<T> {
         not_before: Option<Instant>,
         item: T,
     ) -> bool {
+        if !self.append(offset, key, Status::Waiting { not_before }, item) {
+            return false;
+        }
+        match self.keys.entry(key) {
+            MapEntry::Occupied(mut o) => o.get_mut().push_back(offset),
+            MapEntry::Vacant(v) => {
+                v.insert(VecDeque::from([offset]));
+                self.heads.insert(offset);
+            }
+        }
+        true
+    }
+
+    /// Adds a fetched record that needs no processing (already settled), e.g. another
+    /// group's retry copy. Returns `false` if it is not past the last one.
+    pub(crate) fn push_settled(&mut self, offset: i64, item: T) -> bool {
+        if !self.append(offset, None, Status::Settled, item) {
+            return false;
+        }
+        self.pop_settled();
+        true
+    }
+
+    fn append(&mut self, offset: i64, key: KeyId, status: Status, item: T) -> bool {
         if self.next_offset.is_some_and(|n| offset < n) {
             return false;
         }
@@ -70,70 +108,96 @@ impl<T> PartitionTracker<T> {
         self.entries.push_back(Entry {
             offset,
             key,
-            status: Status::Waiting { not_before },
+            status,
             item,
         });
         true
     }
 
-    /// Adds a fetched record that needs no processing (already settled), e.g. another
-    /// group's retry copy. Returns `false` if it is not past the last one.
-    pub(crate) fn push_settled(&mut self, offset: i64, item: T) -> bool {
-        if !self.push(offset, None, None, item) {
-            return false;
-        }
-        if let Some(e) = self.entries.back_mut() {
-            e.status = Status::InFlight;
-        }
-        self.settle(offset);
-        true
-    }
-
     /// The next record that may be handed out under `order` at `now`, marked in flight.
     pub(crate) fn take_next(&mut self, order: ProcessingOrder, now: Instant) -> Option<(i64, &T)> {
-        let due = |s: &Status| is_due(s, now);
         let index = match order {
+            // The front is the first unsettled record: settled ones are popped off it.
             ProcessingOrder::Partition => self
                 .entries
                 .iter()
                 .position(|e| !matches!(e.status, Status::Settled))
-                .filter(|&i| due(&self.entries[i].status)),
+                .filter(|&i| is_due(&self.entries[i].status, now))?,
             ProcessingOrder::Key => {
-                // A record may go if no earlier unsettled record has its key.
-                let mut blocked: HashSet<KeyId> = HashSet::new();
-                let mut found = None;
-                for (i, e) in self.entries.iter().enumerate() {
-                    if matches!(e.status, Status::Settled) || blocked.contains(&e.key) {
-                        continue;
-                    }
-                    if due(&e.status) {
-                        found = Some(i);
-                        break;
-                    }
-                    blocked.insert(e.key);
-                }
-                found
+                // A record may go if no earlier unsettled record has its key: the heads.
+                let offset = if self.heads.first().is_some_and(|&o| self.due_at(o, now)) {
+                    self.heads.pop_first()?
+                } else {
+                    // Some head waits for its due time (a retry copy): the first one due.
+                    let o = self.heads.iter().copied().find(|&o| self.due_at(o, now))?;
+                    self.heads.remove(&o);
+                    o
+                };
+                self.index_of(offset)?
             }
-        }?;
+        };
         let e = &mut self.entries[index];
+        // Under partition order the record may be a head too; it is not waiting any more.
+        self.heads.remove(&e.offset);
         e.status = Status::InFlight;
         Some((e.offset, &e.item))
     }
 
-    fn find(&mut self, offset: i64) -> Option<&mut Entry<T>> {
-        let i = self
-            .entries
+    fn due_at(&self, offset: i64, now: Instant) -> bool {
+        self.index_of(offset)
+            .is_some_and(|i| is_due(&self.entries[i].status, now))
+    }
+
+    fn index_of(&self, offset: i64) -> Option<usize> {
+        self.entries
             .binary_search_by_key(&offset, |e| e.offset)
-            .ok()?;
+            .ok()
+    }
+
+    fn find(&mut self, offset: i64) -> Option<&mut Entry<T>> {
+        let i = self.index_of(offset)?;
         self.entries.get_mut(i)
     }
 
     /// Marks an in-flight record settled. Returns whether the commit point moved.
     pub(crate) fn settle(&mut self, offset: i64) -> bool {
-        match self.find(offset) {
-            Some(e) if matches!(e.status, Status::InFlight) => e.status = Status::Settled,
+        let key = match self.find(offset) {
+            Some(e) if matches!(e.status, Status::InFlight) => {
+                e.status = Status::Settled;
+                e.key
+            }
             _ => return false,
+        };
+        self.release_key(key, offset);
+        self.pop_settled()
+    }
+
+    /// The record at `offset` of `key` settled: the key's next unsettled record, if waiting,
+    /// may go.
+    fn release_key(&mut self, key: KeyId, offset: i64) {
+        let MapEntry::Occupied(mut queue) = self.keys.entry(key) else {
+            return;
+        };
+        let was_first = queue.get().front() == Some(&offset);
+        if let Some(i) = queue.get().iter().position(|&o| o == offset) {
+            queue.get_mut().remove(i);
         }
+        let next = queue.get().front().copied();
+        if queue.get().is_empty() {
+            queue.remove();
+        }
+        if let Some(next) = next.filter(|_| was_first) {
+            if self
+                .index_of(next)
+                .is_some_and(|i| matches!(self.entries[i].status, Status::Waiting { .. }))
+            {
+                self.heads.insert(next);
+            }
+        }
+    }
+
+    /// Pops settled records off the front. Returns whether any was popped.
+    fn pop_settled(&mut self) -> bool {
         let before = self.entries.len();
         while self
             .entries
@@ -148,10 +212,13 @@ impl<T> PartitionTracker<T> {
     /// Puts an in-flight record back in its place, to be handed out again not before
     /// `not_before` (a blocking retry). Returns the item to update, e.g. its attempt.
     pub(crate) fn defer(&mut self, offset: i64, not_before: Instant) -> Option<&mut T> {
-        let e = self.find(offset)?;
-        if !matches!(e.status, Status::InFlight) {
+        let i = self.index_of(offset)?;
+        if !matches!(self.entries[i].status, Status::InFlight) {
             return None;
         }
+        // An in-flight record is the first unsettled one of its key, so it is a head again.
+        self.heads.insert(offset);
+        let e = &mut self.entries[i];
         e.status = Status::Waiting {
             not_before: Some(not_before),
         };
@@ -208,9 +275,10 @@ impl<T> PartitionTracker<T> {
         }
     }
 
-    /// Whether some waiting record is due (it may be handed out unless order holds it).
+    /// Whether some waiting record is due and not held back by an earlier record of its key
+    /// (it may be handed out unless partition order holds it).
     pub(crate) fn has_due_waiting(&self, now: Instant) -> bool {
-        self.entries.iter().any(|e| is_due(&e.status, now))
+        self.heads.iter().any(|&o| self.due_at(o, now))
     }
 }
 
@@ -326,5 +394,111 @@ mod tests {
         assert_eq!(t.in_flight(), 0);
         assert_eq!(t.commit_point(), Some(5));
         assert_eq!(take(&mut t, ProcessingOrder::Partition), None);
+    }
+
+    /// The rule `take_next` implements, by brute force: under key order, the first waiting,
+    /// due record that no earlier unsettled record of its key holds back; under partition
+    /// order, the first unsettled record if it is waiting and due.
+    fn reference_next(
+        records: &[(i64, Option<u64>, &'static str, bool)],
+        order: ProcessingOrder,
+    ) -> Option<i64> {
+        let unsettled: Vec<_> = records.iter().filter(|r| r.2 != "settled").collect();
+        match order {
+            ProcessingOrder::Partition => unsettled
+                .first()
+                .filter(|r| r.2 == "waiting" && r.3)
+                .map(|r| r.0),
+            ProcessingOrder::Key => unsettled
+                .iter()
+                .enumerate()
+                .find(|(i, r)| {
+                    r.2 == "waiting" && r.3 && !unsettled[..*i].iter().any(|e| e.1 == r.1)
+                })
+                .map(|(_, r)| r.0),
+        }
+    }
+
+    #[test]
+    fn hands_out_what_the_ordering_rule_allows_under_random_operations() {
+        // A small deterministic generator (xorshift): the same sequence on every run.
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let now = Instant::now();
+        let later = now + Duration::from_secs(60);
+        for order in [ProcessingOrder::Key, ProcessingOrder::Partition] {
+            for _ in 0..200 {
+                let mut t = PartitionTracker::default();
+                // offset, key, status, due (the model of the tracker's records).
+                let mut model: Vec<(i64, Option<u64>, &'static str, bool)> = Vec::new();
+                let mut offset = 0;
+                for _ in 0..300 {
+                    match next(10) {
+                        0..=3 => {
+                            offset += 1 + i64::from(next(3) == 0);
+                            let key = (next(5) != 0).then(|| next(6));
+                            assert!(t.push(offset, key, None, offset));
+                            model.push((offset, key, "waiting", true));
+                        }
+                        4..=6 => {
+                            let expect = reference_next(&model, order);
+                            let got = t.take_next(order, now).map(|(o, _)| o);
+                            assert_eq!(got, expect, "{order:?} after {model:?}");
+                            if let Some(r) = model.iter_mut().find(|r| Some(r.0) == got) {
+                                r.2 = "in flight";
+                            }
+                        }
+                        _ => {
+                            let in_flight: Vec<i64> = model
+                                .iter()
+                                .filter(|r| r.2 == "in flight")
+                                .map(|r| r.0)
+                                .collect();
+                            if in_flight.is_empty() {
+                                continue;
+                            }
+                            let o = in_flight
+                                [usize::try_from(next(in_flight.len() as u64)).unwrap_or_default()];
+                            let r = model.iter_mut().find(|r| r.0 == o).expect("in model");
+                            match next(8) {
+                                0 => {
+                                    t.defer(o, later).expect("in flight");
+                                    (r.2, r.3) = ("waiting", false);
+                                }
+                                1 => {
+                                    t.abandon(o);
+                                    r.2 = "abandoned";
+                                }
+                                _ => {
+                                    t.settle(o);
+                                    r.2 = "settled";
+                                }
+                            }
+                        }
+                    }
+                    let first_unsettled = model.iter().find(|r| r.2 != "settled").map(|r| r.0);
+                    let fetched = (!model.is_empty()).then_some(offset + 1);
+                    assert_eq!(t.commit_point(), first_unsettled.or(fetched));
+                }
+                // Past the due time every deferred record may go again.
+                for r in model.iter_mut() {
+                    r.3 = true;
+                }
+                while let Some(expect) = reference_next(&model, order) {
+                    let got = t.take_next(order, later).map(|(o, _)| o);
+                    assert_eq!(got, Some(expect), "{order:?} after {model:?}");
+                    assert!(!t.settle(expect) || t.commit_point() > Some(expect));
+                    if let Some(r) = model.iter_mut().find(|r| r.0 == expect) {
+                        r.2 = "settled";
+                    }
+                }
+                assert_eq!(t.take_next(order, later).map(|(o, _)| o), None);
+            }
+        }
     }
 }
