@@ -25,12 +25,14 @@
 //!   client (`amqp: raw ack each` acks every delivery alone, which prices per-delivery acks
 //!   against `amqp: raw consume+ack`'s `multiple` ack every 64).
 //!
-//! It prints msgs/s, this process's CPU time per message, the CPU time of the local
-//! PostgreSQL server processes per message (all of them, so other load on the same server
-//! counts too), p50/p99 publish-to-ack latency and the ratios, each the median over the
-//! repetitions.
+//! It prints msgs/s, this process's CPU time per message (`CPU µs`), the CPU time of the
+//! local PostgreSQL server processes (`PG µs`) and broker processes (`broker`: RabbitMQ's
+//! `beam.smp`, tansu) per message (all such processes, so other load on the same servers
+//! counts too), `all/slot`: the three together over the CPU time the machine's cores had
+//! per message at that rate (near 1, the arm is bound by the cores), p50/p99
+//! delivery-to-ack latency and the ratios, each the median over the repetitions.
 //!
-//! Options: `--messages N --reps N --size BYTES --batch N --concurrency N`; `--arms a,b` runs
+//! Options: `--messages N --reps N --size BYTES --batch N --concurrency N --prefetch N`; `--arms a,b` runs
 //! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`,
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
@@ -145,11 +147,14 @@ impl Options {
                 "--size" => o.size = n,
                 "--batch" => o.batch = n,
                 "--concurrency" => o.concurrency = n,
+                "--prefetch" => {
+                    o.prefetch = u16::try_from(n).context("--prefetch: at most 65535")?;
+                }
                 "--rss-every-ms" => o.rss_every_ms = n as u64,
                 "--latency" => RECORD_LATENCY.store(n != 0, std::sync::atomic::Ordering::Relaxed),
                 _ => bail!(
                     "unknown flag {flag}; valid: --messages --reps --size --batch --concurrency \
-                     --arms NAME[,NAME...] (substrings of arm names) --rss-every-ms MS \
+                     --prefetch --arms NAME[,NAME...] (substrings of arm names) --rss-every-ms MS \
                      --latency 0|1"
                 ),
             }
@@ -169,6 +174,8 @@ struct Figures {
     /// CPU time of the PostgreSQL server processes per message (all of them: backends,
     /// WAL writer, checkpointer), if readable.
     server_us_per_msg: f64,
+    /// CPU time of the broker processes (RabbitMQ's `beam.smp`, tansu) per message.
+    broker_us_per_msg: f64,
     measured_latency: bool,
 }
 
@@ -194,6 +201,8 @@ impl Rss {
         // Every arm calls this just before its clock starts: the server CPU baseline too.
         let us = u64::try_from(server_cpu_time().as_micros()).unwrap_or(u64::MAX);
         SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
+        let us = u64::try_from(broker_cpu_time().as_micros()).unwrap_or(u64::MAX);
+        BROKER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
         Rss {
             start_kib: Self::now_kib(),
         }
@@ -217,6 +226,17 @@ fn cpu_time() -> Duration {
 /// User + system CPU time of every `postgres` process on this machine (the benchmark's
 /// database is local), from /proc; zero where not readable.
 fn server_cpu_time() -> Duration {
+    processes_cpu_time(&["postgres"])
+}
+
+/// The same for the brokers (RabbitMQ runs in `beam.smp`; tansu): every such process on
+/// this machine, so another broker node running beside the bench is counted too.
+fn broker_cpu_time() -> Duration {
+    processes_cpu_time(&["beam.smp", "tansu"])
+}
+
+/// User + system CPU time of every process whose command name is one of `names`.
+fn processes_cpu_time(names: &[&str]) -> Duration {
     let mut ticks = 0u64;
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for entry in dir.flatten() {
@@ -226,7 +246,10 @@ fn server_cpu_time() -> Duration {
             let Some((head, tail)) = stat.rsplit_once(')') else {
                 continue;
             };
-            if !head.ends_with("(postgres") {
+            let Some((_, comm)) = head.rsplit_once('(') else {
+                continue;
+            };
+            if !names.contains(&comm) {
                 continue;
             }
             let f: Vec<&str> = tail.split_whitespace().collect();
@@ -243,6 +266,18 @@ static RECORD_LATENCY: std::sync::atomic::AtomicBool = std::sync::atomic::Atomic
 
 /// The server CPU time when the running arm's clock started, in microseconds.
 static SERVER_CPU0_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The broker CPU time when the running arm's clock started, in microseconds.
+static BROKER_CPU0_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// CPU time per message of a process group since `start_us` (a `*_CPU0_US` value).
+fn since_per_msg(now: Duration, start_us: &std::sync::atomic::AtomicU64, n: usize) -> f64 {
+    now.saturating_sub(Duration::from_micros(
+        start_us.load(std::sync::atomic::Ordering::Relaxed),
+    ))
+    .as_secs_f64()
+        * 1e6
+        / n as f64
+}
 
 /// Records delivery-to-ack latency around any acknowledger, and calls `on_settled`.
 struct Timed<F> {
@@ -302,13 +337,8 @@ fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: 
         p50_ms: pct(0.50),
         p99_ms: pct(0.99),
         rss_mib: Rss::now_kib().saturating_sub(rss.start_kib) as f64 / 1024.0,
-        server_us_per_msg: server_cpu_time()
-            .saturating_sub(Duration::from_micros(
-                SERVER_CPU0_US.load(std::sync::atomic::Ordering::Relaxed),
-            ))
-            .as_secs_f64()
-            * 1e6
-            / n as f64,
+        server_us_per_msg: since_per_msg(server_cpu_time(), &SERVER_CPU0_US, n),
+        broker_us_per_msg: since_per_msg(broker_cpu_time(), &BROKER_CPU0_US, n),
         measured_latency: !latencies.is_empty(),
     }
 }
@@ -647,9 +677,10 @@ async fn main() -> anyhow::Result<()> {
         o.messages, o.size, o.reps, o.concurrency, o.batch
     );
     println!(
-        "{:<26} {:>10} {:>12} {:>12} {:>9} {:>9} {:>9}",
-        "arm", "msgs/s", "CPU µs/msg", "PG µs/msg", "p50 ms", "p99 ms", "ΔRSS MiB"
+        "{:<30} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>7} {:>8}",
+        "arm", "msgs/s", "CPU µs", "PG µs", "broker", "all/slot", "p50 ms", "p99 ms", "ΔRSS MiB"
     );
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let mut rate = BTreeMap::new();
     for &arm in &arms {
         let f = &results[arm];
@@ -664,12 +695,22 @@ async fn main() -> anyhow::Result<()> {
                 "-".to_owned()
             }
         };
-        println!(
-            "{:<26} {:>10.0} {:>12.1} {:>12.1} {:>9} {:>9} {:>9.1}",
-            arm,
-            r,
+        let (cpu, pg, broker) = (
             m(|f| f.cpu_us_per_msg),
             m(|f| f.server_us_per_msg),
+            m(|f| f.broker_us_per_msg),
+        );
+        // The CPU all three spent per message over the CPU the machine had per message at
+        // this rate: near 1.00, the arm is bound by the machine's cores, not by waiting.
+        let slot = cores as f64 * 1e6 / r;
+        println!(
+            "{:<30} {:>9.0} {:>8.1} {:>8.1} {:>8.1} {:>9.2} {:>7} {:>7} {:>8.1}",
+            arm,
+            r,
+            cpu,
+            pg,
+            broker,
+            (cpu + pg + broker) / slot,
             lat(m(|f| f.p50_ms)),
             lat(m(|f| f.p99_ms)),
             m(|f| f.rss_mib),
