@@ -1,9 +1,17 @@
 //! The inbox: durable memory of which (handler, key) pairs were processed.
 //!
 //! One row per (handler, key) holds the payload hash, status (`pending`, `completed`,
-//! `dead`), attempts, first seen, completed at, expires at and the last error. The runtime
-//! uses it in two steps per delivery, both under a per-key lock (an in-process mutex, plus a
-//! PostgreSQL session advisory lock so workers in other processes wait too):
+//! `dead`), attempts, first seen, completed at, expires at and the last error.
+//!
+//! A fresh delivery (see [`Delivery::fresh`](crate::Delivery::fresh)) takes one step, under
+//! the in-process key lock: [`Backend::claim_fresh`] inserts the key as completed in the
+//! handler's transaction, unless it has a row (a concurrent insert of the same key waits on
+//! the primary key for this transaction); the commit makes the handler's writes and the
+//! completion durable together. If the key has a row, the delivery takes the counted path.
+//!
+//! The counted path (every other delivery) takes two steps, both under a per-key lock (an
+//! in-process mutex, plus a PostgreSQL session advisory lock so workers in other processes
+//! wait too):
 //!
 //! 1. [`Backend::begin_attempt`] counts the attempt in its own small transaction and commits it
 //!    *before* the handler runs, so an attempt that kills the process is still counted.
