@@ -75,8 +75,7 @@ pub enum QueueType {
     #[default]
     Classic,
     /// A quorum queue: replicated (Raft), the recommended type for durable work queues on a
-    /// cluster. Needs RabbitMQ 3.10 or newer here (message TTL and at-least-once
-    /// dead-lettering, which the retry queues use).
+    /// cluster. (The retry queues are quorum queues with either choice; see the crate docs.)
     Quorum,
 }
 
@@ -152,8 +151,9 @@ impl FromStr for ExchangeType {
 /// The topology declared from it (all durable, re-declared after every reconnect):
 ///
 /// - the work queue `queue`, of type `queue_type`;
-/// - `<queue>.retry.<ms>` for each of `retry_delays`: TTL `<ms>`, dead-lettering back to the
-///   work queue through the default exchange;
+/// - `<queue>.retry.<ms>` for each of `retry_delays`: a quorum queue (whatever
+///   `queue_type` is) with TTL `<ms>`, dead-lettering back to the work queue through the
+///   default exchange, at least once;
 /// - the dead-letter queue (`dead_letter_queue`, default `<queue>.dlq`);
 /// - when `exchange` is set: that exchange (unless it is a predeclared `amq.*` one) and one
 ///   binding of the work queue per entry of `binding_keys` (default: the queue's name).
@@ -163,7 +163,8 @@ pub struct AmqpConfig {
     pub url: RedactedUrl,
     /// The work queue.
     pub queue: String,
-    /// Classic (default) or quorum; applies to the work, retry and dead-letter queues.
+    /// Classic (default) or quorum; applies to the work and dead-letter queues (the retry
+    /// queues are always quorum queues: see the crate docs).
     pub queue_type: QueueType,
     /// An exchange to bind the queue to; empty (the default) publishes through the default
     /// exchange, where the routing key is the queue's name.

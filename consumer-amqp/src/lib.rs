@@ -64,8 +64,12 @@
 //! longest). Rounding up keeps the backoff's promise ("not before"), and a fixed set means
 //! every queue is declared at startup and after every reconnect, so there is no lazily
 //! declared queue to race with, and a copy is never published to a queue that does not
-//! exist yet. Choose buckets that match your handlers' backoff. Quorum retry queues use
-//! at-least-once dead-lettering, so a retry copy is not lost between the two queues.
+//! exist yet. Choose buckets that match your handlers' backoff. The retry queues are quorum
+//! queues whatever [`AmqpConfig::queue_type`] says, with at-least-once dead-lettering, so a
+//! retry copy is not lost between the two queues: a classic queue moves an expired message
+//! at most once, and a broker stopping at that moment drops it after its original was acked
+//! (the chaos suite caught that with classic retry queues). This needs RabbitMQ 3.10 or
+//! newer, even with classic work queues.
 //!
 //! # Message identity
 //!

@@ -75,19 +75,20 @@ impl Topology {
         declare_queue(channel, &self.dead_letter_queue, durable, args).await?;
 
         for bucket in &self.retry {
-            let mut args = self.base_arguments();
+            // Always a quorum queue, whatever the work queue's type: only a quorum queue
+            // dead-letters at least once. A classic queue moves an expired retry copy back
+            // at most once, so a broker stopping at that moment drops the copy after its
+            // original was acked (the chaos suite lost a job that way, seed 502).
+            let mut args = FieldTable::default();
+            args.insert("x-queue-type".into(), string("quorum"));
             args.insert(
                 "x-message-ttl".into(),
                 AMQPValue::LongLongInt(bucket.delay.as_millis() as i64),
             );
             args.insert("x-dead-letter-exchange".into(), string(""));
             args.insert("x-dead-letter-routing-key".into(), string(&self.queue));
-            if self.queue_type == QueueType::Quorum {
-                // Without this a quorum queue dead-letters at most once: a crash during the
-                // move back could drop the retry copy after its original was acked.
-                args.insert("x-dead-letter-strategy".into(), string("at-least-once"));
-                args.insert("x-overflow".into(), string("reject-publish"));
-            }
+            args.insert("x-dead-letter-strategy".into(), string("at-least-once"));
+            args.insert("x-overflow".into(), string("reject-publish"));
             declare_queue(channel, &bucket.queue, durable, args).await?;
         }
 
