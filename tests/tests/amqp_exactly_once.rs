@@ -41,7 +41,7 @@ async fn thousand_jobs(batch: Option<BatchConfig>) {
     invoice_config.exchange = exchange.clone();
     invoice_config.exchange_type = ExchangeType::Fanout;
     // Both queue types: the invoices on a classic queue, the emails (which retry until
-    // their invoice exists) on a quorum queue with quorum retry queues.
+    // their invoice exists) on a quorum queue (retry queues are quorum queues for both).
     invoice_config.queue_type = QueueType::Classic;
     invoice_config.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     let mut email_config = invoice_config.clone();
