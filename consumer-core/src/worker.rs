@@ -497,16 +497,18 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             let mut later = Vec::new();
             let mut seen = std::collections::HashSet::new();
             for incoming in batch {
-                Stats::bump(&stats.received);
                 match self.prepare(&incoming.delivery) {
-                    Err((settlement, outcome)) => settled.push((incoming.acker, settlement, outcome)),
-                    // A key twice in one batch: the second copy runs after the batch commits,
-                    // and is then recognised as a duplicate.
-                    Ok(p) if !seen.insert(p.key.clone()) => {
-                        later.push(incoming);
-                        stats.received.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    Err((settlement, outcome)) => {
+                        Stats::bump(&stats.received);
+                        settled.push((incoming.acker, settlement, outcome));
                     }
-                    Ok(p) => runnable.push((incoming.delivery, incoming.acker, p)),
+                    // A key twice in one batch: the second copy runs (and is counted as
+                    // received) after the batch commits, and is then seen as a duplicate.
+                    Ok(p) if !seen.insert(p.key.clone()) => later.push(incoming),
+                    Ok(p) => {
+                        Stats::bump(&stats.received);
+                        runnable.push((incoming.delivery, incoming.acker, p));
+                    }
                 }
             }
             let batch_keys: Vec<String> = runnable.iter().map(|(_, _, p)| p.key.clone()).collect();
@@ -1346,16 +1348,19 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 Err(e) => tracing::warn!(error = %e, "batch commit failed"),
             }
             for (delivery, acker, key, _) in members {
-                let ran = match &committed {
-                    Ok(()) => Ok(None),
-                    Err(e) => Ok(Some(HandlerError::transient(format!(
-                        "batch commit failed: {e}"
-                    )))),
+                let (settlement, outcome) = match &committed {
+                    Ok(()) => (Settlement::Ack, Outcome::Completed),
+                    Err(e) => {
+                        let failure = HandlerError::transient(format!("batch commit failed: {e}"));
+                        // The hash claimed with the key (a commit failure is rare).
+                        let hash = items
+                            .iter()
+                            .find(|(k, _)| *k == key)
+                            .map_or("", |(_, h)| h.as_str());
+                        self.fresh_outcome(&mut *conn, &delivery, &key, hash, Ok(Some(failure)))
+                            .await
+                    }
                 };
-                let hash = self.prepare(&delivery).map(|p| p.hash).unwrap_or_default();
-                let (settlement, outcome) = self
-                    .fresh_outcome(&mut *conn, &delivery, &key, &hash, ran)
-                    .await;
                 settled.push((acker, settlement, outcome));
             }
             return Ok(());
