@@ -52,19 +52,49 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// How long a worker keeps trying to reach PostgreSQL at startup (a database restarting
+/// while the worker starts is not a reason to exit).
+const DB_STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A pool whose connections use `settings.schema`, sized for `settings.concurrency` (each
-/// delivery holds one connection; the email provider stand-in takes its own).
+/// delivery holds one connection; the email provider stand-in takes its own). A database
+/// that cannot be reached yet (refused, reset, starting up) is retried with backoff for up
+/// to a minute, as the brokers are; a bad URL or a refused login fails at once.
 pub async fn connect_db(settings: &Settings) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(settings.database_url.expose())
         .context("DATABASE_URL is not a valid PostgreSQL URL")?
         .options([("search_path", settings.schema.as_str())]);
     let size = u32::try_from(settings.concurrency * 2 + 2).unwrap_or(u32::MAX);
-    PgPoolOptions::new()
-        .max_connections(size)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(options)
-        .await
-        .with_context(|| format!("connecting to {}", settings.database_url))
+    let deadline = tokio::time::Instant::now() + DB_STARTUP_TIMEOUT;
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let connected = PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options.clone())
+            .await;
+        match connected {
+            Ok(pool) => return Ok(pool),
+            Err(e) if not_reachable_yet(&e) && tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!(url = %settings.database_url, error = %e, retry_in = ?delay, "database not reachable yet");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("connecting to {}", settings.database_url))
+            }
+        }
+    }
+}
+
+/// A connection error that may go away by itself: the server is down, restarting or
+/// starting up (SQLSTATE 57P03), or the pool timed out waiting for it.
+fn not_reachable_yet(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => db.code().as_deref() == Some("57P03"),
+        _ => false,
+    }
 }
 
 /// Runs `handler` on the queue from the settings (`default_queue` unless `QUEUE` is set)
