@@ -394,6 +394,15 @@ fn worker_binaries(build: bool) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// Inbox keys with an attempt counted and no outcome yet; `None` if the database cannot say
+/// right now.
+async fn pending_keys(pool: &PgPool) -> Option<i64> {
+    sqlx::query_scalar("SELECT count(*) FROM consumer_inbox WHERE status = 'pending'")
+        .fetch_one(pool)
+        .await
+        .ok()
+}
+
 async fn connect_db(schema: &str) -> anyhow::Result<PgPool> {
     let url = std::env::var("DATABASE_URL")
         .context("DATABASE_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
@@ -640,8 +649,14 @@ async fn run() -> anyhow::Result<bool> {
         next_check = now + Duration::from_secs(1);
         let quiet =
             restarting.is_none() && broker_restart_at.is_empty() && db_restart_at.is_empty();
+        // Drained: the queues are empty (RabbitMQ's counts of quorum queues can lag a few
+        // seconds, so a retry copy just confirmed into one may not show yet) and no key in
+        // the inbox is pending, i.e. none has an attempt counted without an outcome: every
+        // key ends completed or dead in a run that loses nothing. The broken build loses
+        // deliveries with keys left pending, so it drains on the queues alone.
+        let settled = args.broken || pending_keys(&pool).await == Some(0);
         match broker.backlog().await {
-            Some(0) if quiet => empty_checks += 1,
+            Some(0) if quiet && settled => empty_checks += 1,
             _ => empty_checks = 0,
         }
         if empty_checks >= 3 {
