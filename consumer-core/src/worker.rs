@@ -568,17 +568,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
         let keys: Vec<String> = runnable.iter().map(|(_, _, p)| p.key.clone()).collect();
-        let on_db_error =
-            |e: sqlx::Error, runnable: Vec<Pending<H::Message>>, settled: &mut Vec<_>| {
-                for (delivery, acker, _) in runnable {
-                    let (settlement, outcome) = self.retry_after_db_error(&delivery, &e);
-                    settled.push((acker, settlement, outcome));
-                }
-            };
         let mut lease = match self.inner.inbox.lease_many(&s.name, &keys).await {
             Ok(l) => l,
             Err(e) => {
-                on_db_error(e, runnable, settled);
+                self.retry_all_after_db_error(&e, runnable, settled);
                 return Ok(());
             }
         };
@@ -600,7 +593,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Ok(c) => c,
             Err(e) => {
                 lease.release().await;
-                on_db_error(e, runnable, settled);
+                self.retry_all_after_db_error(&e, runnable, settled);
                 return Ok(());
             }
         };
@@ -631,7 +624,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Ok(ran) => ran,
             Err((e, not_run)) => {
                 lease.release().await;
-                on_db_error(e, not_run, settled);
+                self.retry_all_after_db_error(&e, not_run, settled);
                 return Ok(());
             }
         };
@@ -859,6 +852,19 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 
     /// A retry when the inbox itself failed: the handler did not run, so no attempt is
     /// counted; the broker's attempt number paces the backoff.
+    /// [`Worker::retry_after_db_error`] for every member of a batch that could not run.
+    fn retry_all_after_db_error(
+        &self,
+        e: &sqlx::Error,
+        pending: Vec<Pending<H::Message>>,
+        settled: &mut Vec<Settled>,
+    ) {
+        for (delivery, acker, _) in pending {
+            let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
+            settled.push((acker, settlement, outcome));
+        }
+    }
+
     fn retry_after_db_error(&self, delivery: &Delivery, e: &sqlx::Error) -> (Settlement, Outcome) {
         Stats::bump(&self.inner.stats.db_errors);
         tracing::error!(error = %e, "inbox unavailable; delivery will be retried");
@@ -1267,18 +1273,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         unclaimed: &mut Vec<Pending<H::Message>>,
     ) -> Result<(), Crash> {
         let s = &self.inner.settings;
-        let on_db_error =
-            |e: &sqlx::Error, pending: Vec<Pending<H::Message>>, settled: &mut Vec<Settled>| {
-                for (delivery, acker, _) in pending {
-                    let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
-                    settled.push((acker, settlement, outcome));
-                }
-            };
         let keys: Vec<&str> = fresh.iter().map(|(_, _, p)| p.key.as_str()).collect();
         let mut lease = match self.inner.inbox.lease_many(&s.name, &keys).await {
             Ok(l) => l,
             Err(e) => {
-                on_db_error(&e, fresh, settled);
+                self.retry_all_after_db_error(&e, fresh, settled);
                 return Ok(());
             }
         };
@@ -1299,13 +1298,6 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     ) -> Result<(), Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
-        let on_db_error =
-            |e: &sqlx::Error, pending: Vec<Pending<H::Message>>, settled: &mut Vec<Settled>| {
-                for (delivery, acker, _) in pending {
-                    let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
-                    settled.push((acker, settlement, outcome));
-                }
-            };
         let items: Vec<(String, String)> = fresh
             .iter()
             .map(|(_, _, p)| (p.key.clone(), p.hash.clone()))
@@ -1313,7 +1305,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let mut tx = match DB::begin_handler(&mut *conn).await {
             Ok(tx) => tx,
             Err(e) => {
-                on_db_error(&e, fresh, settled);
+                self.retry_all_after_db_error(&e, fresh, settled);
                 return Ok(());
             }
         };
@@ -1324,7 +1316,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 .collect::<std::collections::HashSet<_>>(),
             Err(e) => {
                 drop(tx);
-                on_db_error(&e, fresh, settled);
+                self.retry_all_after_db_error(&e, fresh, settled);
                 return Ok(());
             }
         };
