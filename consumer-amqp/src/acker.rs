@@ -47,6 +47,7 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
         // RabbitMQ flags a delivery redelivered if any consumer may have had it before
         // (requeued, or recovered after a broker restart); a retry copy carries its attempt.
         fresh: !redelivered && attempt == 1,
+        position: None,
         source: Source {
             transport: "amqp",
             location: format!(

@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -51,15 +52,42 @@ pub struct Delivery {
     /// The transport guarantees that no consumer was handed this message before (RabbitMQ:
     /// not flagged redelivered and no retry attempt header). `false` when it cannot tell,
     /// as on Kafka, where a record past the committed offset may have been processed by a
-    /// member that then died.
+    /// member that then died; such a transport gives the record's [`Delivery::position`]
+    /// instead, and the runtime proves it fresh with a mark in the database.
     ///
     /// A fresh delivery cannot be the repeat of an attempt that crashed, so the runtime does
     /// not count its attempt ahead of the handler: it claims the key in the handler's
     /// transaction (as a hand-written consumer would), one statement and one row version
-    /// cheaper. A redelivery takes the counted path.
+    /// cheaper. A redelivery takes the counted path. `false` is always safe.
     pub fresh: bool,
+    /// The record's place in a log (a Kafka partition), if it comes from one. A first
+    /// delivery (`attempt` 1, not `redelivered`) with a position is fresh when its offset is
+    /// at or past the highest offset this handler was ever handed in that log: the runtime
+    /// keeps that high-water mark in the inbox database, moved ahead (durably, in steps) before
+    /// a record past it runs. See [`LogPosition`].
+    pub position: Option<LogPosition>,
     /// Where it came from.
     pub source: Source,
+}
+
+/// Where a record sits in a log whose records keep their offsets across redeliveries (a
+/// Kafka partition as one consumer group reads it).
+///
+/// The runtime keeps, per handler and [`LogPosition::log`], the highest offset it may ever
+/// have handed out (plus a step), and moves it ahead in the database before it runs a record
+/// past it. A record at or past the mark read when its `epoch` began was never run before,
+/// so a crash while it runs cannot be one of a crash loop: it takes the fresh path (see
+/// [`Delivery::fresh`]). Anything below takes the counted path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogPosition {
+    /// Names the log and its reader, e.g. `group/topic/partition`: two consumer groups
+    /// reading one topic are two logs.
+    pub log: Arc<str>,
+    /// Changes whenever this process's hold on the log may have lapsed (a new partition
+    /// assignment): what the runtime learnt of the log in an earlier epoch is not trusted.
+    pub epoch: u64,
+    /// The record's offset in the log.
+    pub offset: i64,
 }
 
 /// A delivery plus the means to settle it.

@@ -25,6 +25,7 @@ mod handler;
 mod ident;
 mod inbox;
 mod key;
+mod log_marks;
 pub mod memory;
 mod retry;
 mod stats;
@@ -32,7 +33,8 @@ mod worker;
 
 pub use consumer_macros::handler;
 pub use delivery::{
-    Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Settlement, Source, Transport,
+    Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Settlement,
+    Source, Transport,
 };
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};

@@ -230,6 +230,7 @@ fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
         redelivered: stored.redelivered,
         attempt: stored.attempt,
         fresh: !stored.redelivered && stored.attempt == 1,
+        position: None,
         source: Source {
             transport: "memory",
             location: queue.to_owned(),

@@ -20,6 +20,7 @@ use crate::fault::{FaultAction, FaultInjector, FaultPoint};
 use crate::handler::{BatchContext, BatchMember, ConflictPolicy, Context, Handler, HandlerOptions};
 use crate::inbox::{Backend, Claim, Inbox};
 use crate::key::{canonical_hash, KeyTemplate};
+use crate::log_marks::{Check, LogWindows};
 use crate::retry::{ExponentialBackoff, Jitter};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::{Error, ErrorKind, HandlerError};
@@ -223,6 +224,8 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     settings: Settings,
     config: WorkerConfig,
     stats: Arc<Stats>,
+    /// What this worker may run as fresh in the logs it reads (see [`Worker::is_fresh`]).
+    logs: tokio::sync::Mutex<LogWindows>,
 }
 
 /// A decoded message and its key.
@@ -299,6 +302,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 settings,
                 config,
                 stats: Arc::new(Stats::default()),
+                logs: tokio::sync::Mutex::new(LogWindows::default()),
             }),
         })
     }
@@ -442,7 +446,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 
     /// Processes and settles one delivery. `Err` is a simulated crash: nothing was settled.
     async fn process(&self, incoming: Incoming) -> Result<(), Crash> {
-        let Incoming { delivery, acker } = incoming;
+        let Incoming {
+            mut delivery,
+            acker,
+        } = incoming;
+        delivery.fresh = self.is_fresh(&delivery).await;
         let s = &self.inner.settings;
         let span = tracing::info_span!(
             "delivery",
@@ -507,7 +515,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     Ok(p) if !seen.insert(p.key.clone()) => later.push(incoming),
                     Ok(p) => {
                         Stats::bump(&stats.received);
-                        runnable.push((incoming.delivery, incoming.acker, p));
+                        let mut delivery = incoming.delivery;
+                        delivery.fresh = self.is_fresh(&delivery).await;
+                        runnable.push((delivery, incoming.acker, p));
                     }
                 }
             }
@@ -1091,6 +1101,40 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         }
     }
 
+    /// Whether `delivery` may take the fresh path: its transport says so, or it is a first
+    /// delivery from a log ([`Delivery::position`]) at or past the log's mark as this process
+    /// read it, the mark raised and committed past it first if need be (see
+    /// [`crate::LogPosition`]). If the mark cannot be raised, the delivery is counted.
+    async fn is_fresh(&self, delivery: &Delivery) -> bool {
+        if delivery.fresh {
+            return true;
+        }
+        let Some(pos) = &delivery.position else {
+            return false;
+        };
+        if delivery.redelivered || delivery.attempt != 1 {
+            return false;
+        }
+        let mut logs = self.inner.logs.lock().await;
+        let to = match logs.check(pos) {
+            Check::Fresh => return true,
+            Check::Counted => return false,
+            Check::Advance { to } => to,
+        };
+        let name = &self.inner.settings.name;
+        match self.inner.inbox.advance_log_mark(name, &pos.log, to).await {
+            Ok(before) => {
+                tracing::debug!(log = %pos.log, ?before, to, "log mark raised");
+                logs.advanced(pos, before, to);
+                logs.check(pos) == Check::Fresh
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, log = %pos.log, "raising the log mark failed; the delivery takes the counted path");
+                false
+            }
+        }
+    }
+
     /// Decides how to settle `delivery`, running the handler if the key is new. `key_out`
     /// receives the key once derived (for fault points).
     async fn decide(
@@ -1221,7 +1265,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         match result {
             Ok(()) => {
                 self.fault(FaultPoint::BeforeCommit, key)?;
-                Ok(Fresh::Ran(Ok(tx.commit().await.err().map(|e| {
+                let committed = tx.commit().await;
+                if committed.is_ok() {
+                    Stats::bump(&self.inner.stats.fresh_completed);
+                }
+                Ok(Fresh::Ran(Ok(committed.err().map(|e| {
                     HandlerError::transient(format!("commit failed: {e}"))
                 }))))
             }
@@ -1341,7 +1389,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             }
             for (delivery, acker, key, _) in members {
                 let (settlement, outcome) = match &committed {
-                    Ok(()) => (Settlement::Ack, Outcome::Completed),
+                    Ok(()) => {
+                        Stats::bump(&self.inner.stats.fresh_completed);
+                        (Settlement::Ack, Outcome::Completed)
+                    }
                     Err(e) => {
                         let failure = HandlerError::transient(format!("batch commit failed: {e}"));
                         // The hash claimed with the key (a commit failure is rare).

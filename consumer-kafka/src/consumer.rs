@@ -22,7 +22,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use consumer_core::{
-    Acknowledger, DeadLetter, Delivery, Incoming, Settlement, Source, TransportError,
+    Acknowledger, DeadLetter, Delivery, Incoming, LogPosition, Settlement, Source, TransportError,
 };
 use futures::future::BoxFuture;
 use futures::Stream;
@@ -84,6 +84,8 @@ struct Handout {
 
 struct Partition {
     generation: u64,
+    /// `group/topic/partition`: the log its deliveries' [`LogPosition`]s name.
+    log: Arc<str>,
     tracker: PartitionTracker<Handout>,
     revoking: bool,
     paused: bool,
@@ -269,8 +271,9 @@ impl Shared {
                 redelivered: false,
                 attempt,
                 // A record past the committed offset may have been processed by a member
-                // that then died: Kafka cannot say, so every attempt is counted.
+                // that then died: Kafka cannot say. Its position lets the runtime tell.
                 fresh: false,
+                position: None,
                 source: Source {
                     transport: "kafka",
                     location,
@@ -534,6 +537,12 @@ impl Shared {
                     tp,
                     Partition {
                         generation,
+                        log: Arc::from(format!(
+                            "{}/{}/{}",
+                            self.settings.group_id,
+                            e.topic(),
+                            e.partition()
+                        )),
                         tracker: PartitionTracker::default(),
                         revoking: false,
                         paused: false,
@@ -935,6 +944,11 @@ impl Stream for KafkaConsumer {
             let mut delivery = h.record.delivery.clone();
             delivery.attempt = h.attempt;
             delivery.redelivered = h.redelivered;
+            delivery.position = Some(LogPosition {
+                log: p.log.clone(),
+                epoch: p.generation,
+                offset: h.record.offset,
+            });
             if h.attempt > 1 {
                 delivery
                     .headers

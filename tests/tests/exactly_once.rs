@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,10 +18,11 @@ use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Backend, BatchConfig, BatchContext, Context, DeadLetterReason, EntryStatus, Error,
-    FlagGuard, Handler, HandlerError, Inbox, NoJitter, StatsSnapshot, Transition, Worker,
-    WorkerConfig,
+    FlagGuard, Handler, HandlerError, Inbox, LogPosition, NoJitter, StatsSnapshot, Transition,
+    Worker, WorkerConfig,
 };
 use futures::future::BoxFuture;
+use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::{Postgres, Sqlite};
@@ -323,6 +325,59 @@ async fn run_until_drained<DB: Backend, H: Handler<DB>>(
     .expect("worker did not drain the queue in time")
 }
 
+/// A log for [`run_log_until_drained`]: its name, and the offset of each message id.
+struct Log {
+    name: Arc<str>,
+    offsets: HashMap<String, i64>,
+}
+
+impl Log {
+    fn new(ids: &[&str]) -> Log {
+        Log {
+            name: Arc::from(common::unique("group/topic/0")),
+            offsets: ids
+                .iter()
+                .zip(0..)
+                .map(|(id, o)| (id.to_string(), o))
+                .collect(),
+        }
+    }
+}
+
+/// [`run_until_drained`], with the queue's deliveries made to look as a Kafka partition's
+/// records do: a position (epoch 1, the offset `log` gives the message id), never flagged
+/// redelivered (a log is read again after a crash, not redelivered), and no transport
+/// freshness. Only the log mark can make them fresh.
+async fn run_log_until_drained<DB: Backend, H: Handler<DB>>(
+    worker: &Worker<DB, H>,
+    broker: &MemoryBroker,
+    queue: &str,
+    log: &Log,
+) -> Result<(), Error> {
+    let name = log.name.clone();
+    let offsets = log.offsets.clone();
+    let records = broker.consume(queue).map(move |item| {
+        item.map(|mut incoming| {
+            let d = &mut incoming.delivery;
+            d.fresh = false;
+            d.redelivered = false;
+            d.position = d
+                .message_id
+                .as_ref()
+                .and_then(|id| offsets.get(id))
+                .map(|&offset| LogPosition {
+                    log: name.clone(),
+                    epoch: 1,
+                    offset,
+                });
+            incoming
+        })
+    });
+    tokio::time::timeout(DEADLINE, worker.run(records, broker.drained(queue)))
+        .await
+        .expect("worker did not drain the log in time")
+}
+
 fn sum(a: StatsSnapshot, b: StatsSnapshot) -> StatsSnapshot {
     StatsSnapshot {
         received: a.received + b.received,
@@ -501,6 +556,18 @@ async fn panicking_handler_is_dead_lettered_after_max_attempts<
 }
 
 async fn crash_loop_is_quarantined<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    crash_loop(h, None).await;
+}
+
+/// On a log, no delivery says it was handed out before: only the log mark, raised before the
+/// first run, makes the restarted worker count the crashed record's attempts.
+async fn crash_loop_over_a_log_is_quarantined<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    crash_loop(h, Some(Log::new(&["k"]))).await;
+}
+
+async fn crash_loop<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>, log: Option<Log>) {
     let broker = MemoryBroker::new();
     let queue = common::unique("q");
     broker.publish(&queue, msg("k", json!({"id": "k"})));
@@ -517,7 +584,10 @@ async fn crash_loop_is_quarantined<DB: Backend, H: Handler<DB> + Clone>(h: Harne
     loop {
         // Every restart is a new "process": new pool, new in-process state.
         let w = Worker::with_config((h.new_inbox)().await, h.handler.clone(), cfg.clone()).unwrap();
-        let r = run_until_drained(&w, &broker, &queue).await;
+        let r = match &log {
+            None => run_until_drained(&w, &broker, &queue).await,
+            Some(log) => run_log_until_drained(&w, &broker, &queue, log).await,
+        };
         runs += w.snapshot().handler_runs;
         match r {
             Err(Error::Crashed(_)) => crashes += 1,
@@ -538,6 +608,52 @@ async fn crash_loop_is_quarantined<DB: Backend, H: Handler<DB> + Clone>(h: Harne
     assert_eq!(dead[0].dead_letter.reason, DeadLetterReason::Quarantined);
     assert_eq!(dead[0].dead_letter.attempts, 3);
     assert_eq!((h.ledger)((h.new_inbox)().await, "k".into()).await, 0);
+}
+
+/// A log's records take the fresh path once the log mark is raised past them; a new
+/// process reading the log again does not trust what lies below the mark it finds.
+async fn log_records_are_proven_fresh<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let ids: Vec<String> = (0..12).map(|i| format!("l{i}")).collect();
+    let log = Log::new(&ids.iter().map(String::as_str).collect::<Vec<_>>());
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    for id in &ids[..10] {
+        broker.publish(&queue, msg(id, json!({ "id": id })));
+    }
+    let inbox = (h.new_inbox)().await;
+    let first = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    run_log_until_drained(&first, &broker, &queue, &log)
+        .await
+        .unwrap();
+    let s = first.snapshot();
+    assert_eq!((s.completed, s.fresh_completed), (10, 10), "{s:?}");
+    let mark = inbox.log_mark("record", &log.name).await.unwrap();
+    assert!(
+        mark.is_some_and(|m| m >= 10),
+        "raised past every record run: {mark:?}"
+    );
+    assert_eq!(inbox.log_mark("record", "another log").await.unwrap(), None);
+
+    // A second process reads the log again from offset 8 (its commit was lost), then reads
+    // a new record: both below the mark the first process left, so both are counted.
+    for id in &ids[8..11] {
+        broker.publish(&queue, msg(id, json!({ "id": id })));
+    }
+    let second = Worker::with_config((h.new_inbox)().await, h.handler.clone(), h.config()).unwrap();
+    run_log_until_drained(&second, &broker, &queue, &log)
+        .await
+        .unwrap();
+    let s = second.snapshot();
+    assert_eq!(
+        (s.duplicates, s.completed, s.fresh_completed),
+        (2, 1, 0),
+        "{s:?}"
+    );
+    let entry = inbox.entry("record", "l10").await.unwrap().unwrap();
+    assert_eq!((entry.status, entry.attempts), (EntryStatus::Completed, 1));
+    for id in &ids[..11] {
+        assert_eq!((h.ledger)(inbox.clone(), id.clone()).await, 1, "{id}");
+    }
 }
 
 async fn retries_then_succeeds<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
@@ -765,6 +881,16 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn crash_every_time_is_quarantined() {
                 crash_loop_is_quarantined($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn crash_every_time_on_a_log_is_quarantined() {
+                crash_loop_over_a_log_is_quarantined($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn log_records_run_fresh_below_the_mark_only_once() {
+                log_records_are_proven_fresh($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

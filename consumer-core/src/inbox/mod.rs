@@ -74,6 +74,8 @@ pub struct TableNames {
     pub(crate) inbox: String,
     /// `"schema"."table_migrations"`.
     pub(crate) migrations: String,
+    /// `"schema"."table_log_marks"` (see [`crate::LogPosition`]).
+    pub(crate) log_marks: String,
     /// `"table_expires_at"` (indexes live in the table's schema).
     pub(crate) expires_index: String,
     /// Distinguishes this inbox in lock ids.
@@ -100,6 +102,12 @@ pub struct Statements {
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
     pub(crate) count_fresh_failure: String,
+    /// Creates the (handler, log) mark row if missing, with no mark.
+    pub(crate) mark_insert: String,
+    /// Reads the mark (PostgreSQL: and locks the row to the end of the transaction).
+    pub(crate) mark_select: String,
+    /// Raises the mark to at least the bound value.
+    pub(crate) mark_update: String,
 }
 
 impl TableNames {
@@ -117,6 +125,7 @@ impl TableNames {
         Ok(TableNames {
             inbox: qualify(table.as_str()),
             migrations: qualify(&format!("{table}_migrations")),
+            log_marks: qualify(&format!("{table}_log_marks")),
             expires_index: format!("\"{table}_expires_at\""),
             lock_namespace: qualify(table.as_str()),
             schema,
@@ -127,6 +136,7 @@ impl TableNames {
     pub(crate) fn render(&self, template: &str) -> String {
         template
             .replace("{inbox}", &self.inbox)
+            .replace("{log_marks}", &self.log_marks)
             .replace("{expires_index}", &self.expires_index)
     }
 }
@@ -358,6 +368,26 @@ pub trait Backend: sqlx::Database + private::Sealed {
         payload_hash: &'a str,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
+    /// Raises the log mark of (`handler`, `log`) to at least `to` in its own transaction,
+    /// committed before it returns, and returns the mark before (`None`: never set). Two
+    /// callers on one mark are serialised, so each sees what the other left.
+    #[doc(hidden)]
+    fn advance_log_mark<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        log: &'a str,
+        to: i64,
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn log_mark<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        log: &'a str,
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>>;
+
     #[doc(hidden)]
     fn begin_handler(
         conn: &mut Self::Connection,
@@ -479,6 +509,22 @@ impl<DB: Backend> Inbox<DB> {
                 return Ok(total);
             }
         }
+    }
+
+    /// The log mark of (`handler`, `log`): at least the highest offset of that log the
+    /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
+    pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {
+        Ok(DB::log_mark(&self.pool, &self.names, handler, log).await?)
+    }
+
+    /// See [`Backend::advance_log_mark`].
+    pub(crate) async fn advance_log_mark(
+        &self,
+        handler: &str,
+        log: &str,
+        to: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        DB::advance_log_mark(&self.pool, &self.names, handler, log, to).await
     }
 
     pub(crate) fn names(&self) -> &TableNames {

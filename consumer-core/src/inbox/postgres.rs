@@ -9,7 +9,13 @@ use super::{Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
 use crate::guard::GuardValue;
 use crate::Error;
 
-const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../migrations/postgres/0001_inbox.sql"))];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("../../migrations/postgres/0001_inbox.sql")),
+    (
+        2,
+        include_str!("../../migrations/postgres/0002_log_marks.sql"),
+    ),
+];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.
 
@@ -82,6 +88,14 @@ const COUNT_FRESH_FAILURE: &str = "INSERT INTO {inbox} \
      (handler, key, payload_hash, status, attempts) VALUES ($1, $2, $3, 'pending', 1) \
      ON CONFLICT (handler, key) DO NOTHING";
 
+/// The log mark's statements (see `Backend::advance_log_mark`): the row is created first, so
+/// `FOR UPDATE` always has a row to lock and a second advance waits for the first.
+const MARK_INSERT: &str = "INSERT INTO {log_marks} (handler, log) VALUES ($1, $2) \
+     ON CONFLICT (handler, log) DO NOTHING";
+const MARK_SELECT: &str = "SELECT mark FROM {log_marks} WHERE handler = $1 AND log = $2 FOR UPDATE";
+const MARK_UPDATE: &str = "UPDATE {log_marks} SET mark = GREATEST(mark, $3), updated_at = now() \
+     WHERE handler = $1 AND log = $2";
+
 const PURGE_EXPIRED: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
      SELECT ctid FROM {inbox} WHERE status = 'completed' AND expires_at < now() LIMIT $1))";
 
@@ -115,6 +129,9 @@ impl Backend for Postgres {
             claim_fresh: names.render(CLAIM_FRESH),
             claim_fresh_many: names.render(CLAIM_FRESH_MANY),
             count_fresh_failure: names.render(COUNT_FRESH_FAILURE),
+            mark_insert: names.render(MARK_INSERT),
+            mark_select: names.render(MARK_SELECT),
+            mark_update: names.render(MARK_UPDATE),
         }
     }
 
@@ -362,6 +379,52 @@ impl Backend for Postgres {
         Box::pin(async move {
             let mut conn = pool.acquire().await?;
             fetch_entry(&mut conn, names, handler, key).await
+        })
+    }
+
+    fn advance_log_mark<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        log: &'a str,
+        to: i64,
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query(&names.sql.mark_insert)
+                .bind(handler)
+                .bind(log)
+                .execute(&mut *tx)
+                .await?;
+            let before: Option<i64> = sqlx::query_scalar(&names.sql.mark_select)
+                .bind(handler)
+                .bind(log)
+                .fetch_one(&mut *tx)
+                .await?;
+            sqlx::query(&names.sql.mark_update)
+                .bind(handler)
+                .bind(log)
+                .bind(to)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(before)
+        })
+    }
+
+    fn log_mark<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        log: &'a str,
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
+        Box::pin(async move {
+            let mark: Option<Option<i64>> = sqlx::query_scalar(&names.sql.mark_select)
+                .bind(handler)
+                .bind(log)
+                .fetch_optional(pool)
+                .await?;
+            Ok(mark.flatten())
         })
     }
 

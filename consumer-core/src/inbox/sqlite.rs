@@ -10,7 +10,13 @@ use super::{Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
 use crate::guard::GuardValue;
 use crate::Error;
 
-const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/sqlite/0001_inbox.sql"))];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, include_str!("../../migrations/sqlite/0001_inbox.sql")),
+    (
+        2,
+        include_str!("../../migrations/sqlite/0002_log_marks.sql"),
+    ),
+];
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -79,6 +85,18 @@ impl Backend for Sqlite {
                 "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \
                  updated_at) VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?4) \
                  ON CONFLICT (handler, key) DO NOTHING",
+            ),
+            mark_insert: names.render(
+                "INSERT INTO {log_marks} (handler, log, updated_at) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (handler, log) DO NOTHING",
+            ),
+            mark_select: names.render(
+                "SELECT mark FROM {log_marks} WHERE handler = ?1 AND log = ?2",
+            ),
+            // SQLite's max() is NULL if an argument is.
+            mark_update: names.render(
+                "UPDATE {log_marks} SET mark = max(coalesce(mark, ?3), ?3), updated_at = ?4 \
+                 WHERE handler = ?1 AND log = ?2",
             ),
             // Batches use the trait's per-key defaults; SQLite has no database locks.
             ..Statements::default()
@@ -229,6 +247,57 @@ impl Backend for Sqlite {
         Box::pin(async move {
             let mut conn = pool.acquire().await?;
             fetch_entry(&mut conn, names, handler, key).await
+        })
+    }
+
+    fn advance_log_mark<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        log: &'a str,
+        to: i64,
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            // IMMEDIATE: the write lock from the start, so the read sees the latest mark.
+            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+            let now = now_ms();
+            sqlx::query(&names.sql.mark_insert)
+                .bind(handler)
+                .bind(log)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            let before: Option<i64> = sqlx::query_scalar(&names.sql.mark_select)
+                .bind(handler)
+                .bind(log)
+                .fetch_one(&mut *tx)
+                .await?;
+            sqlx::query(&names.sql.mark_update)
+                .bind(handler)
+                .bind(log)
+                .bind(to)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(before)
+        })
+    }
+
+    fn log_mark<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        log: &'a str,
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
+        Box::pin(async move {
+            let mark: Option<Option<i64>> = sqlx::query_scalar(&names.sql.mark_select)
+                .bind(handler)
+                .bind(log)
+                .fetch_optional(pool)
+                .await?;
+            Ok(mark.flatten())
         })
     }
 

@@ -72,9 +72,10 @@ pub(crate) struct Job {
     /// Sleep this long inside the transaction.
     #[serde(default)]
     pub(crate) sleep_ms: u64,
-    /// Sleep this long on the first attempt only (a slow record a crash interrupts).
+    /// Sleep this long when the delivery is fresh, its first hand-out ever (a slow record a
+    /// crash interrupts: the next process finds it below the log mark, not fresh).
     #[serde(default)]
-    pub(crate) first_attempt_sleep_ms: u64,
+    pub(crate) fresh_sleep_ms: u64,
 }
 
 /// Records one effect per run in `effects`, in commit order (`seq`).
@@ -99,8 +100,8 @@ pub(crate) async fn kafka_record(
         )));
     }
     let sleep = job.sleep_ms
-        + if ctx.attempt() == 1 {
-            job.first_attempt_sleep_ms
+        + if ctx.delivery().fresh {
+            job.fresh_sleep_ms
         } else {
             0
         };
