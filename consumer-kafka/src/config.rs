@@ -198,9 +198,20 @@ pub struct KafkaConfig {
     pub commit: CommitMode,
     /// How often settled offsets are committed or stored (default 500ms).
     pub commit_interval: Duration,
-    /// Records buffered per partition before it is paused (default 500); it is resumed when
-    /// half of them have settled.
+    /// Records buffered per partition before it is paused (default 5,000); it is resumed
+    /// when the buffer is half empty again. The buffer holds the records between the
+    /// committed position and the fetch position: waiting, in flight, and settled behind a
+    /// record still in flight.
     pub max_buffered_per_partition: usize,
+    /// Bytes (payloads, keys and headers) buffered per partition before it is paused
+    /// (default 1 MiB), whichever of the two limits comes first; resumed at half. With the
+    /// record limit this bounds the consumer's memory for any message size.
+    ///
+    /// A paused partition drops what librdkafka prefetched for it, and its next fetch can
+    /// wait up to `fetch.wait.max.ms` behind a fetch already at the broker, so the buffer's
+    /// lower half must last that long at the handlers' rate: small buffers stall fast
+    /// handlers (BENCHMARKS.md measures it).
+    pub max_buffered_bytes_per_partition: usize,
     /// How long a revoke waits for in-flight records of the revoked partitions to settle
     /// (default 10s). Settlements arriving later are dropped; the new owner redelivers and
     /// the inbox deduplicates. The wait runs inside the poll, so it must stay under half of
@@ -232,7 +243,8 @@ impl KafkaConfig {
             offset_message_ids: false,
             commit: CommitMode::Manual,
             commit_interval: Duration::from_millis(500),
-            max_buffered_per_partition: 500,
+            max_buffered_per_partition: 5_000,
+            max_buffered_bytes_per_partition: 1 << 20,
             revoke_timeout: Duration::from_secs(10),
             produce_timeout: Duration::from_secs(30),
         }
@@ -258,6 +270,7 @@ impl KafkaConfig {
     /// | `KAFKA_COMMIT` = `manual` \| `auto-store` | `commit` |
     /// | `KAFKA_COMMIT_INTERVAL_MS`, `KAFKA_REVOKE_TIMEOUT_MS`, `KAFKA_PRODUCE_TIMEOUT_MS` | durations |
     /// | `KAFKA_MAX_BUFFERED_PER_PARTITION` | `max_buffered_per_partition` |
+    /// | `KAFKA_MAX_BUFFERED_BYTES_PER_PARTITION` | `max_buffered_bytes_per_partition` |
     /// | `KAFKA_PROPERTY_<NAME>` | `properties` |
     /// | `KAFKA_CONSUMER_PROPERTY_<NAME>` | `consumer_properties` |
     /// | `KAFKA_PRODUCER_PROPERTY_<NAME>` | `producer_properties` |
@@ -332,6 +345,11 @@ impl KafkaConfig {
                 "KAFKA_PRODUCE_TIMEOUT_MS" => c.produce_timeout = millis(name, value)?,
                 "KAFKA_MAX_BUFFERED_PER_PARTITION" => {
                     c.max_buffered_per_partition = value
+                        .parse()
+                        .map_err(|_| Error::config(name, "must be a whole number"))?
+                }
+                "KAFKA_MAX_BUFFERED_BYTES_PER_PARTITION" => {
+                    c.max_buffered_bytes_per_partition = value
                         .parse()
                         .map_err(|_| Error::config(name, "must be a whole number"))?
                 }
@@ -461,6 +479,12 @@ impl KafkaConfig {
         if self.max_buffered_per_partition == 0 {
             return Err(Error::config(
                 "max_buffered_per_partition",
+                "must be at least 1",
+            ));
+        }
+        if self.max_buffered_bytes_per_partition == 0 {
+            return Err(Error::config(
+                "max_buffered_bytes_per_partition",
                 "must be at least 1",
             ));
         }
@@ -700,6 +724,9 @@ mod tests {
         let mut c = valid();
         c.max_buffered_per_partition = 0;
         assert_eq!(field_of(&c), "max_buffered_per_partition");
+        let mut c = valid();
+        c.max_buffered_bytes_per_partition = 0;
+        assert_eq!(field_of(&c), "max_buffered_bytes_per_partition");
         let mut c = valid();
         c.properties.set("no.such.property", "1");
         assert_eq!(field_of(&c), "properties.no.such.property");

@@ -38,7 +38,7 @@ use tokio::sync::watch;
 use crate::config::{CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
 use crate::observer::{KafkaObserver, OffsetEvent};
 use crate::producer::{self, LogContext, OutgoingRecord};
-use crate::tracker::{KeyId, PartitionTracker};
+use crate::tracker::{KeyId, PartitionTracker, Weigh};
 use crate::{headers, Error, KafkaPublisher};
 
 /// How long one poll waits for a record before housekeeping runs.
@@ -72,6 +72,8 @@ struct Record {
     /// The envelope handed to the worker (payload, headers, id, source; attempt from the
     /// `x-attempt` header).
     delivery: Delivery,
+    /// Payload, key and header bytes: what it counts against the partition's byte limit.
+    bytes: usize,
 }
 
 /// A record as the tracker holds it: the record and the attempt its next hand-out carries.
@@ -80,6 +82,12 @@ struct Handout {
     record: Arc<Record>,
     attempt: u32,
     redelivered: bool,
+}
+
+impl Weigh for Handout {
+    fn weight(&self) -> usize {
+        self.record.bytes
+    }
 }
 
 struct Partition {
@@ -113,6 +121,7 @@ struct Settings {
     commit: CommitMode,
     commit_interval: Duration,
     max_buffered: usize,
+    max_buffered_bytes: usize,
     revoke_timeout: Duration,
     produce_timeout: Duration,
     message_id_header: String,
@@ -256,7 +265,14 @@ impl Shared {
                 (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
             });
         let payload = m.payload().unwrap_or_default().to_vec();
+        let bytes = payload.len()
+            + m.key().map_or(0, <[u8]>::len)
+            + raw_headers
+                .iter()
+                .map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len))
+                .sum::<usize>();
         let record = Arc::new(Record {
+            bytes,
             origin: origin.unwrap_or_else(|| topic.clone()),
             topic: topic.clone(),
             partition,
@@ -333,15 +349,19 @@ impl Shared {
         let now = Instant::now();
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
-        let max = self.settings.max_buffered;
+        let (max, max_bytes) = (self.settings.max_buffered, self.settings.max_buffered_bytes);
         let mut any_full = false;
         let waker = {
             let mut state = self.lock();
             let mut ready = false;
             for ((topic, partition), p) in state.partitions.iter_mut() {
                 let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
-                let len = p.tracker.len();
-                p.full = if p.full { len > max / 2 } else { len >= max };
+                let (len, bytes) = (p.tracker.len(), p.tracker.bytes());
+                p.full = if p.full {
+                    len > max / 2 || bytes > max_bytes / 2
+                } else {
+                    len >= max || bytes >= max_bytes
+                };
                 any_full |= p.full && !p.revoking;
                 let want_pause = p.revoking || p.full || waiting_for_due;
                 if want_pause != p.paused {
@@ -849,6 +869,7 @@ impl KafkaConsumer {
                 commit: config.commit,
                 commit_interval: config.commit_interval,
                 max_buffered: config.max_buffered_per_partition,
+                max_buffered_bytes: config.max_buffered_bytes_per_partition,
                 revoke_timeout: config.revoke_timeout,
                 produce_timeout: config.produce_timeout,
                 message_id_header: config.message_id_header.clone(),

@@ -13,6 +13,12 @@ use std::time::Instant;
 
 use crate::ProcessingOrder;
 
+/// What a buffered item costs in memory, counted against the partition's byte limit.
+pub(crate) trait Weigh {
+    /// The item's size in bytes (the same every time it is asked).
+    fn weight(&self) -> usize;
+}
+
 /// The ordering key of a record: a hash of its Kafka key (`None` for records without a key,
 /// which count as one key).
 pub(crate) type KeyId = Option<u64>;
@@ -54,6 +60,8 @@ pub(crate) struct PartitionTracker<T> {
     keys: HashMap<KeyId, VecDeque<i64>>,
     /// The waiting records that no earlier unsettled record of their key holds back.
     heads: BTreeSet<i64>,
+    /// The summed [`Weigh::weight`] of `entries`.
+    bytes: usize,
 }
 
 impl<T> Default for PartitionTracker<T> {
@@ -63,11 +71,12 @@ impl<T> Default for PartitionTracker<T> {
             next_offset: None,
             keys: HashMap::new(),
             heads: BTreeSet::new(),
+            bytes: 0,
         }
     }
 }
 
-impl<T> PartitionTracker<T> {
+impl<T: Weigh> PartitionTracker<T> {
     /// Adds a fetched record. Returns `false` (and drops it) if it is not past the last one,
     /// e.g. a record fetched again after a pause.
     pub(crate) fn push(
@@ -105,6 +114,7 @@ impl<T> PartitionTracker<T> {
             return false;
         }
         self.next_offset = Some(offset + 1);
+        self.bytes += item.weight();
         self.entries.push_back(Entry {
             offset,
             key,
@@ -204,7 +214,9 @@ impl<T> PartitionTracker<T> {
             .front()
             .is_some_and(|e| matches!(e.status, Status::Settled))
         {
-            self.entries.pop_front();
+            if let Some(e) = self.entries.pop_front() {
+                self.bytes -= e.item.weight();
+            }
         }
         self.entries.len() != before
     }
@@ -267,6 +279,11 @@ impl<T> PartitionTracker<T> {
         self.entries.len()
     }
 
+    /// The summed size of the buffered records (see [`Weigh`]).
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// When the first unsettled record may be handed out, if it is waiting for a due time.
     pub(crate) fn head_not_before(&self) -> Option<Instant> {
         match self.entries.front()?.status {
@@ -293,6 +310,31 @@ fn is_due(status: &Status, now: Instant) -> bool {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    impl Weigh for i64 {
+        fn weight(&self) -> usize {
+            100
+        }
+    }
+
+    #[test]
+    fn bytes_count_every_record_until_the_commit_point_passes_it() {
+        let mut t = tracker(&[(0, Some(1)), (1, Some(2)), (2, Some(3))]);
+        assert_eq!(t.bytes(), 300);
+        let now = Instant::now();
+        assert_eq!(
+            t.take_next(ProcessingOrder::Key, now).map(|(o, _)| o),
+            Some(0)
+        );
+        assert_eq!(
+            t.take_next(ProcessingOrder::Key, now).map(|(o, _)| o),
+            Some(1)
+        );
+        assert!(!t.settle(1), "the commit point stays at 0");
+        assert_eq!(t.bytes(), 300, "settled behind record 0: still held");
+        assert!(t.settle(0));
+        assert_eq!((t.len(), t.bytes()), (1, 100));
+    }
 
     fn tracker(records: &[(i64, Option<u64>)]) -> PartitionTracker<i64> {
         let mut t = PartitionTracker::default();
