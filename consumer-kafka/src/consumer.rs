@@ -135,8 +135,11 @@ struct Settings {
 
 struct Shared {
     state: Mutex<State>,
-    /// Signalled whenever a record settles (a revoke may be waiting for it).
+    /// Signalled when a record settles while a revoke waits for in-flight records.
     settled: Condvar,
+    /// A revoke is waiting on `settled` (set and cleared under the state lock), so a
+    /// settlement must signal it; otherwise it does not (a signal costs a system call).
+    revoke_waiting: AtomicBool,
     settings: Settings,
     producer: FutureProducer<LogContext>,
     observer: KafkaObserver,
@@ -483,6 +486,8 @@ impl Shared {
         };
         if !lost {
             let deadline = Instant::now() + self.settings.revoke_timeout;
+            // Under the state lock, so a settlement after this point signals.
+            self.revoke_waiting.store(true, Ordering::SeqCst);
             loop {
                 let n = in_flight(&state);
                 let now = Instant::now();
@@ -503,6 +508,7 @@ impl Shared {
                     .map(|(g, _)| g)
                     .unwrap_or_else(|p| p.into_inner().0);
             }
+            self.revoke_waiting.store(false, Ordering::SeqCst);
         }
         let mut commit = TopicPartitionList::new();
         let mut events = Vec::new();
@@ -584,20 +590,28 @@ impl Shared {
         }
     }
 
-    /// Runs `f` on the partition if it is still the same assignment (`generation`).
+    /// Runs `f` on the partition if it is still the same assignment (`generation`); `f` also
+    /// says whether to take the stream's waker (to wake it).
     fn with_partition<R>(
         &self,
         tp: &Tp,
         generation: u64,
-        f: impl FnOnce(&mut Partition) -> R,
+        f: impl FnOnce(&mut Partition) -> (R, bool),
     ) -> Option<(R, Option<Waker>)> {
         let mut state = self.lock();
         let p = state
             .partitions
             .get_mut(tp)
             .filter(|p| p.generation == generation)?;
-        let r = f(p);
-        Some((r, state.waker.take()))
+        let (r, wake) = f(p);
+        Some((r, if wake { state.waker.take() } else { None }))
+    }
+
+    /// Wakes a revoke waiting for in-flight records, if one is.
+    fn signal_revoke(&self) {
+        if self.revoke_waiting.load(Ordering::SeqCst) {
+            self.settled.notify_all();
+        }
     }
 
     fn revoked_error(&self, record: &Record) -> TransportError {
@@ -618,9 +632,16 @@ impl Shared {
         generation: u64,
         record: &Record,
     ) -> Result<(), TransportError> {
-        match self.with_partition(tp, generation, |p| p.tracker.settle(record.offset)) {
+        let order = self.settings.order;
+        // The stream is woken only if the settlement let a record go (an earlier record of
+        // its key, or of the partition, settled); anything else wakes it where it arrives.
+        let settled = self.with_partition(tp, generation, |p| {
+            p.tracker.settle(record.offset);
+            ((), p.tracker.has_next(order, Instant::now()))
+        });
+        match settled {
             Some((_, waker)) => {
-                self.settled.notify_all();
+                self.signal_revoke();
                 Shared::wake(waker);
                 Ok(())
             }
@@ -643,10 +664,11 @@ impl Shared {
                 h.attempt = attempt;
                 h.redelivered = true;
             }
+            ((), true)
         });
         match deferred {
             Some((_, waker)) => {
-                self.settled.notify_all();
+                self.signal_revoke();
                 Shared::wake(waker);
                 Ok(())
             }
@@ -677,10 +699,12 @@ impl Drop for KafkaAcker {
             // Dropped unsettled (the worker stopped or crashed): never committed past, and a
             // revoke does not wait for it.
             let offset = self.record.offset;
-            let _ = self
-                .shared
-                .with_partition(&self.tp, self.generation, |p| p.tracker.abandon(offset));
-            self.shared.settled.notify_all();
+            // It holds its key back for good, so nothing new can go: the stream is not woken.
+            let _ = self.shared.with_partition(&self.tp, self.generation, |p| {
+                p.tracker.abandon(offset);
+                ((), false)
+            });
+            self.shared.signal_revoke();
         }
     }
 }
@@ -863,6 +887,7 @@ impl KafkaConsumer {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             settled: Condvar::new(),
+            revoke_waiting: AtomicBool::new(false),
             settings: Settings {
                 order: config.order,
                 retry: config.retry,

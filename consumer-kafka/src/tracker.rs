@@ -153,6 +153,18 @@ impl<T: Weigh> PartitionTracker<T> {
         Some((e.offset, &e.item))
     }
 
+    /// Whether [`PartitionTracker::take_next`] would hand out a record under `order` at `now`.
+    pub(crate) fn has_next(&self, order: ProcessingOrder, now: Instant) -> bool {
+        match order {
+            ProcessingOrder::Partition => self
+                .entries
+                .iter()
+                .find(|e| !matches!(e.status, Status::Settled))
+                .is_some_and(|e| is_due(&e.status, now)),
+            ProcessingOrder::Key => self.has_due_waiting(now),
+        }
+    }
+
     fn due_at(&self, offset: i64, now: Instant) -> bool {
         self.index_of(offset)
             .is_some_and(|i| is_due(&self.entries[i].status, now))
