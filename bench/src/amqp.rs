@@ -15,7 +15,9 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use sqlx::{PgPool, Postgres};
 
-use crate::{bench_worker, cpu_time, figures, payload, timed, Figures, Job, Options, Rss};
+use crate::{
+    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Job, Options, Rss,
+};
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
     ShortString::try_new(s).map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
@@ -180,6 +182,80 @@ pub(crate) async fn hand_written(
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
     conn.close(200, "done".into()).await?;
     Ok(figures(o.messages, wall, cpu, &mut l, rss))
+}
+
+/// Hand-written lapin + sqlx, batched as a good hand-written consumer would: the deliveries
+/// that arrive within the batch window (up to the batch size) share one transaction (one inbox insert, one effect
+/// insert), up to `concurrency` transactions run at once and complete in delivery order, and
+/// each batch is acked with one `multiple` ack of its last tag.
+pub(crate) async fn hand_batched(
+    url: &str,
+    queue: &str,
+    pool: &PgPool,
+    o: &Options,
+) -> anyhow::Result<Figures> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
+    let consumer = ch
+        .basic_consume(
+            short(queue)?,
+            short("hand-batched")?,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut latencies = Vec::with_capacity(o.messages);
+    let rss = Rss::start();
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    let chunks = tokio_stream::StreamExt::chunks_timeout(
+        consumer.take(o.messages),
+        o.batch,
+        crate::BATCH_WAIT,
+    );
+    let batches = chunks
+        .map(|chunk| {
+            let pool = pool.clone();
+            async move {
+                let mut jobs = Vec::with_capacity(chunk.len());
+                let mut last = None;
+                for delivery in chunk {
+                    let delivery = delivery?;
+                    let key = delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|m| m.to_string())
+                        .unwrap_or_default();
+                    jobs.push((key, serde_json::from_slice::<Job>(&delivery.data)?));
+                    last = Some(delivery.acker);
+                }
+                let at = Instant::now();
+                let n = jobs.len();
+                hand_batch(&pool, jobs).await?;
+                anyhow::Ok((last, n, at))
+            }
+        })
+        .buffered(o.concurrency);
+    futures::pin_mut!(batches);
+    while let Some(done) = batches.next().await {
+        let (last, n, at) = done?;
+        if let Some(acker) = last {
+            acker.ack(BasicAckOptions { multiple: true }).await?;
+        }
+        let us = at.elapsed().as_micros() as u64;
+        latencies.extend(std::iter::repeat_n(us, n));
+    }
+    let f = figures(
+        o.messages,
+        start.elapsed(),
+        cpu_time() - cpu0,
+        &mut latencies,
+        rss,
+    );
+    conn.close(200, "done".into()).await?;
+    Ok(f)
 }
 
 /// The framework on RabbitMQ.

@@ -104,6 +104,9 @@ async fn record_each(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), Ha
     record::call(ctx, job).await
 }
 
+/// The batch window of the batched arms (framework and hand-written alike).
+const BATCH_WAIT: Duration = Duration::from_millis(5);
+
 struct Options {
     messages: usize,
     reps: usize,
@@ -431,6 +434,37 @@ async fn db_floor(
     ))
 }
 
+/// A hand-written batched consumer's transaction: claims the batch's keys with one inbox
+/// insert, writes the effects of the keys it claimed with one insert, commits.
+async fn hand_batch(pool: &PgPool, batch: Vec<(String, Job)>) -> anyhow::Result<()> {
+    let keys: Vec<&str> = batch.iter().map(|(k, _)| k.as_str()).collect();
+    let mut tx = pool.begin().await?;
+    let claimed: std::collections::HashSet<String> = sqlx::query_scalar(
+        "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
+         SELECT 'bench', k, 'h', 'completed', 1 FROM unnest($1::text[]) AS k \
+         ON CONFLICT DO NOTHING RETURNING key",
+    )
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
+    let (ids, bodies): (Vec<i64>, Vec<&str>) = batch
+        .iter()
+        .filter(|(k, _)| claimed.contains(k))
+        .map(|(_, j)| (j.id as i64, j.body.as_str()))
+        .unzip();
+    sqlx::query(
+        "INSERT INTO effects (job_id, body) SELECT * FROM unnest($1::bigint[], $2::text[])",
+    )
+    .bind(&ids)
+    .bind(&bodies)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// A hand-written consumer of the in-memory broker: one transaction per message, then ack.
 async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<Figures> {
     let broker = MemoryBroker::new();
@@ -577,7 +611,7 @@ async fn main() -> anyhow::Result<()> {
 
     let batched = Some(BatchConfig {
         max_messages: o.batch,
-        max_wait: Duration::from_millis(5),
+        max_wait: BATCH_WAIT,
     });
     let amqp_url = std::env::var("AMQP_URL").ok();
     let mut arms = vec![
@@ -594,6 +628,7 @@ async fn main() -> anyhow::Result<()> {
             "amqp: raw consume+ack",
             "amqp: raw ack each",
             "amqp: hand 1/tx",
+            "amqp: hand batched",
             "amqp: fw 1/tx",
             "amqp: fw batched",
         ]);
@@ -604,6 +639,7 @@ async fn main() -> anyhow::Result<()> {
     if kafka_brokers.is_some() {
         arms.extend([
             "kafka: raw consume+store",
+            "kafka: hand batched",
             "kafka: fw 1/tx",
             "kafka: fw batched",
         ]);
@@ -658,9 +694,13 @@ async fn main() -> anyhow::Result<()> {
                 "amqp: raw consume+ack" => amqp::raw(url, &queue, &o, false).await?,
                 "amqp: raw ack each" => amqp::raw(url, &queue, &o, true).await?,
                 "amqp: hand 1/tx" => amqp::hand_written(url, &queue, &pool, &o).await?,
+                "amqp: hand batched" => amqp::hand_batched(url, &queue, &pool, &o).await?,
                 "amqp: fw 1/tx" => amqp::framework(url, &queue, &inbox, &o, None).await?,
                 "amqp: fw batched" => amqp::framework(url, &queue, &inbox, &o, batched).await?,
                 "kafka: raw consume+store" => kafka::raw(brokers, &topic, &group, &o).await?,
+                "kafka: hand batched" => {
+                    kafka::hand_batched(brokers, &topic, &group, &pool, &o).await?
+                }
                 "kafka: fw 1/tx" => {
                     kafka::framework(brokers, &topic, &group, &inbox, &o, None).await?
                 }
@@ -753,6 +793,16 @@ async fn main() -> anyhow::Result<()> {
         "amqp: raw consume+ack",
     );
     ratio(
+        "amqp: fw batched / amqp: hand batched",
+        "amqp: fw batched",
+        "amqp: hand batched",
+    );
+    ratio(
+        "amqp: hand batched / amqp: raw consume+ack",
+        "amqp: hand batched",
+        "amqp: raw consume+ack",
+    );
+    ratio(
         "amqp: raw ack each / amqp: raw consume+ack",
         "amqp: raw ack each",
         "amqp: raw consume+ack",
@@ -771,6 +821,16 @@ async fn main() -> anyhow::Result<()> {
         "kafka: fw batched / kafka: raw consume+store",
         "kafka: fw batched",
         "kafka: raw consume+store",
+    );
+    ratio(
+        "kafka: fw batched / kafka: hand batched",
+        "kafka: fw batched",
+        "kafka: hand batched",
+    );
+    ratio(
+        "kafka: hand batched / db floor N/tx",
+        "kafka: hand batched",
+        "db floor, N/tx",
     );
     ratio(
         "kafka: fw batched / db floor N/tx",
