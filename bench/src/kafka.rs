@@ -167,6 +167,43 @@ pub(crate) async fn hand_batched(
     ))
 }
 
+/// The framework's Kafka transport alone: every record acked as it arrives (up to 512 at
+/// once), no worker and no database: what the transport costs over librdkafka.
+pub(crate) async fn transport_only(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    o: &Options,
+) -> anyhow::Result<Figures> {
+    let mut c = config(brokers, group, topic);
+    c.order = ProcessingOrder::Key;
+    let mut consumer = KafkaConsumer::new(c)?;
+    let first = consumer.next().await.context("consumer ended")??;
+    let rss = Rss::start();
+    let cpu0 = cpu_time();
+    let start = Instant::now();
+    first.acker.settle(Settlement::Ack).await?;
+    let acks: Vec<anyhow::Result<()>> = consumer
+        .take(o.messages - 1)
+        .map(|incoming| async move {
+            let incoming = incoming?;
+            std::hint::black_box(&incoming.delivery.payload);
+            incoming.acker.settle(Settlement::Ack).await?;
+            anyhow::Ok(())
+        })
+        .buffer_unordered(512)
+        .collect()
+        .await;
+    acks.into_iter().collect::<anyhow::Result<()>>()?;
+    Ok(figures(
+        o.messages,
+        start.elapsed(),
+        cpu_time() - cpu0,
+        &mut [],
+        rss,
+    ))
+}
+
 /// The framework on Kafka, records ordered per key (so a batch can hold several records of
 /// one partition).
 pub(crate) async fn framework(

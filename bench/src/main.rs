@@ -640,6 +640,7 @@ async fn main() -> anyhow::Result<()> {
         arms.extend([
             "kafka: raw consume+store",
             "kafka: hand batched",
+            "kafka: fw transport only",
             "kafka: fw 1/tx",
             "kafka: fw batched",
         ]);
@@ -698,6 +699,9 @@ async fn main() -> anyhow::Result<()> {
                 "amqp: fw 1/tx" => amqp::framework(url, &queue, &inbox, &o, None).await?,
                 "amqp: fw batched" => amqp::framework(url, &queue, &inbox, &o, batched).await?,
                 "kafka: raw consume+store" => kafka::raw(brokers, &topic, &group, &o).await?,
+                "kafka: fw transport only" => {
+                    kafka::transport_only(brokers, &topic, &group, &o).await?
+                }
                 "kafka: hand batched" => {
                     kafka::hand_batched(brokers, &topic, &group, &pool, &o).await?
                 }
