@@ -373,7 +373,7 @@ pub trait Backend: sqlx::Database + private::Sealed {
     /// callers on one mark are serialised, so each sees what the other left.
     #[doc(hidden)]
     fn advance_log_mark<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
         log: &'a str,
@@ -524,7 +524,12 @@ impl<DB: Backend> Inbox<DB> {
         log: &str,
         to: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
-        DB::advance_log_mark(&self.pool, &self.names, handler, log, to).await
+        // A lease without key locks: if this is cancelled mid-transaction, the connection is
+        // closed, not pooled (see [`Lease`]).
+        let mut lease = self.lease_many(handler, &[] as &[&str]).await?;
+        let before = DB::advance_log_mark(lease.conn(), &self.names, handler, log, to).await?;
+        lease.release().await;
+        Ok(before)
     }
 
     pub(crate) fn names(&self) -> &TableNames {
@@ -557,6 +562,7 @@ impl<DB: Backend> Inbox<DB> {
         let conn = self.pool.acquire().await?;
         Ok(Lease {
             conn: Some(conn),
+            released: false,
             db_locked: false,
             lock_ids,
             _local: local,
@@ -586,9 +592,13 @@ impl Inbox<sqlx::Sqlite> {
 ///
 /// Dropped without [`Lease::release`] (a crash simulation, a cancelled task), it closes its
 /// connection instead of returning it to the pool: a pooled connection would keep the
-/// PostgreSQL session lock and block its key for good.
+/// PostgreSQL session lock and block its key for good, and a task cancelled just after its
+/// `BEGIN` ran (before it got the transaction back) leaves the connection inside a
+/// transaction nobody can end (sqlx's SQLite connection then refuses every later `BEGIN`).
 pub(crate) struct Lease<DB: Backend> {
     conn: Option<PoolConnection<DB>>,
+    /// [`Lease::release`] ran: the connection was used to the end and may be pooled again.
+    released: bool,
     db_locked: bool,
     lock_ids: Vec<i64>,
     _local: Vec<locks::LocalGuard>,
@@ -632,6 +642,7 @@ impl<DB: Backend> Lease<DB> {
 
     /// Releases the database lock; the connection goes back to the pool.
     pub(crate) async fn release(mut self) {
+        self.released = true;
         if !self.db_locked {
             return;
         }
@@ -645,7 +656,7 @@ impl<DB: Backend> Lease<DB> {
 
 impl<DB: Backend> Drop for Lease<DB> {
     fn drop(&mut self) {
-        if let (true, Some(conn)) = (self.db_locked, self.conn.as_mut()) {
+        if let (true, Some(conn)) = (self.db_locked || !self.released, self.conn.as_mut()) {
             conn.close_on_drop();
         }
     }
@@ -663,6 +674,31 @@ fn lock_id(namespace: &str, handler: &str, key: &str) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A task cancelled just after its `BEGIN` ran, before it got the transaction back,
+    /// leaves the connection inside a transaction no one can end; its lease, dropped
+    /// unreleased, must not hand that connection to the next delivery.
+    #[tokio::test]
+    async fn a_lease_dropped_unreleased_does_not_pool_its_connection() {
+        use sqlx::sqlite::SqlitePoolOptions;
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let inbox = Inbox::new(pool, InboxConfig::default()).await.unwrap();
+        {
+            let mut lease = inbox.lease("h", "k").await.unwrap();
+            let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn())
+                .await
+                .unwrap();
+            // The transaction's owner is gone without a rollback, as after that cancellation.
+            std::mem::forget(tx);
+        }
+        let mut lease = inbox.lease("h", "k").await.unwrap();
+        let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn()).await;
+        assert!(tx.is_ok(), "{:?}", tx.err());
+    }
 
     #[test]
     fn lock_ids_are_stable() {

@@ -383,14 +383,14 @@ impl Backend for Postgres {
     }
 
     fn advance_log_mark<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut PgConnection,
         names: &'a TableNames,
         handler: &'a str,
         log: &'a str,
         to: i64,
     ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
         Box::pin(async move {
-            let mut tx = pool.begin().await?;
+            let mut tx = sqlx::Connection::begin(conn).await?;
             sqlx::query(&names.sql.mark_insert)
                 .bind(handler)
                 .bind(log)

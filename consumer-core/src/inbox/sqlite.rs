@@ -251,14 +251,13 @@ impl Backend for Sqlite {
     }
 
     fn advance_log_mark<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut SqliteConnection,
         names: &'a TableNames,
         handler: &'a str,
         log: &'a str,
         to: i64,
     ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
         Box::pin(async move {
-            let mut conn = pool.acquire().await?;
             // IMMEDIATE: the write lock from the start, so the read sees the latest mark.
             let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
             let now = now_ms();
