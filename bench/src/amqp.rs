@@ -63,6 +63,27 @@ pub(crate) async fn fill(url: &str, queue: &str, first: u64, o: &Options) -> any
     Ok(())
 }
 
+/// A connection and a consumer of `queue` tagged `tag`, with the bench's prefetch.
+async fn consume(
+    url: &str,
+    queue: &str,
+    tag: &str,
+    o: &Options,
+) -> anyhow::Result<(Connection, lapin::Consumer)> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
+    let consumer = ch
+        .basic_consume(
+            short(queue)?,
+            short(tag)?,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((conn, consumer))
+}
+
 /// Raw lapin: consume, ack with `multiple` every 64 deliveries, as a tuned hand-written
 /// consumer with nothing to do per message would; with `each`, one ack per delivery (what
 /// the framework sends), to price the per-delivery acks.
@@ -72,17 +93,7 @@ pub(crate) async fn raw(
     o: &Options,
     each: bool,
 ) -> anyhow::Result<Figures> {
-    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
-    let mut consumer = ch
-        .basic_consume(
-            short(queue)?,
-            short("raw")?,
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (conn, mut consumer) = consume(url, queue, "raw", o).await?;
     let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
@@ -122,17 +133,7 @@ pub(crate) async fn hand_written(
     pool: &PgPool,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
-    let consumer = ch
-        .basic_consume(
-            short(queue)?,
-            short("hand")?,
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (conn, consumer) = consume(url, queue, "hand", o).await?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let rss = Rss::start();
     let cpu0 = cpu_time();
@@ -185,26 +186,17 @@ pub(crate) async fn hand_written(
 }
 
 /// Hand-written lapin + sqlx, batched as a good hand-written consumer would: the deliveries
-/// that arrive within the batch window (up to the batch size) share one transaction (one inbox insert, one effect
-/// insert), up to `concurrency` transactions run at once and complete in delivery order, and
-/// each batch is acked with one `multiple` ack of its last tag.
+/// that arrive within the batch window (up to the batch size) share one transaction (one
+/// inbox insert, one effect insert), up to `concurrency` transactions run at once and
+/// complete in delivery order, and each batch is acked with one `multiple` ack of its last
+/// tag.
 pub(crate) async fn hand_batched(
     url: &str,
     queue: &str,
     pool: &PgPool,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
-    let consumer = ch
-        .basic_consume(
-            short(queue)?,
-            short("hand-batched")?,
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (conn, consumer) = consume(url, queue, "hand-batched", o).await?;
     let mut latencies = Vec::with_capacity(o.messages);
     let rss = Rss::start();
     let cpu0 = cpu_time();

@@ -59,13 +59,9 @@ pub(crate) async fn fill(
     Ok(())
 }
 
-/// Raw rdkafka: consume, store each offset for the auto-committer (at-least-once).
-pub(crate) async fn raw(
-    brokers: &str,
-    topic: &str,
-    group: &str,
-    o: &Options,
-) -> anyhow::Result<Figures> {
+/// A plain rdkafka consumer subscribed to `topic`: offsets stored by hand, committed by the
+/// auto-committer (at-least-once), as a hand-written consumer does.
+fn raw_consumer(brokers: &str, topic: &str, group: &str) -> anyhow::Result<StreamConsumer> {
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", group)
@@ -75,6 +71,17 @@ pub(crate) async fn raw(
         .set("session.timeout.ms", "6000")
         .create()?;
     consumer.subscribe(&[topic])?;
+    Ok(consumer)
+}
+
+/// Raw rdkafka: consume, store each offset for the auto-committer (at-least-once).
+pub(crate) async fn raw(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    o: &Options,
+) -> anyhow::Result<Figures> {
+    let consumer = raw_consumer(brokers, topic, group)?;
     let mut stream = consumer.stream();
     let mut latencies = Vec::with_capacity(o.messages);
     let first = stream.next().await.context("consumer ended")??;
@@ -99,10 +106,10 @@ pub(crate) async fn raw(
     ))
 }
 
-/// Hand-written rdkafka + sqlx, batched: the records that arrive within the batch window (up to the batch size)
-/// share one transaction (one inbox insert, one effect insert), up to `concurrency`
-/// transactions run at once and complete in fetch order, and then the batch's offsets are
-/// stored for the auto-committer (so none is stored past an unfinished batch).
+/// Hand-written rdkafka + sqlx, batched: the records that arrive within the batch window (up
+/// to the batch size) share one transaction (one inbox insert, one effect insert), up to
+/// `concurrency` transactions run at once and complete in fetch order, and then the batch's
+/// offsets are stored for the auto-committer (so none is stored past an unfinished batch).
 pub(crate) async fn hand_batched(
     brokers: &str,
     topic: &str,
@@ -110,15 +117,7 @@ pub(crate) async fn hand_batched(
     pool: &sqlx::PgPool,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "true")
-        .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .create()?;
-    consumer.subscribe(&[topic])?;
+    let consumer = raw_consumer(brokers, topic, group)?;
     let mut records = consumer.stream().take(o.messages).peekable();
     // The clock starts at the first record, as in the other Kafka arms.
     std::pin::Pin::new(&mut records)
