@@ -590,21 +590,21 @@ impl Shared {
         }
     }
 
-    /// Runs `f` on the partition if it is still the same assignment (`generation`); `f` also
-    /// says whether to take the stream's waker (to wake it).
-    fn with_partition<R>(
+    /// Runs `f` on the partition if it is still the same assignment (`generation`), `None`
+    /// if not. `f` says whether the stream must be woken: then its waker is returned.
+    fn with_partition(
         &self,
         tp: &Tp,
         generation: u64,
-        f: impl FnOnce(&mut Partition) -> (R, bool),
-    ) -> Option<(R, Option<Waker>)> {
+        f: impl FnOnce(&mut Partition) -> bool,
+    ) -> Option<Option<Waker>> {
         let mut state = self.lock();
         let p = state
             .partitions
             .get_mut(tp)
             .filter(|p| p.generation == generation)?;
-        let (r, wake) = f(p);
-        Some((r, if wake { state.waker.take() } else { None }))
+        let wake = f(p);
+        Some(if wake { state.waker.take() } else { None })
     }
 
     /// Wakes a revoke waiting for in-flight records, if one is.
@@ -637,10 +637,10 @@ impl Shared {
         // its key, or of the partition, settled); anything else wakes it where it arrives.
         let settled = self.with_partition(tp, generation, |p| {
             p.tracker.settle(record.offset);
-            ((), p.tracker.has_next(order, Instant::now()))
+            p.tracker.has_next(order, Instant::now())
         });
         match settled {
-            Some((_, waker)) => {
+            Some(waker) => {
                 self.signal_revoke();
                 Shared::wake(waker);
                 Ok(())
@@ -664,10 +664,10 @@ impl Shared {
                 h.attempt = attempt;
                 h.redelivered = true;
             }
-            ((), true)
+            true
         });
         match deferred {
-            Some((_, waker)) => {
+            Some(waker) => {
                 self.signal_revoke();
                 Shared::wake(waker);
                 Ok(())
@@ -702,7 +702,7 @@ impl Drop for KafkaAcker {
             // It holds its key back for good, so nothing new can go: the stream is not woken.
             let _ = self.shared.with_partition(&self.tp, self.generation, |p| {
                 p.tracker.abandon(offset);
-                ((), false)
+                false
             });
             self.shared.signal_revoke();
         }
