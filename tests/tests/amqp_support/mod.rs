@@ -29,6 +29,7 @@ use sqlx::{PgPool, Postgres};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub(crate) use crate::common::wait_for;
 use crate::common::{database_url, unique};
 
 /// Long enough for a broker restart in the middle of any wait.
@@ -51,22 +52,6 @@ pub(crate) fn amqp_url() -> String {
         "AMQP_URL is not set: start RabbitMQ with `eval \"$(scripts/rabbitmq.sh env)\"` \
          (and PostgreSQL with `eval \"$(scripts/postgres.sh env)\"`), or run `scripts/test.sh`",
     )
-}
-
-/// Waits for `cond` up to `limit`, polling; panics naming `what` on timeout.
-pub(crate) async fn wait_for<F, Fut>(what: &str, limit: Duration, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = tokio::time::Instant::now();
-    while !cond().await {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// A name for a queue or exchange, unique to this test and run (`[a-z0-9_]`).

@@ -34,14 +34,26 @@ pub(crate) fn unique(prefix: &str) -> String {
 }
 
 /// Waits for `cond` with [`DEADLINE`], polling; panics naming `what` on timeout.
-pub(crate) async fn wait_until<F, Fut>(what: &str, mut cond: F)
+pub(crate) async fn wait_until<F, Fut>(what: &str, cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    wait_for(what, DEADLINE, cond).await;
+}
+
+/// Waits for `cond` up to `limit`, polling every 20 ms; panics naming `what` on timeout.
+pub(crate) async fn wait_for<F, Fut>(what: &str, limit: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
     let start = tokio::time::Instant::now();
     while !cond().await {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

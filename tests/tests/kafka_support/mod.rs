@@ -22,6 +22,7 @@ use sqlx::Postgres;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub(crate) use crate::common::wait_for;
 use crate::common::{database_url, unique, PgEnv};
 
 /// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
@@ -41,22 +42,6 @@ pub(crate) fn brokers() -> String {
         "KAFKA_BROKERS is not set: start the broker with `eval \"$(scripts/kafka.sh env)\"` \
          (and PostgreSQL with `eval \"$(scripts/postgres.sh env)\"`)",
     )
-}
-
-/// Waits for `cond` up to `limit`, polling; panics naming `what` on timeout.
-pub(crate) async fn wait_for<F, Fut>(what: &str, limit: Duration, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = tokio::time::Instant::now();
-    while !cond().await {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// A test job; its fields script the handler.
