@@ -11,16 +11,16 @@
 //!   waits (bounded) for their in-flight records, commits what is contiguous and forgets them;
 //!   later settlements for them are dropped.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, RandomState};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use consumer_core::{
     Acknowledger, DeadLetter, Delivery, Incoming, LogPosition, Settlement, Source, TransportError,
 };
@@ -59,6 +59,10 @@ const REWRITE_DELAY: Duration = Duration::from_secs(1);
 type Tp = (Arc<str>, i32);
 
 /// One fetched record, shared by its hand-outs and its acknowledger.
+///
+/// It keeps what librdkafka gave (payload, key, headers as bytes) and what the transport read
+/// from its headers; the [`Delivery`] is built from it when it is handed out
+/// ([`Record::delivery`]), off the poll thread and outside the state lock.
 #[derive(Debug)]
 struct Record {
     topic: Arc<str>,
@@ -67,13 +71,65 @@ struct Record {
     /// The topic its retry and dead-letter topics are named after (the retry topic's source).
     origin: Arc<str>,
     key: Option<Vec<u8>>,
+    payload: Bytes,
     null_payload: bool,
     raw_headers: Vec<(String, Option<Vec<u8>>)>,
-    /// The envelope handed to the worker (payload, headers, id, source; attempt from the
-    /// `x-attempt` header).
-    delivery: Delivery,
+    /// From the message id header, else (if configured) the record's position.
+    message_id: Option<String>,
+    /// From the `x-attempt` header (1 without one).
+    attempt: u32,
     /// Payload, key and header bytes: what it counts against the partition's byte limit.
     bytes: usize,
+}
+
+impl Record {
+    /// `topic/partition@offset`.
+    fn location(&self) -> String {
+        format!("{}/{}@{}", self.topic, self.partition, self.offset)
+    }
+
+    /// The envelope handed to the worker.
+    fn delivery(&self, attempt: u32, redelivered: bool, position: LogPosition) -> Delivery {
+        // Inserted one by one: collecting would sort a temporary vector first.
+        let mut headers = BTreeMap::new();
+        for (k, v) in &self.raw_headers {
+            let text = v
+                .as_deref()
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            headers.insert(k.clone(), text);
+        }
+        if attempt > 1 {
+            headers.insert(headers::ATTEMPT.to_owned(), attempt.to_string());
+        }
+        Delivery {
+            message_id: self.message_id.clone(),
+            payload: self.payload.clone(),
+            headers,
+            redelivered,
+            attempt,
+            // A record past the committed offset may have been processed by a member that
+            // then died: Kafka cannot say. Its position lets the runtime tell.
+            fresh: false,
+            position: Some(position),
+            source: Source {
+                transport: "kafka",
+                location: self.location(),
+            },
+        }
+    }
+}
+
+/// The last header named `name` in `hs`, as text (the delivery's header map keeps the last
+/// of a repeated name too).
+fn header_text<'a>(
+    hs: &'a [(String, Option<Vec<u8>>)],
+    name: &str,
+) -> Option<std::borrow::Cow<'a, str>> {
+    hs.iter()
+        .rev()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| String::from_utf8_lossy(v.as_deref().unwrap_or_default()))
 }
 
 /// A record as the tracker holds it: the record and the attempt its next hand-out carries.
@@ -145,6 +201,8 @@ struct Shared {
     observer: KafkaObserver,
     stop: AtomicBool,
     closed: watch::Sender<bool>,
+    /// Seeds the hash of record keys into [`KeyId`]s.
+    key_seed: RandomState,
 }
 
 impl Shared {
@@ -206,12 +264,9 @@ impl ConsumerContext for ConsumerCtx {
     }
 }
 
-fn key_id(key: Option<&[u8]>) -> KeyId {
-    key.map(|k| {
-        let mut h = DefaultHasher::new();
-        k.hash(&mut h);
-        h.finish()
-    })
+/// The record's ordering key, hashed with this consumer's random seed (see [`KeyId`]).
+fn key_id(seed: &RandomState, key: Option<&[u8]>) -> KeyId {
+    key.map(|k| seed.hash_one(k))
 }
 
 fn unix_millis() -> i64 {
@@ -223,51 +278,63 @@ fn unix_millis() -> i64 {
 
 impl Shared {
     /// Turns a fetched message into a tracked record of its partition (if still owned).
-    fn ingest(&self, m: &BorrowedMessage<'_>) {
+    /// `topics` keeps one shared name per topic, so a record does not allocate its own.
+    fn ingest(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) {
         let s = &self.settings;
-        let topic: Arc<str> = Arc::from(m.topic());
-        let (partition, offset) = (m.partition(), m.offset());
-        let mut raw_headers = Vec::new();
-        let mut header_map = BTreeMap::new();
-        if let Some(hs) = m.headers() {
-            for h in hs.iter() {
-                raw_headers.push((h.key.to_owned(), h.value.map(<[u8]>::to_vec)));
-                let text = h
-                    .value
-                    .map(|v| String::from_utf8_lossy(v).into_owned())
-                    .unwrap_or_default();
-                header_map.insert(h.key.to_owned(), text);
+        let topic = match topics.iter().find(|t| ***t == *m.topic()) {
+            Some(t) => t.clone(),
+            None => {
+                let t: Arc<str> = Arc::from(m.topic());
+                topics.push(t.clone());
+                t
             }
+        };
+        let (partition, offset) = (m.partition(), m.offset());
+        let raw_headers: Vec<(String, Option<Vec<u8>>)> = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let header = |name: &str| header_text(&raw_headers, name);
+        let origin = s.retry_sources.get(&*topic).cloned();
+        // Another group's retry copy (groups share a topic's retry topic): not ours to run.
+        let foreign =
+            origin.is_some() && header(headers::RETRY_GROUP).is_some_and(|g| *g != s.group_id);
+        if foreign {
+            let mut state = self.lock();
+            if let Some(p) = state
+                .partitions
+                .get_mut(&(topic, partition))
+                .filter(|p| !p.revoking)
+            {
+                p.tracker.push_settled(offset);
+            }
+            return;
         }
-        let location = format!("{topic}/{partition}@{offset}");
-        let message_id = header_map
-            .get(&s.message_id_header)
-            .filter(|v| !v.is_empty())
-            .cloned()
-            .or_else(|| s.offset_message_ids.then(|| location.clone()));
-        let attempt = header_map
-            .get(headers::ATTEMPT)
+        let attempt = header(headers::ATTEMPT)
             .and_then(|a| a.parse::<u32>().ok())
             .filter(|&a| a >= 1)
             .unwrap_or(1);
-        let origin = s.retry_sources.get(&*topic).cloned();
-        // Another group's retry copy (groups share a topic's retry topic): not ours to run.
-        let foreign = origin.is_some()
-            && header_map
-                .get(headers::RETRY_GROUP)
-                .is_some_and(|g| *g != s.group_id);
-        // Only our own copies on a retry topic wait for their due time; a foreign copy is
-        // skipped at once instead of holding the partition until the other group's due time.
+        // Only our own copies on a retry topic wait for their due time.
         let not_before = origin
             .as_ref()
-            .filter(|_| !foreign)
-            .and_then(|_| header_map.get(headers::DUE_AT))
+            .and_then(|_| header(headers::DUE_AT))
             .and_then(|d| d.parse::<i64>().ok())
             .and_then(|due| {
                 let wait = due.saturating_sub(unix_millis());
                 (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
             });
-        let payload = m.payload().unwrap_or_default().to_vec();
+        let message_id = header(&s.message_id_header)
+            .filter(|v| !v.is_empty())
+            .map(std::borrow::Cow::into_owned)
+            .or_else(|| {
+                s.offset_message_ids
+                    .then(|| format!("{topic}/{partition}@{offset}"))
+            });
+        let payload = m.payload().unwrap_or_default();
         let bytes = payload.len()
             + m.key().map_or(0, <[u8]>::len)
             + raw_headers
@@ -281,23 +348,11 @@ impl Shared {
             partition,
             offset,
             key: m.key().map(<[u8]>::to_vec),
+            payload: Bytes::copy_from_slice(payload),
             null_payload: m.payload().is_none(),
             raw_headers,
-            delivery: Delivery {
-                message_id,
-                payload: payload.into(),
-                headers: header_map,
-                redelivered: false,
-                attempt,
-                // A record past the committed offset may have been processed by a member
-                // that then died: Kafka cannot say. Its position lets the runtime tell.
-                fresh: false,
-                position: None,
-                source: Source {
-                    transport: "kafka",
-                    location,
-                },
-            },
+            message_id,
+            attempt,
         });
         let mut state = self.lock();
         let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
@@ -307,18 +362,7 @@ impl Shared {
         if p.revoking {
             return;
         }
-        let key = key_id(record.key.as_deref());
-        if foreign {
-            p.tracker.push_settled(
-                offset,
-                Handout {
-                    record,
-                    attempt,
-                    redelivered: false,
-                },
-            );
-            return;
-        }
+        let key = key_id(&self.key_seed, record.key.as_deref());
         let pushed = p.tracker.push(
             offset,
             key,
@@ -622,7 +666,9 @@ impl Shared {
         }]);
         TransportError::msg(format!(
             "partition {}/{} was revoked before {} settled; the new owner redelivers it",
-            record.topic, record.partition, record.delivery.source.location
+            record.topic,
+            record.partition,
+            record.location()
         ))
     }
 
@@ -771,13 +817,7 @@ impl KafkaAcker {
                     Ok(_) => shared.mark_settled(tp, generation, record),
                     Err(e) => {
                         // The redelivery is dead-lettered again (the inbox remembers why).
-                        let _ = shared.defer(
-                            tp,
-                            generation,
-                            record,
-                            REWRITE_DELAY,
-                            record.delivery.attempt,
-                        );
+                        let _ = shared.defer(tp, generation, record, REWRITE_DELAY, record.attempt);
                         Err(TransportError::new("writing the dead letter failed", e))
                     }
                 }
@@ -816,7 +856,7 @@ fn add_origin(hs: &mut Vec<(String, Option<Vec<u8>>)>, record: &Record) {
 fn retry_copy(record: &Record, s: &Settings, delay: Duration, attempt: u32) -> OutgoingRecord {
     let mut hs = carried_headers(record);
     // The copy keeps the message's identity even when it was derived (offset ids).
-    if let Some(id) = &record.delivery.message_id {
+    if let Some(id) = &record.message_id {
         if !has_header(&hs, &s.message_id_header) {
             hs.push(text(&s.message_id_header, id));
         }
@@ -828,7 +868,7 @@ fn retry_copy(record: &Record, s: &Settings, delay: Duration, attempt: u32) -> O
     add_origin(&mut hs, record);
     OutgoingRecord {
         key: record.key.clone(),
-        payload: (!record.null_payload).then(|| record.delivery.payload.to_vec()),
+        payload: (!record.null_payload).then(|| record.payload.to_vec()),
         headers: hs,
     }
 }
@@ -850,7 +890,7 @@ fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingRecord {
     add_origin(&mut hs, record);
     OutgoingRecord {
         key: record.key.clone(),
-        payload: (!record.null_payload).then(|| record.delivery.payload.to_vec()),
+        payload: (!record.null_payload).then(|| record.payload.to_vec()),
         headers: hs,
     }
 }
@@ -908,6 +948,7 @@ impl KafkaConsumer {
             observer: KafkaObserver::default(),
             stop: AtomicBool::new(false),
             closed: closed_tx,
+            key_seed: RandomState::new(),
         });
         let consumer: BaseConsumer<ConsumerCtx> = config
             .consumer_client_config()
@@ -976,6 +1017,7 @@ impl Stream for KafkaConsumer {
         let now = Instant::now();
         let n = state.partitions.len();
         let start = state.cursor;
+        let mut taken = None;
         for i in 0..n {
             let index = (start + i) % n;
             let Some((tp, p)) = state.partitions.iter_mut().nth(index) else {
@@ -987,19 +1029,11 @@ impl Stream for KafkaConsumer {
             let Some((_, h)) = p.tracker.take_next(order, now) else {
                 continue;
             };
-            let mut delivery = h.record.delivery.clone();
-            delivery.attempt = h.attempt;
-            delivery.redelivered = h.redelivered;
-            delivery.position = Some(LogPosition {
+            let position = LogPosition {
                 log: p.log.clone(),
                 epoch: p.generation,
                 offset: h.record.offset,
-            });
-            if h.attempt > 1 {
-                delivery
-                    .headers
-                    .insert(headers::ATTEMPT.to_owned(), h.attempt.to_string());
-            }
+            };
             let acker = KafkaAcker {
                 shared: shared.clone(),
                 tp: tp.clone(),
@@ -1007,7 +1041,14 @@ impl Stream for KafkaConsumer {
                 record: h.record.clone(),
                 done: false,
             };
+            taken = Some((acker, h.attempt, h.redelivered, position));
             state.cursor = index + 1;
+            break;
+        }
+        if let Some((acker, attempt, redelivered, position)) = taken {
+            // Built outside the lock: the poll thread and the settlements wait on it.
+            drop(state);
+            let delivery = acker.record.delivery(attempt, redelivered, position);
             return Poll::Ready(Some(Ok(Incoming {
                 delivery,
                 acker: Box::new(acker),
@@ -1028,6 +1069,7 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
         (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR).max(MIN_COMMIT_REFRESH);
     let mut last_summary = Instant::now();
     let mut any_full = false;
+    let mut topics = Vec::new();
     while !shared.stop.load(Ordering::SeqCst) {
         let mut wait = if any_full {
             POLL_WAIT_PAUSED
@@ -1038,7 +1080,7 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
             match consumer.poll(wait) {
                 None => break,
                 Some(Ok(m)) => {
-                    shared.ingest(&m);
+                    shared.ingest(&m, &mut topics);
                     wait = Duration::ZERO;
                 }
                 Some(Err(e)) => {

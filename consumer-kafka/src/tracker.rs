@@ -20,8 +20,42 @@ pub(crate) trait Weigh {
 }
 
 /// The ordering key of a record: a hash of its Kafka key (`None` for records without a key,
-/// which count as one key).
+/// which count as one key). The hash must be keyed with a random seed (see
+/// [`KeyIdHasher`]). Two keys with the same hash are ordered as one key: stricter, never
+/// looser.
 pub(crate) type KeyId = Option<u64>;
+
+/// Hashes a [`KeyId`] for the tracker's key map by folding its words, not by hashing them
+/// again: a key id is already a randomly seeded hash of the key (so producers cannot aim at
+/// one bucket), and a second SipHash on every push and settlement is measurable.
+#[derive(Debug, Default)]
+pub(crate) struct KeyIdHasher(u64);
+
+impl std::hash::Hasher for KeyIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+
+    fn write_usize(&mut self, word: usize) {
+        self.write_u64(word as u64);
+    }
+
+    fn write_isize(&mut self, word: isize) {
+        self.write_u64(word as u64);
+    }
+}
+
+type KeyMap = HashMap<KeyId, KeyQueue, std::hash::BuildHasherDefault<KeyIdHasher>>;
 
 #[derive(Debug)]
 enum Status {
@@ -40,7 +74,49 @@ struct Entry<T> {
     offset: i64,
     key: KeyId,
     status: Status,
-    item: T,
+    /// Its [`Weigh::weight`], taken when it was pushed.
+    weight: usize,
+    /// `None` once settled: the item is let go at settlement, while the settler still holds
+    /// its own handle on it (so the last handle is not dropped, and the record freed, under
+    /// whatever lock guards the tracker), not when the commit point passes it later.
+    item: Option<T>,
+}
+
+/// A key's unsettled offsets, oldest first. Most keys have one at a time, which needs no
+/// allocation.
+#[derive(Debug)]
+enum KeyQueue {
+    One(i64),
+    Many(VecDeque<i64>),
+}
+
+impl KeyQueue {
+    fn push(&mut self, offset: i64) {
+        match self {
+            KeyQueue::One(first) => *self = KeyQueue::Many(VecDeque::from([*first, offset])),
+            KeyQueue::Many(q) => q.push_back(offset),
+        }
+    }
+
+    fn front(&self) -> Option<i64> {
+        match self {
+            KeyQueue::One(first) => Some(*first),
+            KeyQueue::Many(q) => q.front().copied(),
+        }
+    }
+
+    /// Removes `offset`; returns whether the queue is now empty.
+    fn remove(&mut self, offset: i64) -> bool {
+        match self {
+            KeyQueue::One(first) => *first == offset,
+            KeyQueue::Many(q) => {
+                if let Some(i) = q.iter().position(|&o| o == offset) {
+                    q.remove(i);
+                }
+                q.is_empty()
+            }
+        }
+    }
 }
 
 /// The records of one partition between the commit point and the fetch position.
@@ -57,7 +133,7 @@ pub(crate) struct PartitionTracker<T> {
     next_offset: Option<i64>,
     /// Per key, the offsets of its unsettled records (waiting, in flight or abandoned),
     /// oldest first. Records pushed settled are not in it.
-    keys: HashMap<KeyId, VecDeque<i64>>,
+    keys: KeyMap,
     /// The waiting records that no earlier unsettled record of their key holds back.
     heads: BTreeSet<i64>,
     /// The summed [`Weigh::weight`] of `entries`.
@@ -69,7 +145,7 @@ impl<T> Default for PartitionTracker<T> {
         PartitionTracker {
             entries: VecDeque::new(),
             next_offset: None,
-            keys: HashMap::new(),
+            keys: KeyMap::default(),
             heads: BTreeSet::new(),
             bytes: 0,
         }
@@ -86,13 +162,13 @@ impl<T: Weigh> PartitionTracker<T> {
         not_before: Option<Instant>,
         item: T,
     ) -> bool {
-        if !self.append(offset, key, Status::Waiting { not_before }, item) {
+        if !self.append(offset, key, Status::Waiting { not_before }, Some(item)) {
             return false;
         }
         match self.keys.entry(key) {
-            MapEntry::Occupied(mut o) => o.get_mut().push_back(offset),
+            MapEntry::Occupied(mut o) => o.get_mut().push(offset),
             MapEntry::Vacant(v) => {
-                v.insert(VecDeque::from([offset]));
+                v.insert(KeyQueue::One(offset));
                 self.heads.insert(offset);
             }
         }
@@ -101,24 +177,26 @@ impl<T: Weigh> PartitionTracker<T> {
 
     /// Adds a fetched record that needs no processing (already settled), e.g. another
     /// group's retry copy. Returns `false` if it is not past the last one.
-    pub(crate) fn push_settled(&mut self, offset: i64, item: T) -> bool {
-        if !self.append(offset, None, Status::Settled, item) {
+    pub(crate) fn push_settled(&mut self, offset: i64) -> bool {
+        if !self.append(offset, None, Status::Settled, None) {
             return false;
         }
         self.pop_settled();
         true
     }
 
-    fn append(&mut self, offset: i64, key: KeyId, status: Status, item: T) -> bool {
+    fn append(&mut self, offset: i64, key: KeyId, status: Status, item: Option<T>) -> bool {
         if self.next_offset.is_some_and(|n| offset < n) {
             return false;
         }
         self.next_offset = Some(offset + 1);
-        self.bytes += item.weight();
+        let weight = item.as_ref().map_or(0, Weigh::weight);
+        self.bytes += weight;
         self.entries.push_back(Entry {
             offset,
             key,
             status,
+            weight,
             item,
         });
         true
@@ -150,7 +228,7 @@ impl<T: Weigh> PartitionTracker<T> {
         // Under partition order the record may be a head too; it is not waiting any more.
         self.heads.remove(&e.offset);
         e.status = Status::InFlight;
-        Some((e.offset, &e.item))
+        Some((e.offset, e.item.as_ref()?))
     }
 
     /// Whether [`PartitionTracker::take_next`] would hand out a record under `order` at `now`.
@@ -171,6 +249,14 @@ impl<T: Weigh> PartitionTracker<T> {
     }
 
     fn index_of(&self, offset: i64) -> Option<usize> {
+        // Offsets are usually contiguous (no compaction, no transaction markers): then the
+        // distance from the front is the index.
+        let front = self.entries.front()?.offset;
+        if let Ok(i) = usize::try_from(offset - front) {
+            if self.entries.get(i).is_some_and(|e| e.offset == offset) {
+                return Some(i);
+            }
+        }
         self.entries
             .binary_search_by_key(&offset, |e| e.offset)
             .ok()
@@ -181,11 +267,13 @@ impl<T: Weigh> PartitionTracker<T> {
         self.entries.get_mut(i)
     }
 
-    /// Marks an in-flight record settled. Returns whether the commit point moved.
+    /// Marks an in-flight record settled and drops its item (the caller should hold its own
+    /// handle on it, see [`Entry::item`]). Returns whether the commit point moved.
     pub(crate) fn settle(&mut self, offset: i64) -> bool {
         let key = match self.find(offset) {
             Some(e) if matches!(e.status, Status::InFlight) => {
                 e.status = Status::Settled;
+                e.item = None;
                 e.key
             }
             _ => return false,
@@ -200,14 +288,13 @@ impl<T: Weigh> PartitionTracker<T> {
         let MapEntry::Occupied(mut queue) = self.keys.entry(key) else {
             return;
         };
-        let was_first = queue.get().front() == Some(&offset);
-        if let Some(i) = queue.get().iter().position(|&o| o == offset) {
-            queue.get_mut().remove(i);
-        }
-        let next = queue.get().front().copied();
-        if queue.get().is_empty() {
+        let was_first = queue.get().front() == Some(offset);
+        let next = if queue.get_mut().remove(offset) {
             queue.remove();
-        }
+            None
+        } else {
+            queue.get().front()
+        };
         if let Some(next) = next.filter(|_| was_first) {
             if self
                 .index_of(next)
@@ -227,7 +314,7 @@ impl<T: Weigh> PartitionTracker<T> {
             .is_some_and(|e| matches!(e.status, Status::Settled))
         {
             if let Some(e) = self.entries.pop_front() {
-                self.bytes -= e.item.weight();
+                self.bytes -= e.weight;
             }
         }
         self.entries.len() != before
@@ -246,7 +333,7 @@ impl<T: Weigh> PartitionTracker<T> {
         e.status = Status::Waiting {
             not_before: Some(not_before),
         };
-        Some(&mut e.item)
+        e.item.as_mut()
     }
 
     /// An in-flight record was dropped unsettled: it stays uncommitted, but nothing waits
@@ -429,12 +516,12 @@ mod tests {
     #[test]
     fn records_pushed_settled_do_not_hold_the_commit_point() {
         let mut t = tracker(&[(0, None)]);
-        assert!(t.push_settled(1, 1));
+        assert!(t.push_settled(1));
         assert_eq!(t.commit_point(), Some(0));
         assert_eq!(take(&mut t, ProcessingOrder::Partition), Some(0));
         t.settle(0);
         assert_eq!(t.commit_point(), Some(2));
-        assert!(t.push_settled(2, 2));
+        assert!(t.push_settled(2));
         assert_eq!(t.commit_point(), Some(3));
         assert_eq!(take(&mut t, ProcessingOrder::Partition), None);
     }
