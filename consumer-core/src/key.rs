@@ -147,11 +147,18 @@ impl serde::Serialize for Canonical<'_> {
         use serde::ser::{SerializeMap, SerializeSeq};
         match self.0 {
             Value::Object(map) => {
-                let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-                entries.sort_by(|a, b| a.0.cmp(b.0));
-                let mut m = s.serialize_map(Some(entries.len()))?;
-                for (k, v) in entries {
-                    m.serialize_entry(k, &Canonical(v))?;
+                let mut m = s.serialize_map(Some(map.len()))?;
+                // Without `preserve_order` the map iterates in key order already.
+                if map.keys().is_sorted() {
+                    for (k, v) in map {
+                        m.serialize_entry(k, &Canonical(v))?;
+                    }
+                } else {
+                    let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                    for (k, v) in entries {
+                        m.serialize_entry(k, &Canonical(v))?;
+                    }
                 }
                 m.end()
             }

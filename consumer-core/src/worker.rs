@@ -127,7 +127,12 @@ async fn gather<T: Transport>(
 ) -> bool {
     let deadline = tokio::time::Instant::now() + config.max_wait;
     while batch.len() < config.max_messages {
-        match tokio::time::timeout_at(deadline, transport.next()).await {
+        // What is ready now is taken without arming the window's timer.
+        let next = match transport.next().now_or_never() {
+            Some(next) => Ok(next),
+            None => tokio::time::timeout_at(deadline, transport.next()).await,
+        };
+        match next {
             Ok(Some(Ok(incoming))) => batch.push(incoming),
             Ok(Some(Err(e))) => tracing::warn!(error = %e, "transport error while receiving"),
             Ok(None) => return true,
@@ -368,8 +373,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     tracing::warn!(error = %e, "transport error while receiving");
                 }
                 Some(Ok(incoming)) => {
-                    let mut batch = vec![incoming];
-                    if let Some(b) = &self.inner.config.batch {
+                    let batching = self.inner.config.batch.as_ref();
+                    let mut batch = Vec::with_capacity(batching.map_or(1, |b| b.max_messages));
+                    batch.push(incoming);
+                    if let Some(b) = batching {
                         ended = gather(&mut transport, &mut batch, b).await;
                     }
                     let worker = self.clone();
@@ -500,8 +507,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         );
         async move {
             let stats = &self.inner.stats;
-            let mut settled: Vec<Settled> = Vec::new();
-            let mut runnable: Vec<Pending<H::Message>> = Vec::new();
+            let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
+            let mut runnable: Vec<Pending<H::Message>> = Vec::with_capacity(batch.len());
             let mut later = Vec::new();
             let mut seen = std::collections::HashSet::new();
             for incoming in batch {

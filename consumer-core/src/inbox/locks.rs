@@ -9,28 +9,45 @@ use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 /// A map of key lock id to its lock; entries are removed when nobody holds or waits on them.
 #[derive(Debug, Default)]
 pub(crate) struct KeyLocks {
-    map: Arc<Mutex<HashMap<i64, Arc<AsyncMutex<()>>>>>,
+    map: LockMap,
 }
 
-/// Holds one key's in-process lock.
-pub(crate) struct LocalGuard {
-    id: i64,
-    map: Arc<Mutex<HashMap<i64, Arc<AsyncMutex<()>>>>>,
-    guard: Option<OwnedMutexGuard<()>>,
+type LockMap = Arc<Mutex<HashMap<i64, Arc<AsyncMutex<()>>>>>;
+
+/// Holds the in-process locks of a set of keys; dropping it releases them all.
+pub(crate) struct LocalGuards {
+    map: LockMap,
+    held: Vec<(i64, OwnedMutexGuard<()>)>,
 }
 
 impl KeyLocks {
-    pub(crate) async fn lock(&self, id: i64) -> LocalGuard {
-        let mutex = {
-            let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-            map.entry(id).or_default().clone()
-        };
-        let guard = mutex.lock_owned().await;
-        LocalGuard {
-            id,
+    /// Locks `ids`, which must be sorted and without repeats: every caller takes its locks in
+    /// ascending order, so two callers sharing keys cannot deadlock. Free locks are taken
+    /// under one hold of the map; from the first busy one on, each is awaited in turn.
+    pub(crate) async fn lock_many(&self, ids: &[i64]) -> LocalGuards {
+        let mut guards = LocalGuards {
             map: self.map.clone(),
-            guard: Some(guard),
+            held: Vec::with_capacity(ids.len()),
+        };
+        let mut busy = Vec::new();
+        {
+            let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+            for &id in ids {
+                let mutex = map.entry(id).or_default().clone();
+                if busy.is_empty() {
+                    if let Ok(guard) = mutex.clone().try_lock_owned() {
+                        guards.held.push((id, guard));
+                        continue;
+                    }
+                }
+                // Taking it now would be out of order behind the busy one: wait in turn.
+                busy.push((id, mutex));
+            }
         }
+        for (id, mutex) in busy {
+            guards.held.push((id, mutex.lock_owned().await));
+        }
+        guards
     }
 
     #[cfg(test)]
@@ -39,13 +56,18 @@ impl KeyLocks {
     }
 }
 
-impl Drop for LocalGuard {
+impl Drop for LocalGuards {
     fn drop(&mut self) {
-        drop(self.guard.take());
+        if self.held.is_empty() {
+            return;
+        }
+        let ids: Vec<i64> = self.held.drain(..).map(|(id, _guard)| id).collect();
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        // Only the map holds it now: nobody holds or waits on this key.
-        if map.get(&self.id).is_some_and(|m| Arc::strong_count(m) == 1) {
-            map.remove(&self.id);
+        for id in ids {
+            // Only the map holds it now: nobody holds or waits on this key.
+            if map.get(&id).is_some_and(|m| Arc::strong_count(m) == 1) {
+                map.remove(&id);
+            }
         }
     }
 }
@@ -58,14 +80,41 @@ mod tests {
     #[tokio::test]
     async fn second_holder_waits_and_map_is_cleaned() {
         let locks = KeyLocks::default();
-        let g = locks.lock(1).await;
-        let waiter = tokio::time::timeout(Duration::from_millis(50), locks.lock(1)).await;
+        let g = locks.lock_many(&[1]).await;
+        let waiter = tokio::time::timeout(Duration::from_millis(50), locks.lock_many(&[1])).await;
         assert!(waiter.is_err(), "a second lock of the same key must wait");
-        let other = locks.lock(2).await;
+        let other = locks.lock_many(&[2]).await;
         drop(other);
         drop(g);
-        let again = locks.lock(1).await;
+        let again = locks.lock_many(&[1]).await;
         drop(again);
+        assert_eq!(locks.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_set_takes_nothing_past_its_first_busy_key() {
+        let locks = KeyLocks::default();
+        let first = locks.lock_many(&[1, 2]).await;
+        // [2, 3] waits at 2 and must not hold 3 meanwhile (taking locks out of order could
+        // deadlock with a set that holds 3 and waits for 2).
+        let second = locks.lock_many(&[2, 3]);
+        tokio::pin!(second);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut second)
+                .await
+                .is_err(),
+            "2 is held"
+        );
+        let third = tokio::time::timeout(Duration::from_secs(5), locks.lock_many(&[3]))
+            .await
+            .expect("3 is free while [2, 3] waits for 2");
+        drop(third);
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("[2, 3] gets both once 2 is released");
+        assert_eq!(second.held.len(), 2);
+        drop(second);
         assert_eq!(locks.len(), 0);
     }
 }

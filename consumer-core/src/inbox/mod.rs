@@ -555,10 +555,7 @@ impl<DB: Backend> Inbox<DB> {
             .collect();
         lock_ids.sort_unstable();
         lock_ids.dedup();
-        let mut local = Vec::with_capacity(lock_ids.len());
-        for id in &lock_ids {
-            local.push(self.locks.lock(*id).await);
-        }
+        let local = self.locks.lock_many(&lock_ids).await;
         let conn = self.pool.acquire().await?;
         Ok(Lease {
             conn: Some(conn),
@@ -601,7 +598,7 @@ pub(crate) struct Lease<DB: Backend> {
     released: bool,
     db_locked: bool,
     lock_ids: Vec<i64>,
-    _local: Vec<locks::LocalGuard>,
+    _local: locks::LocalGuards,
 }
 
 impl<DB: Backend> Lease<DB> {
