@@ -12,7 +12,7 @@ use lapin::options::{
     ConfirmSelectOptions, QueueDeleteOptions,
 };
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::{PgPool, Postgres};
 
 use crate::{
@@ -63,13 +63,15 @@ pub(crate) async fn fill(url: &str, queue: &str, first: u64, o: &Options) -> any
     Ok(())
 }
 
-/// A connection and a consumer of `queue` tagged `tag`, with the bench's prefetch.
+/// A connection, a channel and a consumer of `queue` tagged `tag`, with the bench's prefetch.
+/// The caller keeps the channel until it is done: lapin closes a channel when its last handle
+/// is dropped, and an ack on a closing channel fails.
 async fn consume(
     url: &str,
     queue: &str,
     tag: &str,
     o: &Options,
-) -> anyhow::Result<(Connection, lapin::Consumer)> {
+) -> anyhow::Result<(Connection, Channel, lapin::Consumer)> {
     let conn = Connection::connect(url, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
     ch.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
@@ -81,7 +83,7 @@ async fn consume(
             FieldTable::default(),
         )
         .await?;
-    Ok((conn, consumer))
+    Ok((conn, ch, consumer))
 }
 
 /// Raw lapin: consume, ack with `multiple` every 64 deliveries, as a tuned hand-written
@@ -93,7 +95,7 @@ pub(crate) async fn raw(
     o: &Options,
     each: bool,
 ) -> anyhow::Result<Figures> {
-    let (conn, mut consumer) = consume(url, queue, "raw", o).await?;
+    let (conn, _ch, mut consumer) = consume(url, queue, "raw", o).await?;
     let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
@@ -133,7 +135,7 @@ pub(crate) async fn hand_written(
     pool: &PgPool,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let (conn, consumer) = consume(url, queue, "hand", o).await?;
+    let (conn, _ch, consumer) = consume(url, queue, "hand", o).await?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let rss = Rss::start();
     let cpu0 = cpu_time();
@@ -196,7 +198,7 @@ pub(crate) async fn hand_batched(
     pool: &PgPool,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let (conn, consumer) = consume(url, queue, "hand-batched", o).await?;
+    let (conn, _ch, consumer) = consume(url, queue, "hand-batched", o).await?;
     let mut latencies = Vec::with_capacity(o.messages);
     let rss = Rss::start();
     let cpu0 = cpu_time();

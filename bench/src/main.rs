@@ -120,6 +120,11 @@ struct Options {
     rss_every_ms: u64,
 }
 
+/// The flags, for `--help` and unknown flags.
+const USAGE: &str = "usage: bench [--messages N] [--reps N] [--size BYTES] [--batch N] \
+[--concurrency N] [--prefetch N] [--arms NAME[,NAME...]] (substrings of arm names) \
+[--rss-every-ms MS] [--latency 0|1]";
+
 impl Options {
     fn parse() -> anyhow::Result<Self> {
         let mut o = Options {
@@ -134,6 +139,10 @@ impl Options {
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                eprintln!("{USAGE}");
+                std::process::exit(0);
+            }
             let value = args
                 .next()
                 .with_context(|| format!("{flag} needs a value"))?;
@@ -155,11 +164,7 @@ impl Options {
                 }
                 "--rss-every-ms" => o.rss_every_ms = n as u64,
                 "--latency" => RECORD_LATENCY.store(n != 0, std::sync::atomic::Ordering::Relaxed),
-                _ => bail!(
-                    "unknown flag {flag}; valid: --messages --reps --size --batch --concurrency \
-                     --prefetch --arms NAME[,NAME...] (substrings of arm names) --rss-every-ms MS \
-                     --latency 0|1"
-                ),
+                _ => bail!("unknown flag {flag}\n{USAGE}"),
             }
         }
         Ok(o)
