@@ -1,12 +1,11 @@
 //! The consumer: a [`consumer_core::Transport`] that survives connection loss.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use futures::{FutureExt, Stream, StreamExt};
+use futures::{Stream, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::Connection;
@@ -118,15 +117,9 @@ impl ConsumerHealth {
 }
 
 enum Item {
-    /// Deliveries of one connection, in delivery order.
-    Deliveries(Vec<Incoming>, Arc<Link>),
+    Delivery(Incoming, Arc<Link>),
     Error(TransportError),
 }
-
-/// At most this many deliveries go from the background task to the stream in one item: what
-/// lapin has ready is taken at once, so a busy consumer pays one hand-over between the two
-/// tasks for many deliveries, not one each.
-const PUMP_CHUNK: usize = 64;
 
 /// Consumes one queue: a [`consumer_core::Transport`] (a stream of [`Incoming`]) to hand to
 /// [`consumer_core::Worker::run`].
@@ -143,9 +136,6 @@ const PUMP_CHUNK: usize = 64;
 /// connection, which returns prefetched but unprocessed deliveries to the queue.
 pub struct AmqpConsumer {
     rx: mpsc::Receiver<Item>,
-    /// The rest of the last item's deliveries, and their connection.
-    ready: VecDeque<Incoming>,
-    ready_link: Option<Arc<Link>>,
     health: ConsumerHealth,
     queue: String,
 }
@@ -181,8 +171,6 @@ impl AmqpConsumer {
         tokio::spawn(run(config.clone(), topology, session, tx, health.clone()));
         Ok(AmqpConsumer {
             rx,
-            ready: VecDeque::new(),
-            ready_link: None,
             health,
             queue: config.queue.clone(),
         })
@@ -199,19 +187,6 @@ impl Stream for AmqpConsumer {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         loop {
-            if let Some(incoming) = self.ready.pop_front() {
-                match &self.ready_link {
-                    Some(link) if link.is_alive() => return Poll::Ready(Some(Ok(incoming))),
-                    // Buffered before its connection was lost: running the handler would
-                    // only produce a delivery that cannot be acked. The broker redelivers it.
-                    link => {
-                        let generation = link.as_ref().map(|l| l.generation());
-                        self.health.0.stale.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(?generation, "dropped a delivery of a lost connection");
-                        continue;
-                    }
-                }
-            }
             let item = match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(item)) => item,
                 Poll::Ready(None) => return Poll::Ready(None),
@@ -219,9 +194,17 @@ impl Stream for AmqpConsumer {
             };
             match item {
                 Item::Error(e) => return Poll::Ready(Some(Err(e))),
-                Item::Deliveries(deliveries, link) => {
-                    self.ready.extend(deliveries);
-                    self.ready_link = Some(link);
+                Item::Delivery(incoming, link) if link.is_alive() => {
+                    return Poll::Ready(Some(Ok(incoming)))
+                }
+                // Buffered before its connection was lost: running the handler would only
+                // produce a delivery that cannot be acked. The broker redelivers it.
+                Item::Delivery(_, link) => {
+                    self.health.0.stale.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(
+                        generation = link.generation(),
+                        "dropped a delivery of a lost connection"
+                    );
                 }
             }
         }
@@ -328,38 +311,15 @@ async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> St
             Some(Err(e)) => return Stop::Lost(e),
             None => return Stop::Cancelled,
         };
-        let mut chunk = Vec::with_capacity(PUMP_CHUNK);
-        chunk.push(acker::incoming(delivery, &session.link, queue));
-        // What else lapin has ready goes along; an end found here ends the pump once the
-        // deliveries taken before it are handed over.
-        let mut stop = None;
-        while chunk.len() < PUMP_CHUNK {
-            match session.consumer.next().now_or_never() {
-                Some(Some(Ok(delivery))) => {
-                    chunk.push(acker::incoming(delivery, &session.link, queue));
-                }
-                Some(Some(Err(e))) => {
-                    stop = Some(Stop::Lost(e));
-                    break;
-                }
-                Some(None) => {
-                    stop = Some(Stop::Cancelled);
-                    break;
-                }
-                None => break,
-            }
-        }
+        let incoming = acker::incoming(delivery, &session.link, queue);
         tokio::select! {
             biased;
             _ = session.link.reset.notified() => return Stop::Reset,
-            sent = tx.send(Item::Deliveries(chunk, session.link.clone())) => {
+            sent = tx.send(Item::Delivery(incoming, session.link.clone())) => {
                 if sent.is_err() {
                     return Stop::Dropped;
                 }
             }
-        }
-        if let Some(stop) = stop {
-            return stop;
         }
     }
 }
