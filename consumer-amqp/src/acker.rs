@@ -78,34 +78,21 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
 /// is sent only for a run of deliveries that starts at the oldest unsettled one and whose
 /// outcomes are all durable and waiting for their ack. A delivery still in flight, or one
 /// about to be requeued, stops the run: it is never acked by another's `multiple` ack.
-///
-/// A delivery that finishes while an older one is still in flight (a batch that commits
-/// before the batch ahead of it, with several running at once) waits up to
-/// [`ACK_WAIT_FOR_OLDER`] for the older one's `multiple` ack to cover it too, and is acked
-/// on its own only if that does not come: concurrent batches then cost one frame each, not
-/// one per delivery (as a hand-written consumer completing its batches in order would send).
+/// Deliveries that finish out of order are acked on their own, as before; a batch that
+/// commits in order is acked with one frame instead of one per delivery.
 pub(crate) struct AckBook<A = lapin::Acker> {
     /// Delivery tag to its acker once it only waits for its ack (`None` while in flight).
     pending: Mutex<BTreeMap<u64, Option<A>>>,
     /// Held while an ack or nack is being sent, so that frames leave in the order they were
     /// planned in: a `multiple` ack never overtakes a requeue it must not cover.
     sending: tokio::sync::Mutex<()>,
-    /// Signalled whenever deliveries leave the book (acked, or requeued), so that one
-    /// waiting for an older delivery plans again.
-    changed: tokio::sync::Notify,
 }
-
-/// How long a finished delivery waits for an older one still in flight before it is acked
-/// on its own (see [`AckBook`]). Long enough for a batch ahead of it to commit; short enough
-/// that a delivery that never settles (its worker stopped) costs the ones behind it little.
-const ACK_WAIT_FOR_OLDER: std::time::Duration = std::time::Duration::from_millis(25);
 
 impl<A> Default for AckBook<A> {
     fn default() -> Self {
         AckBook {
             pending: Mutex::new(BTreeMap::new()),
             sending: tokio::sync::Mutex::new(()),
-            changed: tokio::sync::Notify::new(),
         }
     }
 }
@@ -160,12 +147,10 @@ impl<A: Clone> AckBook<A> {
     /// Forgets the deliveries up to and including `tag` (settled by one `multiple` frame).
     fn settled_through(&self, tag: u64) {
         self.entries().retain(|t, _| *t > tag);
-        self.changed.notify_waiters();
     }
 
     fn settled(&self, tag: u64) {
         self.entries().remove(&tag);
-        self.changed.notify_waiters();
     }
 }
 
@@ -264,27 +249,11 @@ impl AmqpAcker {
         // Let the other deliveries of a batch, settled together, mark themselves ready
         // first: then the first of them acks all of them in one frame.
         tokio::task::yield_now().await;
-        let deadline = tokio::time::Instant::now() + ACK_WAIT_FOR_OLDER;
-        let (_sending, acker, multiple) = loop {
-            // Registered before planning, so a change between the two is not missed.
-            let changed = book.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let sending = book.sending.lock().await;
-            match book.plan(tag) {
-                AckPlan::Done => return Ok(()),
-                AckPlan::Through(last, acker) => break (sending, acker, Some(last)),
-                AckPlan::Alone if tokio::time::Instant::now() >= deadline => {
-                    break (sending, self.acker.clone(), None)
-                }
-                AckPlan::Alone => {}
-            }
-            drop(sending);
-            // An older delivery is in flight: its ack may cover this one.
-            let _ = tokio::time::timeout_at(deadline, changed).await;
-            if !self.link.is_alive() {
-                return Err(Error::ChannelClosed);
-            }
+        let _sending = book.sending.lock().await;
+        let (acker, multiple) = match book.plan(tag) {
+            AckPlan::Done => return Ok(()),
+            AckPlan::Through(last, acker) => (acker, Some(last)),
+            AckPlan::Alone => (self.acker.clone(), None),
         };
         let sent = acker
             .ack(BasicAckOptions {
