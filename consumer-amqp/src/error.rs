@@ -113,7 +113,11 @@ impl Error {
     /// and channel errors caused by the request itself (e.g. a missing exchange) are not.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Connect { source, .. } | Error::Publish { source, .. } => transient(source),
+            // A declaration fails transiently when its connection does (an operator closed
+            // it, the broker is restarting), not because of what was declared.
+            Error::Connect { source, .. }
+            | Error::Publish { source, .. }
+            | Error::Topology { source, .. } => transient(source),
             Error::ChannelClosed | Error::Ack { .. } => true,
             _ => false,
         }
@@ -168,5 +172,38 @@ fn transient(source: &BoxError) -> bool {
         // caused by what was asked and would fail again.
         lapin::ErrorKind::ProtocolError(amqp) => matches!(amqp.get_id(), 320 | 541),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topology(source: lapin::Error) -> Error {
+        Error::Topology {
+            what: "queue \"q\"".to_owned(),
+            source: source.into(),
+        }
+    }
+
+    fn protocol(id: u16) -> lapin::Error {
+        let amqp = lapin::protocol::AMQPError::from_id(id, "test".into()).expect("a known id");
+        lapin::ErrorKind::ProtocolError(amqp).into()
+    }
+
+    #[test]
+    fn a_declaration_failing_with_its_connection_is_transient() {
+        assert!(topology(protocol(320)).is_transient(), "CONNECTION_FORCED");
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(topology(reset.into()).is_transient(), "connection reset");
+    }
+
+    #[test]
+    fn a_declaration_refused_for_what_it_asks_is_not() {
+        assert!(
+            !topology(protocol(406)).is_transient(),
+            "PRECONDITION_FAILED"
+        );
+        assert!(!topology(protocol(403)).is_transient(), "ACCESS_REFUSED");
     }
 }
