@@ -171,7 +171,16 @@ impl Acknowledger for AmqpAcker {
         self: Box<Self>,
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move { self.apply(settlement).await.map_err(TransportError::from) })
+        Box::pin(async move {
+            let link = self.link.clone();
+            // A settlement caught in its connection's failure ends when the session gives
+            // the connection up: the broker redelivers the message, the inbox has it.
+            tokio::select! {
+                biased;
+                settled = self.apply(settlement) => settled.map_err(TransportError::from),
+                () = link.retired() => Err(Error::ChannelClosed.into()),
+            }
+        })
     }
 }
 

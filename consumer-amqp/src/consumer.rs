@@ -1,11 +1,12 @@
 //! The consumer: a [`consumer_core::Transport`] that survives connection loss.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::Connection;
@@ -24,6 +25,8 @@ use crate::Error;
 pub(crate) struct Link {
     generation: u64,
     alive: AtomicBool,
+    /// Becomes `true` when the session gives the connection up (with `alive`).
+    retired: watch::Sender<bool>,
     pub(crate) publisher: ConfirmChannel,
     pub(crate) topology: Arc<Topology>,
     /// The consuming channel's unsettled deliveries, for coalesced acks.
@@ -49,8 +52,17 @@ impl Link {
         self.reset.notify_one();
     }
 
+    /// Completes once the session has given this connection up (at once if it has).
+    /// Every wait on the broker through this connection races it: lapin does not promise
+    /// that a publish, confirm or ack caught in a connection's failure ever completes.
+    pub(crate) async fn retired(&self) {
+        let mut retired = self.retired.subscribe();
+        let _ = retired.wait_for(|r| *r).await;
+    }
+
     fn retire(&self) {
         self.alive.store(false, Ordering::Release);
+        self.retired.send_replace(true);
     }
 }
 
@@ -117,7 +129,8 @@ impl ConsumerHealth {
 }
 
 enum Item {
-    Delivery(Incoming, Arc<Link>),
+    /// Deliveries of one connection, in delivery order.
+    Deliveries(Vec<Incoming>, Arc<Link>),
     Error(TransportError),
 }
 
@@ -136,6 +149,9 @@ enum Item {
 /// connection, which returns prefetched but unprocessed deliveries to the queue.
 pub struct AmqpConsumer {
     rx: mpsc::Receiver<Item>,
+    /// The rest of the last item's deliveries, and their connection.
+    ready: VecDeque<Incoming>,
+    ready_link: Option<Arc<Link>>,
     health: ConsumerHealth,
     queue: String,
 }
@@ -166,11 +182,14 @@ impl AmqpConsumer {
         health.0.sessions.store(1, Ordering::Release);
         health.0.connected.store(true, Ordering::Release);
         tracing::info!(url = %config.url, queue = %config.queue, prefetch = config.prefetch, "consuming");
-        // One slot: the lapin consumer already buffers up to `prefetch` deliveries.
+        // One slot: an item carries every delivery the background task holds (at most
+        // `prefetch`, the broker sends no more unacked).
         let (tx, rx) = mpsc::channel(1);
         tokio::spawn(run(config.clone(), topology, session, tx, health.clone()));
         Ok(AmqpConsumer {
             rx,
+            ready: VecDeque::new(),
+            ready_link: None,
             health,
             queue: config.queue.clone(),
         })
@@ -187,6 +206,19 @@ impl Stream for AmqpConsumer {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         loop {
+            if let Some(incoming) = self.ready.pop_front() {
+                match &self.ready_link {
+                    Some(link) if link.is_alive() => return Poll::Ready(Some(Ok(incoming))),
+                    // Buffered before its connection was lost: running the handler would
+                    // only produce a delivery that cannot be acked. The broker redelivers it.
+                    link => {
+                        let generation = link.as_ref().map(|l| l.generation());
+                        self.health.0.stale.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(?generation, "dropped a delivery of a lost connection");
+                        continue;
+                    }
+                }
+            }
             let item = match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(item)) => item,
                 Poll::Ready(None) => return Poll::Ready(None),
@@ -194,17 +226,9 @@ impl Stream for AmqpConsumer {
             };
             match item {
                 Item::Error(e) => return Poll::Ready(Some(Err(e))),
-                Item::Delivery(incoming, link) if link.is_alive() => {
-                    return Poll::Ready(Some(Ok(incoming)))
-                }
-                // Buffered before its connection was lost: running the handler would only
-                // produce a delivery that cannot be acked. The broker redelivers it.
-                Item::Delivery(_, link) => {
-                    self.health.0.stale.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(
-                        generation = link.generation(),
-                        "dropped a delivery of a lost connection"
-                    );
+                Item::Deliveries(deliveries, link) => {
+                    self.ready.extend(deliveries);
+                    self.ready_link = Some(link);
                 }
             }
         }
@@ -271,6 +295,7 @@ impl Session {
         let link = Arc::new(Link {
             generation,
             alive: AtomicBool::new(true),
+            retired: watch::Sender::new(false),
             publisher,
             topology: topology.clone(),
             acks: acker::AckBook::default(),
@@ -298,28 +323,39 @@ enum Stop {
 }
 
 /// Forwards deliveries until the session ends.
+///
+/// It never stops watching the connection: while the stream is not taking deliveries (the
+/// worker is busy) it goes on taking them from lapin, so a lost connection, a cancelled
+/// consumer or a reset is seen at once, not when the worker next asks. What it holds is
+/// bounded by the prefetch (the broker sends no more unacked), and goes to the stream as
+/// one item when there is room: a busy consumer pays one hand-over between the two tasks
+/// for many deliveries, not one each.
 async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> Stop {
+    let mut taken: Vec<Incoming> = Vec::new();
     loop {
-        let next = tokio::select! {
-            biased;
-            _ = tx.closed() => return Stop::Dropped,
-            _ = session.link.reset.notified() => return Stop::Reset,
-            next = session.consumer.next() => next,
-        };
-        let delivery = match next {
-            Some(Ok(delivery)) => delivery,
-            Some(Err(e)) => return Stop::Lost(e),
-            None => return Stop::Cancelled,
-        };
-        let incoming = acker::incoming(delivery, &session.link, queue);
         tokio::select! {
             biased;
             _ = session.link.reset.notified() => return Stop::Reset,
-            sent = tx.send(Item::Delivery(incoming, session.link.clone())) => {
-                if sent.is_err() {
-                    return Stop::Dropped;
+            next = session.consumer.next() => {
+                let mut next = Some(next);
+                // The first, then what else lapin has ready, in one round of the select.
+                while let Some(delivery) = next {
+                    match delivery {
+                        Some(Ok(d)) => taken.push(acker::incoming(d, &session.link, queue)),
+                        // What was taken is of the lost connection: the stream would drop it.
+                        Some(Err(e)) => return Stop::Lost(e),
+                        None => return Stop::Cancelled,
+                    }
+                    next = session.consumer.next().now_or_never();
                 }
             }
+            permit = tx.reserve(), if !taken.is_empty() => match permit {
+                Ok(permit) => {
+                    permit.send(Item::Deliveries(std::mem::take(&mut taken), session.link.clone()));
+                }
+                Err(_) => return Stop::Dropped,
+            },
+            _ = tx.closed(), if taken.is_empty() => return Stop::Dropped,
         }
     }
 }

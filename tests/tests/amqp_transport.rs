@@ -123,6 +123,56 @@ async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
     Rabbit::delete_topology(&cfg).await;
 }
 
+/// A busy worker takes nothing from the stream for a while; the connection is lost meanwhile.
+/// The consumer must see the loss and reconnect then, not when the worker next asks: the
+/// deliveries it holds are of the lost connection and could never be acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connection_is_seen_while_nothing_takes_deliveries() {
+    init_tracing();
+    let mut cfg = config(&amqp_support::unique_name("idle"));
+    cfg.prefetch = 8;
+    let ids: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
+    let mut consumer = AmqpConsumer::connect(cfg.clone()).await.unwrap();
+    let health = consumer.health();
+    // Published one by one after the consumer started, so they reach it one by one.
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    for id in &ids {
+        publisher
+            .publish_json(&cfg.queue, id, &json!({ "id": id }))
+            .await
+            .unwrap();
+    }
+    publisher.close().await;
+    wait_for("all 8 to be delivered to the consumer", LONG, || async {
+        Rabbit::ready(&cfg.queue).await == 0
+    })
+    .await;
+
+    // Nothing has taken a delivery from the stream, and nothing does until the reconnection.
+    let closed = close_connections_matching(&format!("{} (consumer)", cfg.queue)).await;
+    assert_eq!(closed, 1);
+    wait_for(
+        "the consumer to reconnect while its stream is not polled",
+        LONG,
+        || async { health.sessions() >= 2 && health.is_connected() },
+    )
+    .await;
+
+    // What it held is dropped as stale; the broker redelivers all 8.
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    ack_redelivered(&mut consumer, &refs).await;
+    assert!(
+        health.stale_deliveries_dropped() >= 1,
+        "deliveries of the lost connection were dropped"
+    );
+    drop(consumer);
+    tokio::time::timeout(Duration::from_secs(10), health.closed())
+        .await
+        .unwrap();
+    assert_eq!(Rabbit::ready(&cfg.queue).await, 0);
+    Rabbit::delete_topology(&cfg).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_cancelled_by_a_deleted_queue_is_re_established() {
     init_tracing();
