@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use amqp_support::{close_connections_matching, config, init_tracing, wait_for, Rabbit, LONG};
-use consumer_amqp::{AmqpConsumer, AmqpPublisher, RedactedUrl};
+use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, RedactedUrl};
 use consumer_core::{Incoming, Settlement};
 use futures::StreamExt;
 use serde_json::json;
@@ -52,6 +52,18 @@ async fn next_delivery(consumer: &mut AmqpConsumer) -> (Incoming, usize) {
             }
         }
     }
+}
+
+/// Drops the consumer and checks that nothing was left unacked: closing its connection
+/// returns nothing to the queue. Then deletes the test's queues.
+async fn close_with_nothing_unacked(consumer: AmqpConsumer, cfg: &AmqpConfig) {
+    let health = consumer.health();
+    drop(consumer);
+    tokio::time::timeout(Duration::from_secs(10), health.closed())
+        .await
+        .expect("the consumer closes its connection");
+    assert_eq!(Rabbit::ready(&cfg.queue).await, 0);
+    Rabbit::delete_topology(cfg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,13 +126,7 @@ async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
         "the stale retry published nothing"
     );
 
-    // Nothing is left unacked: closing the connection returns nothing to the queue.
-    drop(consumer);
-    tokio::time::timeout(Duration::from_secs(10), health.closed())
-        .await
-        .unwrap();
-    assert_eq!(Rabbit::ready(&cfg.queue).await, 0);
-    Rabbit::delete_topology(&cfg).await;
+    close_with_nothing_unacked(consumer, &cfg).await;
 }
 
 /// A busy worker takes nothing from the stream for a while; the connection is lost meanwhile.
@@ -165,12 +171,7 @@ async fn a_lost_connection_is_seen_while_nothing_takes_deliveries() {
         health.stale_deliveries_dropped() >= 1,
         "deliveries of the lost connection were dropped"
     );
-    drop(consumer);
-    tokio::time::timeout(Duration::from_secs(10), health.closed())
-        .await
-        .unwrap();
-    assert_eq!(Rabbit::ready(&cfg.queue).await, 0);
-    Rabbit::delete_topology(&cfg).await;
+    close_with_nothing_unacked(consumer, &cfg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
