@@ -82,10 +82,15 @@ struct Record {
     bytes: usize,
 }
 
+/// `topic/partition@offset`: where a record is, and the message id derived from it.
+fn location(topic: &str, partition: i32, offset: i64) -> String {
+    format!("{topic}/{partition}@{offset}")
+}
+
 impl Record {
     /// `topic/partition@offset`.
     fn location(&self) -> String {
-        format!("{}/{}@{}", self.topic, self.partition, self.offset)
+        location(&self.topic, self.partition, self.offset)
     }
 
     /// The envelope handed to the worker.
@@ -332,7 +337,7 @@ impl Shared {
             .map(std::borrow::Cow::into_owned)
             .or_else(|| {
                 s.offset_message_ids
-                    .then(|| format!("{topic}/{partition}@{offset}"))
+                    .then(|| location(&topic, partition, offset))
             });
         let payload = m.payload().unwrap_or_default();
         let bytes = payload.len()
