@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::types::FieldTable;
+use lapin::types::{FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
@@ -63,8 +63,8 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
             link: link.clone(),
             acker,
             delivery_tag,
-            exchange: exchange.to_string(),
-            routing_key: routing_key.to_string(),
+            exchange,
+            routing_key,
             properties,
             payload,
         }),
@@ -160,8 +160,8 @@ struct AmqpAcker {
     link: Arc<Link>,
     acker: lapin::Acker,
     delivery_tag: u64,
-    exchange: String,
-    routing_key: String,
+    exchange: ShortString,
+    routing_key: ShortString,
     properties: BasicProperties,
     payload: Bytes,
 }
@@ -289,10 +289,18 @@ impl AmqpAcker {
         let original = self.properties.headers().as_ref();
         let mut table = original.cloned().unwrap_or_default();
         if !table.contains_key(headers::ORIGINAL_EXCHANGE) {
-            headers::set_string(&mut table, headers::ORIGINAL_EXCHANGE, &self.exchange);
+            headers::set_string(
+                &mut table,
+                headers::ORIGINAL_EXCHANGE,
+                self.exchange.as_str(),
+            );
         }
         if !table.contains_key(headers::ORIGINAL_ROUTING_KEY) {
-            headers::set_string(&mut table, headers::ORIGINAL_ROUTING_KEY, &self.routing_key);
+            headers::set_string(
+                &mut table,
+                headers::ORIGINAL_ROUTING_KEY,
+                self.routing_key.as_str(),
+            );
         }
         if !table.contains_key(headers::FIRST_FAILURE) {
             headers::set_string(&mut table, headers::FIRST_FAILURE, &headers::rfc3339(now));
