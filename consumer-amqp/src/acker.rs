@@ -467,6 +467,18 @@ mod tests {
         tokio::spawn(async move { book.plan_waiting(2, deadline).await.1 })
     }
 
+    /// The book of [`book_with_2_ready_behind_1`] and 2 waiting in it (60 s deadline).
+    async fn waiting_behind_1() -> (
+        Arc<AckBook<&'static str>>,
+        tokio::task::JoinHandle<AckPlan<&'static str>>,
+    ) {
+        let book = book_with_2_ready_behind_1();
+        let waiting = wait_for_2(&book, std::time::Duration::from_secs(60));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "2 waits while 1 is in flight");
+        (book, waiting)
+    }
+
     /// The waiter's plan once the book changed: well before its 60 s deadline, or it was
     /// not woken.
     async fn woken(
@@ -480,10 +492,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_delivery_behind_one_in_flight_is_covered_by_its_multiple_ack() {
-        let book = book_with_2_ready_behind_1();
-        let waiting = wait_for_2(&book, std::time::Duration::from_secs(60));
-        tokio::task::yield_now().await;
-        assert!(!waiting.is_finished(), "2 waits while 1 is in flight");
+        let (book, waiting) = waiting_behind_1().await;
         // 1 finishes: one frame through 2, and 2 has nothing left to send.
         book.ready(1, &"a1");
         let (sending, plan) = book.plan_waiting(1, tokio::time::Instant::now()).await;
@@ -495,10 +504,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_delivery_behind_a_requeued_one_acks_itself_then() {
-        let book = book_with_2_ready_behind_1();
-        let waiting = wait_for_2(&book, std::time::Duration::from_secs(60));
-        tokio::task::yield_now().await;
-        assert!(!waiting.is_finished(), "2 waits while 1 is in flight");
+        let (book, waiting) = waiting_behind_1().await;
         // 1 is requeued (a nack leaves the book): 2 leads now and acks through itself.
         book.settled(1);
         assert_eq!(woken(waiting).await, AckPlan::Through(2, "a2"));
