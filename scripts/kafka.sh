@@ -25,10 +25,10 @@
 #
 # tansu 0.6 answers ListOffsets by when a batch was stored, not by its offset: earliest is
 # the batch stored first (after producers wrote one partition concurrently, that can be
-# offset 1 while offset 0 exists) and latest is the base offset + 1 of the batch stored
-# last. So tests and the chaos suite read their fresh topics from offset 0, never from
-# the low watermark, and take end offsets from delivery reports or read to the fetch's
-# end (a Fetch answers the true high watermark).
+# offset 1 while offset 0 exists; 8 producers on a fresh topic: 1 round in 20) and latest
+# is the base offset + 1 of the batch stored last. So tests and the chaos suite read their
+# fresh topics from offset 0, never from the low watermark, and take end offsets from
+# delivery reports or read to the fetch's end (a Fetch answers the true high watermark).
 #
 # State lives in ${CONSUMER_STATE_DIR:-/tmp/consumer-test}/kafka:
 #   tansu.pid, port, env   what the running broker uses, for other scripts

@@ -29,9 +29,8 @@ const MAX_POLL_INTERVAL_MS: u64 = 7_000;
 const SLOW_JOB_MS: u64 = MAX_POLL_INTERVAL_MS + 1_000;
 
 /// Where every partition of a run's topics starts: they are created for the run and nothing
-/// is deleted from them. Not the broker's low watermark: tansu 0.6 answers ListOffsets
-/// (earliest) with the batch stored first in time, which after concurrent producers can be
-/// a higher offset than one that exists (1 instead of 0).
+/// is deleted from them. Not the broker's low watermark, which tansu 0.6 can answer past an
+/// existing offset (`scripts/kafka.sh` says why).
 const LOG_START: i64 = 0;
 
 /// Whether the broker keeps topics and offsets across a restart: `scripts/kafka.sh` with
@@ -172,7 +171,7 @@ impl Kafka {
                         .fetch_watermarks(e.topic(), e.partition(), timeout)
                         .ok()?;
                     let from = match e.offset() {
-                        Offset::Offset(o) => o.max(LOG_START),
+                        Offset::Offset(o) => o,
                         _ => LOG_START,
                     };
                     total += u64::try_from(high - from).unwrap_or(0);
@@ -186,9 +185,8 @@ impl Kafka {
     }
 
     /// Reads the whole dead-letter topic (shared by both groups; `x-handler` says whose),
-    /// each partition from [`LOG_START`] until the fetch says it is at the end. The end is the
-    /// fetch's, not ListOffsets': tansu 0.6 answers latest with the base offset + 1 of the
-    /// batch stored last, short of a batch of several records.
+    /// each partition from [`LOG_START`] until the fetch says it is at the end (not to
+    /// ListOffsets' latest, which tansu 0.6 can answer short: `scripts/kafka.sh`).
     pub(crate) async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
         let topic = self.config.dead_letter_topic(&self.topic);
         let mut client = self.client(&format!("{}_dlq_reader", self.topic));

@@ -337,16 +337,8 @@ async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> St
             biased;
             _ = session.link.reset.notified() => return Stop::Reset,
             next = session.consumer.next() => {
-                let mut next = Some(next);
-                // The first, then what else lapin has ready, in one round of the select.
-                while let Some(delivery) = next {
-                    match delivery {
-                        Some(Ok(d)) => taken.push(acker::incoming(d, &session.link, queue)),
-                        // What was taken is of the lost connection: the stream would drop it.
-                        Some(Err(e)) => return Stop::Lost(e),
-                        None => return Stop::Cancelled,
-                    }
-                    next = session.consumer.next().now_or_never();
+                if let Err(stop) = take_ready(session, next, &mut taken, queue) {
+                    return stop;
                 }
             }
             permit = tx.reserve(), if !taken.is_empty() => match permit {
@@ -358,6 +350,27 @@ async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> St
             _ = tx.closed(), if taken.is_empty() => return Stop::Dropped,
         }
     }
+}
+
+/// Takes `first` and what else lapin has ready into `taken`, in one round of the pump's
+/// select. `Err` when the session ends: what was taken is of the lost connection, and the
+/// stream would drop it.
+fn take_ready(
+    session: &mut Session,
+    first: Option<lapin::Result<lapin::message::Delivery>>,
+    taken: &mut Vec<Incoming>,
+    queue: &str,
+) -> Result<(), Stop> {
+    let mut next = Some(first);
+    while let Some(delivery) = next {
+        match delivery {
+            Some(Ok(d)) => taken.push(acker::incoming(d, &session.link, queue)),
+            Some(Err(e)) => return Err(Stop::Lost(e)),
+            None => return Err(Stop::Cancelled),
+        }
+        next = session.consumer.next().now_or_never();
+    }
+    Ok(())
 }
 
 /// The background task: pump, and on any loss reconnect for as long as the consumer lives.

@@ -265,11 +265,9 @@ pub(crate) async fn committed_offsets(
 /// Reads every record of `topic` (all partitions from offset 0) until `expect` arrived or
 /// `limit` passed, with a throwaway client.
 ///
-/// From offset 0, not `Offset::Beginning`: tansu 0.6 answers ListOffsets(earliest) with the
-/// batch stored first in time, and when producers write one partition concurrently a higher
-/// offset can be stored before a lower one, so the earliest offset can come back as 1 while
-/// offset 0 exists (seen with 8 concurrent producers: 1 fresh topic in 20). A test topic is
-/// fresh and nothing is deleted from it, so its log starts at 0.
+/// From offset 0, not `Offset::Beginning`: tansu 0.6 can answer the earliest offset past
+/// one that exists (`scripts/kafka.sh` says why). A test topic is fresh and nothing is
+/// deleted from it, so its log starts at 0.
 pub(crate) async fn read_topic(
     topic: &str,
     partitions: i32,
