@@ -23,7 +23,7 @@ use crate::key::{canonical_hash, KeyTemplate};
 use crate::log_marks::{Check, LogWindows};
 use crate::retry::{ExponentialBackoff, Jitter};
 use crate::stats::{Stats, StatsSnapshot};
-use crate::{Error, ErrorKind, HandlerError};
+use crate::{Error, ErrorKind, HandlerError, TransportError};
 
 /// Runtime settings of a worker (the handler's own settings come from `#[handler]`).
 #[derive(Clone)]
@@ -231,6 +231,35 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     stats: Arc<Stats>,
     /// What this worker may run as fresh in the logs it reads (see [`Worker::is_fresh`]).
     logs: tokio::sync::Mutex<LogWindows>,
+}
+
+/// Applies a batch's settlements, all under way at once, and returns each outcome with its
+/// result, in order. Most settle at their first poll (a Kafka ack marks an offset): those
+/// are polled in place, and only the rest are joined, so a batch does not pay a task and a
+/// wake-up per delivery.
+async fn settle_all(settled: Vec<Settled>) -> Vec<(Outcome, Result<(), TransportError>)> {
+    let mut done = Vec::with_capacity(settled.len());
+    let mut waiting = Vec::new();
+    for (i, (acker, settlement, outcome)) in settled.into_iter().enumerate() {
+        let mut settling = acker.settle(settlement);
+        match futures::poll!(settling.as_mut()) {
+            std::task::Poll::Ready(result) => done.push((outcome, result)),
+            std::task::Poll::Pending => {
+                done.push((outcome, Ok(())));
+                waiting.push(settling.map(move |result| (i, result)));
+            }
+        }
+    }
+    for (i, result) in futures::future::join_all(waiting).await {
+        done[i].1 = result;
+    }
+    done
+}
+
+/// Whether the log mark may prove `delivery` fresh: a first delivery with a position that its
+/// transport did not already call fresh (see [`Worker::is_fresh`]).
+fn may_be_proven_fresh(delivery: &Delivery) -> bool {
+    !delivery.fresh && delivery.position.is_some() && !delivery.redelivered && delivery.attempt == 1
 }
 
 /// A decoded message and its key.
@@ -508,27 +537,42 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         async move {
             let stats = &self.inner.stats;
             let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
-            let mut runnable: Vec<Pending<H::Message>> = Vec::with_capacity(batch.len());
-            let mut later = Vec::new();
-            let mut seen = std::collections::HashSet::new();
+            let mut prepared: Vec<Pending<H::Message>> = Vec::with_capacity(batch.len());
             for incoming in batch {
                 match self.prepare(&incoming.delivery) {
                     Err((settlement, outcome)) => {
                         Stats::bump(&stats.received);
                         settled.push((incoming.acker, settlement, outcome));
                     }
-                    // A key twice in one batch: the second copy runs (and is counted as
-                    // received) after the batch commits, and is then seen as a duplicate.
-                    Ok(p) if !seen.insert(p.key.clone()) => later.push(incoming),
-                    Ok(p) => {
-                        Stats::bump(&stats.received);
-                        let mut delivery = incoming.delivery;
-                        delivery.fresh = self.is_fresh(&delivery).await;
-                        runnable.push((delivery, incoming.acker, p));
-                    }
+                    Ok(p) => prepared.push((incoming.delivery, incoming.acker, p)),
                 }
             }
-            let batch_keys: Vec<String> = runnable.iter().map(|(_, _, p)| p.key.clone()).collect();
+            // A key twice in one batch: the second copy runs (and is counted as received)
+            // after the batch commits, and is then seen as a duplicate.
+            let repeated: Vec<bool> = {
+                let mut seen = std::collections::HashSet::with_capacity(prepared.len());
+                prepared
+                    .iter()
+                    .map(|(_, _, p)| !seen.insert(p.key.as_str()))
+                    .collect()
+            };
+            let mut runnable: Vec<Pending<H::Message>> = Vec::with_capacity(prepared.len());
+            let mut later = Vec::new();
+            for ((delivery, acker, p), repeated) in prepared.into_iter().zip(repeated) {
+                if repeated {
+                    later.push(Incoming { delivery, acker });
+                } else {
+                    Stats::bump(&stats.received);
+                    runnable.push((delivery, acker, p));
+                }
+            }
+            self.mark_fresh(&mut runnable).await;
+            // Only fault injection needs the keys once the deliveries have moved on.
+            let batch_keys: Vec<String> = if self.inner.config.faults.is_some() {
+                runnable.iter().map(|(_, _, p)| p.key.clone()).collect()
+            } else {
+                Vec::new()
+            };
             let (fresh, counted): (Vec<_>, Vec<_>) =
                 runnable.into_iter().partition(|(d, _, _)| d.fresh);
             let mut unclaimed = Vec::new();
@@ -549,14 +593,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             for key in &batch_keys {
                 self.fault(FaultPoint::AfterCommit, key)?;
             }
-            let outcomes: Vec<Outcome> = settled.iter().map(|(_, _, o)| *o).collect();
-            let results = futures::future::join_all(
-                settled
-                    .into_iter()
-                    .map(|(acker, settlement, _)| acker.settle(settlement)),
-            )
-            .await;
-            for (outcome, result) in outcomes.into_iter().zip(results) {
+            for (outcome, result) in settle_all(settled).await {
                 self.count(outcome);
                 if let Err(e) = result {
                     Stats::bump(&stats.settle_errors);
@@ -929,11 +966,15 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 ),
             ));
         }
-        let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|v| {
-            let m = H::Message::deserialize(&v)?;
-            Ok((v, m))
+        // The key and hash are taken from the decoded value first, so the message can then be
+        // built from the value by move (its strings are not copied again); an undecodable
+        // payload is still reported as such before a missing key.
+        let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|value| {
+            let key = self.derive_key(delivery, &value);
+            let hash = canonical_hash(&value);
+            Ok((H::Message::deserialize(value)?, key, hash))
         });
-        let (value, message) = decoded.map_err(|e| {
+        let (message, key, hash) = decoded.map_err(|e| {
             self.dead_letter(
                 delivery,
                 DeadLetterReason::Undecodable,
@@ -942,14 +983,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 e.to_string(),
             )
         })?;
-        let key = self
-            .derive_key(delivery, &value)
-            .map_err(|e| self.dead_letter(delivery, DeadLetterReason::MissingKey, None, 0, e))?;
-        Ok(Prepared {
-            hash: canonical_hash(&value),
-            message,
-            key,
-        })
+        let key =
+            key.map_err(|e| self.dead_letter(delivery, DeadLetterReason::MissingKey, None, 0, e))?;
+        Ok(Prepared { message, key, hash })
     }
 
     /// Turns a claim into the attempt number to run, or the settlement of a message that must
@@ -1113,16 +1149,32 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// read it, the mark raised and committed past it first if need be (see
     /// [`crate::LogPosition`]). If the mark cannot be raised, the delivery is counted.
     async fn is_fresh(&self, delivery: &Delivery) -> bool {
-        if delivery.fresh {
-            return true;
+        if !may_be_proven_fresh(delivery) {
+            return delivery.fresh;
         }
+        let mut logs = self.inner.logs.lock().await;
+        self.is_fresh_in(&mut logs, delivery).await
+    }
+
+    /// [`Worker::is_fresh`] for each of a batch's deliveries, under one hold of the log
+    /// windows (a batch from a log usually needs no database visit at all).
+    async fn mark_fresh(&self, batch: &mut [Pending<H::Message>]) {
+        if !batch.iter().any(|(d, _, _)| may_be_proven_fresh(d)) {
+            return;
+        }
+        let mut logs = self.inner.logs.lock().await;
+        for (delivery, _, _) in batch.iter_mut() {
+            if may_be_proven_fresh(delivery) {
+                delivery.fresh = self.is_fresh_in(&mut logs, delivery).await;
+            }
+        }
+    }
+
+    /// [`Worker::is_fresh`] of a delivery with a position, with the log windows held.
+    async fn is_fresh_in(&self, logs: &mut LogWindows, delivery: &Delivery) -> bool {
         let Some(pos) = &delivery.position else {
             return false;
         };
-        if delivery.redelivered || delivery.attempt != 1 {
-            return false;
-        }
-        let mut logs = self.inner.logs.lock().await;
         let to = match logs.check(pos) {
             Check::Fresh => return true,
             Check::Counted => return false,
@@ -1353,10 +1405,6 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     ) -> Result<(), Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
-        let items: Vec<(String, String)> = fresh
-            .iter()
-            .map(|(_, _, p)| (p.key.clone(), p.hash.clone()))
-            .collect();
         let mut tx = match DB::begin_handler(&mut *conn).await {
             Ok(tx) => tx,
             Err(e) => {
@@ -1364,21 +1412,30 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 return Ok(());
             }
         };
-        let claimed = match DB::claim_fresh_many(&mut tx, names, &s.name, &items, s.retention).await
-        {
-            Ok(claimed) => claimed
-                .into_iter()
-                .collect::<std::collections::HashSet<_>>(),
+        let items: Vec<(&str, &str)> = fresh
+            .iter()
+            .map(|(_, _, p)| (p.key.as_str(), p.hash.as_str()))
+            .collect();
+        let claimed = DB::claim_fresh_many(&mut tx, names, &s.name, &items, s.retention).await;
+        drop(items);
+        let taken = match claimed {
+            Ok(taken) => taken,
             Err(e) => {
                 drop(tx);
                 self.retry_all_after_db_error(&e, fresh, settled);
                 return Ok(());
             }
         };
-        let (to_run, taken): (Vec<_>, Vec<_>) = fresh
-            .into_iter()
-            .partition(|(_, _, p)| claimed.contains(&p.key));
-        unclaimed.extend(taken);
+        let to_run = if taken.is_empty() {
+            fresh
+        } else {
+            let taken: std::collections::HashSet<String> = taken.into_iter().collect();
+            let (to_run, taken): (Vec<_>, Vec<_>) = fresh
+                .into_iter()
+                .partition(|(_, _, p)| !taken.contains(&p.key));
+            unclaimed.extend(taken);
+            to_run
+        };
         if to_run.is_empty() {
             drop(tx);
             return Ok(());
@@ -1402,12 +1459,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     }
                     Err(e) => {
                         let failure = HandlerError::transient(format!("batch commit failed: {e}"));
-                        // The hash claimed with the key (a commit failure is rare).
-                        let hash = items
-                            .iter()
-                            .find(|(k, _)| *k == key)
-                            .map_or("", |(_, h)| h.as_str());
-                        self.fresh_outcome(&mut *conn, &delivery, &key, hash, Ok(Some(failure)))
+                        // The hash claimed with the key, taken again from the payload (which
+                        // decoded before): a commit failure is rare.
+                        let hash = self.prepare(&delivery).map(|p| p.hash).unwrap_or_default();
+                        self.fresh_outcome(&mut *conn, &delivery, &key, &hash, Ok(Some(failure)))
                             .await
                     }
                 };

@@ -335,25 +335,26 @@ pub trait Backend: sqlx::Database + private::Sealed {
 
     /// [`Backend::claim_fresh`] for several distinct keys (`(key, payload_hash)` pairs),
     /// in key order (so two batches sharing keys wait on each other, never deadlock);
-    /// returns the keys inserted.
+    /// returns the keys that had a row already (not inserted): usually none, so the common
+    /// case sends and decodes no keys back.
     #[doc(hidden)]
     fn claim_fresh_many<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
-        items: &'a [(String, String)],
+        items: &'a [(&'a str, &'a str)],
         retention: Duration,
     ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(async move {
-            let mut sorted: Vec<&(String, String)> = items.iter().collect();
+            let mut sorted: Vec<&(&str, &str)> = items.iter().collect();
             sorted.sort_unstable();
-            let mut claimed = Vec::with_capacity(items.len());
+            let mut taken = Vec::new();
             for (key, hash) in sorted {
-                if Self::claim_fresh(conn, names, handler, key, hash, retention).await? {
-                    claimed.push(key.clone());
+                if !Self::claim_fresh(conn, names, handler, key, hash, retention).await? {
+                    taken.push((*key).to_owned());
                 }
             }
-            Ok(claimed)
+            Ok(taken)
         })
     }
 

@@ -77,12 +77,14 @@ const CLAIM_FRESH: &str = "INSERT INTO {inbox} \
      VALUES ($1, $2, $3, 'completed', 1, now(), now() + $4 * interval '1 millisecond') \
      ON CONFLICT (handler, key) DO NOTHING";
 
-/// [`CLAIM_FRESH`] for many keys, inserted in key order.
-const CLAIM_FRESH_MANY: &str = "INSERT INTO {inbox} \
+/// [`CLAIM_FRESH`] for many keys, inserted in key order; returns the keys not inserted (a
+/// data-modifying CTE runs to completion before the outer query reads it).
+const CLAIM_FRESH_MANY: &str = "WITH ins AS (INSERT INTO {inbox} \
      (handler, key, payload_hash, status, attempts, completed_at, expires_at) \
      SELECT $1, u.key, u.hash, 'completed', 1, now(), now() + $4 * interval '1 millisecond' \
      FROM unnest($2::text[], $3::text[]) AS u(key, hash) ORDER BY u.key \
-     ON CONFLICT (handler, key) DO NOTHING RETURNING key";
+     ON CONFLICT (handler, key) DO NOTHING RETURNING key) \
+     SELECT u.key FROM unnest($2::text[]) AS u(key) EXCEPT SELECT key FROM ins";
 
 const COUNT_FRESH_FAILURE: &str = "INSERT INTO {inbox} \
      (handler, key, payload_hash, status, attempts) VALUES ($1, $2, $3, 'pending', 1) \
@@ -292,12 +294,11 @@ impl Backend for Postgres {
         conn: &'a mut PgConnection,
         names: &'a TableNames,
         handler: &'a str,
-        items: &'a [(String, String)],
+        items: &'a [(&'a str, &'a str)],
         retention: Duration,
     ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(async move {
-            let (keys, hashes): (Vec<&str>, Vec<&str>) =
-                items.iter().map(|(k, h)| (k.as_str(), h.as_str())).unzip();
+            let (keys, hashes): (Vec<&str>, Vec<&str>) = items.iter().copied().unzip();
             sqlx::query_scalar(&names.sql.claim_fresh_many)
                 .bind(handler)
                 .bind(keys)
