@@ -42,8 +42,10 @@ pub struct Delivery {
     pub message_id: Option<String>,
     /// The raw payload.
     pub payload: Bytes,
-    /// String headers (transport properties the runtime or handlers may read).
-    pub headers: BTreeMap<String, String>,
+    /// String headers (transport properties the runtime or handlers may read). Shared: a
+    /// transport may hand every delivery of one message the same map, and cloning a
+    /// delivery does not copy them (`Arc::make_mut` to change them).
+    pub headers: Arc<BTreeMap<String, String>>,
     /// The broker says it delivered this message before (not acked then).
     pub redelivered: bool,
     /// The delivery attempt as the transport counts it (1 for the first), from a retry header.

@@ -226,7 +226,7 @@ fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
     let delivery = Delivery {
         message_id: stored.message.id.clone(),
         payload: stored.message.payload.clone(),
-        headers: stored.message.headers.clone(),
+        headers: Arc::new(stored.message.headers.clone()),
         redelivered: stored.redelivered,
         attempt: stored.attempt,
         fresh: !stored.redelivered && stored.attempt == 1,

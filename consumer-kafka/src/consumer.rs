@@ -73,7 +73,11 @@ struct Record {
     key: Option<Vec<u8>>,
     payload: Bytes,
     null_payload: bool,
-    raw_headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The headers as text, as deliveries carry them: one map shared by every hand-out.
+    headers: Arc<BTreeMap<String, String>>,
+    /// The headers as librdkafka gave them, kept only where the text map does not hold
+    /// exactly the same (see [`read_headers`]): retry and dead-letter copies carry these.
+    raw_headers: Option<RawHeaders>,
     /// From the message id header, else (if configured) the record's position.
     message_id: Option<String>,
     /// From the `x-attempt` header (1 without one).
@@ -95,17 +99,13 @@ impl Record {
 
     /// The envelope handed to the worker.
     fn delivery(&self, attempt: u32, redelivered: bool, position: LogPosition) -> Delivery {
-        // Inserted one by one: collecting would sort a temporary vector first.
-        let mut headers = BTreeMap::new();
-        for (k, v) in &self.raw_headers {
-            let text = v
-                .as_deref()
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default();
-            headers.insert(k.clone(), text);
-        }
+        let mut headers = self.headers.clone();
         if attempt > 1 {
-            headers.insert(headers::ATTEMPT.to_owned(), attempt.to_string());
+            let attempt = attempt.to_string();
+            // A retry copy usually says so already; a record retried in place does not.
+            if headers.get(headers::ATTEMPT) != Some(&attempt) {
+                Arc::make_mut(&mut headers).insert(headers::ATTEMPT.to_owned(), attempt);
+            }
         }
         Delivery {
             message_id: self.message_id.clone(),
@@ -123,18 +123,60 @@ impl Record {
             },
         }
     }
+
+    /// The headers as the record carried them, in its order, as (name, value) pairs.
+    fn original_headers(&self) -> RawHeaders {
+        match &self.raw_headers {
+            Some(raw) => raw.clone(),
+            None => self
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), Some(v.clone().into_bytes())))
+                .collect(),
+        }
+    }
 }
 
-/// The last header named `name` in `hs`, as text (the delivery's header map keeps the last
-/// of a repeated name too).
-fn header_text<'a>(
-    hs: &'a [(String, Option<Vec<u8>>)],
-    name: &str,
-) -> Option<std::borrow::Cow<'a, str>> {
-    hs.iter()
-        .rev()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| String::from_utf8_lossy(v.as_deref().unwrap_or_default()))
+/// A record's headers as librdkafka gives them: names, and values that may be null.
+type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
+
+/// A record's headers as text (a null value reads as empty, invalid UTF-8 is replaced, the
+/// last of a repeated name wins), the headers as they were when that text says less than
+/// they did (a null or non-UTF-8 value, a repeated name, names out of order), and their
+/// size in bytes. Most records need only the text.
+fn read_headers<H: Headers>(
+    hs: Option<&H>,
+) -> (BTreeMap<String, String>, Option<RawHeaders>, usize) {
+    let mut text = BTreeMap::new();
+    let mut bytes = 0;
+    let Some(hs) = hs else {
+        return (text, None, bytes);
+    };
+    let mut exact = true;
+    let mut last: Option<&str> = None;
+    for h in hs.iter() {
+        bytes += h.key.len() + h.value.map_or(0, <[u8]>::len);
+        exact &= last.is_none_or(|l| l < h.key);
+        last = Some(h.key);
+        let value = match h.value.map(std::str::from_utf8) {
+            Some(Ok(v)) => v.to_owned(),
+            Some(Err(_)) => {
+                exact = false;
+                String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()
+            }
+            None => {
+                exact = false;
+                String::new()
+            }
+        };
+        text.insert(h.key.to_owned(), value);
+    }
+    let raw = (!exact).then(|| {
+        hs.iter()
+            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+            .collect()
+    });
+    (text, raw, bytes)
 }
 
 /// A record as the tracker holds it: the record and the attempt its next hand-out carries.
@@ -295,19 +337,12 @@ impl Shared {
             }
         };
         let (partition, offset) = (m.partition(), m.offset());
-        let raw_headers: Vec<(String, Option<Vec<u8>>)> = m
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let header = |name: &str| header_text(&raw_headers, name);
+        let (text_headers, raw_headers, header_bytes) = read_headers(m.headers());
+        let header = |name: &str| text_headers.get(name).map(String::as_str);
         let origin = s.retry_sources.get(&*topic).cloned();
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
         let foreign =
-            origin.is_some() && header(headers::RETRY_GROUP).is_some_and(|g| *g != s.group_id);
+            origin.is_some() && header(headers::RETRY_GROUP).is_some_and(|g| g != s.group_id);
         if foreign {
             let mut state = self.lock();
             if let Some(p) = state
@@ -334,18 +369,13 @@ impl Shared {
             });
         let message_id = header(&s.message_id_header)
             .filter(|v| !v.is_empty())
-            .map(std::borrow::Cow::into_owned)
+            .map(str::to_owned)
             .or_else(|| {
                 s.offset_message_ids
                     .then(|| location(&topic, partition, offset))
             });
         let payload = m.payload().unwrap_or_default();
-        let bytes = payload.len()
-            + m.key().map_or(0, <[u8]>::len)
-            + raw_headers
-                .iter()
-                .map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len))
-                .sum::<usize>();
+        let bytes = payload.len() + m.key().map_or(0, <[u8]>::len) + header_bytes;
         let record = Arc::new(Record {
             bytes,
             origin: origin.unwrap_or_else(|| topic.clone()),
@@ -355,6 +385,7 @@ impl Shared {
             key: m.key().map(<[u8]>::to_vec),
             payload: Bytes::copy_from_slice(payload),
             null_payload: m.payload().is_none(),
+            headers: Arc::new(text_headers),
             raw_headers,
             message_id,
             attempt,
@@ -640,19 +671,21 @@ impl Shared {
     }
 
     /// Runs `f` on the partition if it is still the same assignment (`generation`), `None`
-    /// if not. `f` says whether the stream must be woken: then its waker is returned.
+    /// if not. `f` is told whether the stream waits for a record, and says whether it must
+    /// be woken: then its waker is returned.
     fn with_partition(
         &self,
         tp: &Tp,
         generation: u64,
-        f: impl FnOnce(&mut Partition) -> bool,
+        f: impl FnOnce(&mut Partition, bool) -> bool,
     ) -> Option<Option<Waker>> {
         let mut state = self.lock();
+        let waiting = state.waker.is_some();
         let p = state
             .partitions
             .get_mut(tp)
             .filter(|p| p.generation == generation)?;
-        let wake = f(p);
+        let wake = f(p, waiting);
         Some(if wake { state.waker.take() } else { None })
     }
 
@@ -684,11 +717,11 @@ impl Shared {
         record: &Record,
     ) -> Result<(), TransportError> {
         let order = self.settings.order;
-        // The stream is woken only if the settlement let a record go (an earlier record of
-        // its key, or of the partition, settled); anything else wakes it where it arrives.
-        let settled = self.with_partition(tp, generation, |p| {
+        // A waiting stream is woken only if the settlement let a record go (an earlier record
+        // of its key, or of the partition, settled); anything else wakes it where it arrives.
+        let settled = self.with_partition(tp, generation, |p, waiting| {
             p.tracker.settle(record.offset);
-            p.tracker.has_next(order, Instant::now())
+            waiting && p.tracker.has_next(order, Instant::now())
         });
         match settled {
             Some(waker) => {
@@ -710,7 +743,7 @@ impl Shared {
         attempt: u32,
     ) -> Result<(), TransportError> {
         let not_before = Instant::now() + delay;
-        let deferred = self.with_partition(tp, generation, |p| {
+        let deferred = self.with_partition(tp, generation, |p, _| {
             if let Some(h) = p.tracker.defer(record.offset, not_before) {
                 h.attempt = attempt;
                 h.redelivered = true;
@@ -751,10 +784,12 @@ impl Drop for KafkaAcker {
             // revoke does not wait for it.
             let offset = self.record.offset;
             // It holds its key back for good, so nothing new can go: the stream is not woken.
-            let _ = self.shared.with_partition(&self.tp, self.generation, |p| {
-                p.tracker.abandon(offset);
-                false
-            });
+            let _ = self
+                .shared
+                .with_partition(&self.tp, self.generation, |p, _| {
+                    p.tracker.abandon(offset);
+                    false
+                });
             self.shared.signal_revoke();
         }
     }
@@ -832,13 +867,10 @@ impl KafkaAcker {
 }
 
 /// The original headers without those the transport manages.
-fn carried_headers(record: &Record) -> Vec<(String, Option<Vec<u8>>)> {
-    record
-        .raw_headers
-        .iter()
-        .filter(|(k, _)| !headers::MANAGED.contains(&k.as_str()))
-        .cloned()
-        .collect()
+fn carried_headers(record: &Record) -> RawHeaders {
+    let mut hs = record.original_headers();
+    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()));
+    hs
 }
 
 fn text(k: &str, v: impl ToString) -> (String, Option<Vec<u8>>) {
@@ -879,12 +911,8 @@ fn retry_copy(record: &Record, s: &Settings, delay: Duration, attempt: u32) -> O
 }
 
 fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingRecord {
-    let mut hs: Vec<_> = record
-        .raw_headers
-        .iter()
-        .filter(|(k, _)| !headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT)
-        .cloned()
-        .collect();
+    let mut hs = record.original_headers();
+    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT);
     hs.push(text(headers::DEAD_LETTER_REASON, dl.reason.as_str()));
     hs.push(text(headers::HANDLER, &dl.handler));
     if let Some(key) = &dl.key {
@@ -1164,5 +1192,62 @@ fn handle_poll_error(shared: &Shared, e: rdkafka::error::KafkaError) {
             }
         }
         other => tracing::warn!(error = %other, "kafka consumer error"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::message::{Header, OwnedHeaders};
+
+    /// Headers as a test writes them: name, value (`None` for null).
+    type Pairs<'a> = &'a [(&'a str, Option<&'a [u8]>)];
+
+    fn headers(pairs: Pairs<'_>) -> OwnedHeaders {
+        pairs.iter().fold(OwnedHeaders::new(), |hs, &(key, value)| {
+            hs.insert(Header { key, value })
+        })
+    }
+
+    fn text(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn headers_the_text_map_holds_exactly_are_kept_once() {
+        let hs = headers(&[("a", Some(b"1")), ("message-id", Some(b"m-7"))]);
+        let (map, raw, bytes) = read_headers(Some(&hs));
+        assert_eq!(map, text(&[("a", "1"), ("message-id", "m-7")]));
+        assert_eq!(raw, None);
+        assert_eq!(bytes, 1 + 1 + 10 + 3);
+        let (map, raw, bytes) = read_headers::<OwnedHeaders>(None);
+        assert!(map.is_empty() && raw.is_none() && bytes == 0);
+    }
+
+    #[test]
+    fn headers_the_text_map_would_change_are_kept_as_they_were() {
+        let cases: [Pairs<'_>; 4] = [
+            &[("a", None)],
+            &[("a", Some(b"\xff\xfe"))],
+            &[("a", Some(b"1")), ("a", Some(b"2"))],
+            &[("b", Some(b"1")), ("a", Some(b"2"))],
+        ];
+        for pairs in cases {
+            let (map, raw, _) = read_headers(Some(&headers(pairs)));
+            let expected: RawHeaders = pairs
+                .iter()
+                .map(|&(k, v)| (k.to_owned(), v.map(<[u8]>::to_vec)))
+                .collect();
+            assert_eq!(raw.as_ref(), Some(&expected), "{pairs:?}");
+            // The text map reads as deliveries always did: null is empty, the last name wins.
+            let last = |name: &str| pairs.iter().rev().find(|(k, _)| *k == name);
+            for (k, v) in &map {
+                let (_, value) = last(k).expect("a header of the record");
+                assert_eq!(*v, String::from_utf8_lossy(value.unwrap_or_default()));
+            }
+        }
     }
 }
