@@ -214,6 +214,13 @@ struct State {
     errors: VecDeque<TransportError>,
     /// The poll thread has exited: the stream ends once nothing is left to hand out.
     finished: bool,
+    /// Settled records, freed by the poll thread at its next round. The poll thread
+    /// allocated them; freed by the worker threads that settle them, their memory would go
+    /// back through the allocator's locked, cross-thread path (glibc takes the owning
+    /// arena's lock once a thread's cache is full) while the poll thread allocates the next
+    /// ones from that arena, each side on the slow path. A settled record's last handle
+    /// usually is the one here.
+    retired: Vec<Arc<Record>>,
     next_generation: u64,
 }
 
@@ -428,7 +435,13 @@ impl Shared {
     /// resume costs a fetch, which waits behind any fetch request already at the broker (up
     /// to `fetch.wait.max.ms` when that one asks only for partitions without new records).
     /// Resuming at one free slot would pay that for a handful of records each time.
-    fn housekeeping(&self, consumer: &BaseConsumer<ConsumerCtx>) -> bool {
+    /// `retired` (empty) is swapped for the settled records, which the caller frees outside
+    /// the lock (see [`State::retired`]).
+    fn housekeeping(
+        &self,
+        consumer: &BaseConsumer<ConsumerCtx>,
+        retired: &mut Vec<Arc<Record>>,
+    ) -> bool {
         let now = Instant::now();
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
@@ -436,6 +449,7 @@ impl Shared {
         let mut any_full = false;
         let waker = {
             let mut state = self.lock();
+            std::mem::swap(&mut state.retired, retired);
             let mut ready = false;
             for ((topic, partition), p) in state.partitions.iter_mut() {
                 let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
@@ -461,6 +475,7 @@ impl Shared {
             }
         };
         Shared::wake(waker);
+        retired.clear();
         if pause.count() > 0 {
             tracing::debug!(partitions = ?pause.to_topic_map().keys(), "pausing");
             if let Err(e) = consumer.pause(&pause) {
@@ -671,21 +686,19 @@ impl Shared {
     }
 
     /// Runs `f` on the partition if it is still the same assignment (`generation`), `None`
-    /// if not. `f` is told whether the stream waits for a record, and says whether it must
-    /// be woken: then its waker is returned.
+    /// if not. `f` says whether the stream must be woken: then its waker is returned.
     fn with_partition(
         &self,
         tp: &Tp,
         generation: u64,
-        f: impl FnOnce(&mut Partition, bool) -> bool,
+        f: impl FnOnce(&mut Partition) -> bool,
     ) -> Option<Option<Waker>> {
         let mut state = self.lock();
-        let waiting = state.waker.is_some();
         let p = state
             .partitions
             .get_mut(tp)
             .filter(|p| p.generation == generation)?;
-        let wake = f(p, waiting);
+        let wake = f(p);
         Some(if wake { state.waker.take() } else { None })
     }
 
@@ -714,23 +727,35 @@ impl Shared {
         &self,
         tp: &Tp,
         generation: u64,
-        record: &Record,
+        record: &Arc<Record>,
     ) -> Result<(), TransportError> {
         let order = self.settings.order;
-        // A waiting stream is woken only if the settlement let a record go (an earlier record
-        // of its key, or of the partition, settled); anything else wakes it where it arrives.
-        let settled = self.with_partition(tp, generation, |p, waiting| {
+        let waker = {
+            let mut state = self.lock();
+            let waiting = state.waker.is_some();
+            let Some(p) = state
+                .partitions
+                .get_mut(tp)
+                .filter(|p| p.generation == generation)
+            else {
+                drop(state);
+                return Err(self.revoked_error(record));
+            };
             p.tracker.settle(record.offset);
-            waiting && p.tracker.has_next(order, Instant::now())
-        });
-        match settled {
-            Some(waker) => {
-                self.signal_revoke();
-                Shared::wake(waker);
-                Ok(())
+            // A waiting stream is woken only if the settlement let a record go (an earlier
+            // record of its key, or of the partition, settled); anything else wakes it where
+            // it arrives.
+            let wake = waiting && p.tracker.has_next(order, Instant::now());
+            state.retired.push(record.clone());
+            if wake {
+                state.waker.take()
+            } else {
+                None
             }
-            None => Err(self.revoked_error(record)),
-        }
+        };
+        self.signal_revoke();
+        Shared::wake(waker);
+        Ok(())
     }
 
     /// Puts the record back in its place, due at `not_before`, carrying `attempt`.
@@ -743,7 +768,7 @@ impl Shared {
         attempt: u32,
     ) -> Result<(), TransportError> {
         let not_before = Instant::now() + delay;
-        let deferred = self.with_partition(tp, generation, |p, _| {
+        let deferred = self.with_partition(tp, generation, |p| {
             if let Some(h) = p.tracker.defer(record.offset, not_before) {
                 h.attempt = attempt;
                 h.redelivered = true;
@@ -784,12 +809,10 @@ impl Drop for KafkaAcker {
             // revoke does not wait for it.
             let offset = self.record.offset;
             // It holds its key back for good, so nothing new can go: the stream is not woken.
-            let _ = self
-                .shared
-                .with_partition(&self.tp, self.generation, |p, _| {
-                    p.tracker.abandon(offset);
-                    false
-                });
+            let _ = self.shared.with_partition(&self.tp, self.generation, |p| {
+                p.tracker.abandon(offset);
+                false
+            });
             self.shared.signal_revoke();
         }
     }
@@ -812,7 +835,7 @@ impl Acknowledger for KafkaAcker {
 impl KafkaAcker {
     async fn apply(&self, settlement: Settlement) -> Result<(), TransportError> {
         let shared = &self.shared;
-        let (tp, generation, record) = (&self.tp, self.generation, &*self.record);
+        let (tp, generation, record) = (&self.tp, self.generation, &self.record);
         match settlement {
             Settlement::Ack => shared.mark_settled(tp, generation, record),
             Settlement::Retry { delay, attempt } => match shared.settings.retry {
@@ -1103,6 +1126,7 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
     let mut last_summary = Instant::now();
     let mut any_full = false;
     let mut topics = Vec::new();
+    let mut retired = Vec::new();
     while !shared.stop.load(Ordering::SeqCst) {
         let mut wait = if any_full {
             POLL_WAIT_PAUSED
@@ -1122,7 +1146,7 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
                 }
             }
         }
-        any_full = shared.housekeeping(&consumer);
+        any_full = shared.housekeeping(&consumer, &mut retired);
         if tracing::enabled!(tracing::Level::DEBUG)
             && last_summary.elapsed() >= Duration::from_secs(2)
         {
