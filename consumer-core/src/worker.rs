@@ -1461,7 +1461,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                         let failure = HandlerError::transient(format!("batch commit failed: {e}"));
                         // The hash claimed with the key, taken again from the payload (which
                         // decoded before): a commit failure is rare.
-                        let hash = self.prepare(&delivery).map(|p| p.hash).unwrap_or_default();
+                        let hash = serde_json::from_slice::<Value>(&delivery.payload)
+                            .map(|v| canonical_hash(&v))
+                            .unwrap_or_default();
                         self.fresh_outcome(&mut *conn, &delivery, &key, &hash, Ok(Some(failure)))
                             .await
                     }

@@ -435,6 +435,7 @@ impl Shared {
     /// resume costs a fetch, which waits behind any fetch request already at the broker (up
     /// to `fetch.wait.max.ms` when that one asks only for partitions without new records).
     /// Resuming at one free slot would pay that for a handful of records each time.
+    ///
     /// `retired` (empty) is swapped for the settled records, which the caller frees outside
     /// the lock (see [`State::retired`]).
     fn housekeeping(
