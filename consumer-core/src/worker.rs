@@ -1417,7 +1417,6 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             .map(|(_, _, p)| (p.key.as_str(), p.hash.as_str()))
             .collect();
         let claimed = DB::claim_fresh_many(&mut tx, names, &s.name, &items, s.retention).await;
-        drop(items);
         let taken = match claimed {
             Ok(taken) => taken,
             Err(e) => {

@@ -687,20 +687,27 @@ impl Shared {
     }
 
     /// Runs `f` on the partition if it is still the same assignment (`generation`), `None`
-    /// if not. `f` says whether the stream must be woken: then its waker is returned.
+    /// if not. `f` is told whether the stream waits for a record and given the retired
+    /// list (see [`State::retired`]); it says whether the stream must be woken: then its
+    /// waker is returned.
     fn with_partition(
         &self,
         tp: &Tp,
         generation: u64,
-        f: impl FnOnce(&mut Partition) -> bool,
+        f: impl FnOnce(&mut Partition, bool, &mut Vec<Arc<Record>>) -> bool,
     ) -> Option<Option<Waker>> {
         let mut state = self.lock();
-        let p = state
-            .partitions
+        let State {
+            partitions,
+            waker,
+            retired,
+            ..
+        } = &mut *state;
+        let p = partitions
             .get_mut(tp)
             .filter(|p| p.generation == generation)?;
-        let wake = f(p);
-        Some(if wake { state.waker.take() } else { None })
+        let wake = f(p, waker.is_some(), retired);
+        Some(if wake { waker.take() } else { None })
     }
 
     /// Wakes a revoke waiting for in-flight records, if one is.
@@ -731,32 +738,32 @@ impl Shared {
         record: &Arc<Record>,
     ) -> Result<(), TransportError> {
         let order = self.settings.order;
-        let waker = {
-            let mut state = self.lock();
-            let waiting = state.waker.is_some();
-            let Some(p) = state
-                .partitions
-                .get_mut(tp)
-                .filter(|p| p.generation == generation)
-            else {
-                drop(state);
-                return Err(self.revoked_error(record));
-            };
+        let settled = self.with_partition(tp, generation, |p, waiting, retired| {
             p.tracker.settle(record.offset);
+            retired.push(record.clone());
             // A waiting stream is woken only if the settlement let a record go (an earlier
             // record of its key, or of the partition, settled); anything else wakes it where
             // it arrives.
-            let wake = waiting && p.tracker.has_next(order, Instant::now());
-            state.retired.push(record.clone());
-            if wake {
-                state.waker.take()
-            } else {
-                None
+            waiting && p.tracker.has_next(order, Instant::now())
+        });
+        self.changed(settled, record)
+    }
+
+    /// After a record's settlement or deferral ([`Shared::with_partition`]'s result): wakes a
+    /// waiting revoke and the stream, or reports the partition revoked.
+    fn changed(
+        &self,
+        outcome: Option<Option<Waker>>,
+        record: &Record,
+    ) -> Result<(), TransportError> {
+        match outcome {
+            Some(waker) => {
+                self.signal_revoke();
+                Shared::wake(waker);
+                Ok(())
             }
-        };
-        self.signal_revoke();
-        Shared::wake(waker);
-        Ok(())
+            None => Err(self.revoked_error(record)),
+        }
     }
 
     /// Puts the record back in its place, due at `not_before`, carrying `attempt`.
@@ -769,21 +776,14 @@ impl Shared {
         attempt: u32,
     ) -> Result<(), TransportError> {
         let not_before = Instant::now() + delay;
-        let deferred = self.with_partition(tp, generation, |p| {
+        let deferred = self.with_partition(tp, generation, |p, _, _| {
             if let Some(h) = p.tracker.defer(record.offset, not_before) {
                 h.attempt = attempt;
                 h.redelivered = true;
             }
             true
         });
-        match deferred {
-            Some(waker) => {
-                self.signal_revoke();
-                Shared::wake(waker);
-                Ok(())
-            }
-            None => Err(self.revoked_error(record)),
-        }
+        self.changed(deferred, record)
     }
 
     fn owned(&self, tp: &Tp, generation: u64) -> bool {
@@ -810,10 +810,12 @@ impl Drop for KafkaAcker {
             // revoke does not wait for it.
             let offset = self.record.offset;
             // It holds its key back for good, so nothing new can go: the stream is not woken.
-            let _ = self.shared.with_partition(&self.tp, self.generation, |p| {
-                p.tracker.abandon(offset);
-                false
-            });
+            let _ = self
+                .shared
+                .with_partition(&self.tp, self.generation, |p, _, _| {
+                    p.tracker.abandon(offset);
+                    false
+                });
             self.shared.signal_revoke();
         }
     }
