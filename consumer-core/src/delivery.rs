@@ -212,6 +212,19 @@ pub trait Acknowledger: Send + 'static {
         self: Box<Self>,
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>>;
+
+    /// Whether a [`Settlement::Retry`] that returns `Ok` has left a new copy of the message
+    /// with the broker, carrying the new attempt number (a retry queue or topic), rather than
+    /// put this delivery back in place. The runtime then records the copy's attempt number in
+    /// the inbox, so that a later redelivery of this delivery (a Kafka record replayed after
+    /// a rebalance, a RabbitMQ delivery whose ack was lost) is known to be superseded: it is
+    /// acked without running and without counting an attempt, and the message keeps the
+    /// backoff and the attempt budget its copies were given.
+    ///
+    /// `false` (the default) is always safe: such a redelivery then runs as one more attempt.
+    fn retry_writes_copy(&self) -> bool {
+        false
+    }
 }
 
 /// A source of deliveries: any stream of [`Incoming`].

@@ -374,6 +374,11 @@ impl Acknowledger for MemoryAcker {
             Ok(())
         })
     }
+
+    /// A retry removes the delivery and queues a copy carrying the new attempt number.
+    fn retry_writes_copy(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::Deserialize;
 use serde_json::Value;
@@ -18,7 +19,7 @@ use crate::delivery::{
 };
 use crate::fault::{FaultAction, FaultInjector, FaultPoint};
 use crate::handler::{BatchContext, BatchMember, ConflictPolicy, Context, Handler, HandlerOptions};
-use crate::inbox::{Backend, Claim, Inbox};
+use crate::inbox::{AttemptItem, Backend, Claim, Inbox};
 use crate::key::{canonical_hash, KeyTemplate};
 use crate::log_marks::{Check, LogWindows};
 use crate::retry::{ExponentialBackoff, Jitter};
@@ -256,6 +257,43 @@ async fn settle_all(settled: Vec<Settled>) -> Vec<(Outcome, Result<(), Transport
     done
 }
 
+/// Settles a retry through the transport's acker, then records in the inbox that the copy
+/// (carrying `attempt`) is with the broker (see [`Backend::record_retry`]). If the record
+/// cannot be written, a redelivery of this delivery runs once more, as it would without it.
+struct RecordRetry<DB: Backend> {
+    acker: Box<dyn Acknowledger>,
+    inbox: Inbox<DB>,
+    handler: String,
+    key: String,
+    attempt: u32,
+}
+
+impl<DB: Backend> Acknowledger for RecordRetry<DB> {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let RecordRetry {
+                acker,
+                inbox,
+                handler,
+                key,
+                attempt,
+            } = *self;
+            acker.settle(settlement).await?;
+            if let Err(e) = inbox.record_retry(&handler, &key, attempt).await {
+                tracing::debug!(error = %e, "could not record the retry copy in the inbox");
+            }
+            Ok(())
+        })
+    }
+
+    fn retry_writes_copy(&self) -> bool {
+        true
+    }
+}
+
 /// Whether the log mark may prove `delivery` fresh: a first delivery with a position that its
 /// transport did not already call fresh (see [`Worker::is_fresh`]).
 fn may_be_proven_fresh(delivery: &Delivery) -> bool {
@@ -302,6 +340,7 @@ struct Crash(FaultPoint);
 enum Outcome {
     Completed,
     Duplicate,
+    Superseded,
     ConflictSkipped,
     Retry,
     DeadLettered,
@@ -312,6 +351,7 @@ impl Outcome {
         match self {
             Outcome::Completed => "completed",
             Outcome::Duplicate => "duplicate",
+            Outcome::Superseded => "superseded",
             Outcome::ConflictSkipped => "conflict_skipped",
             Outcome::Retry => "retry",
             Outcome::DeadLettered => "dead_lettered",
@@ -514,6 +554,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             let Some(acker) = acker else {
                 return Ok(());
             };
+            let acker = self.recording_retry(acker, &key, &settlement);
             if let Err(e) = acker.settle(settlement).await {
                 Stats::bump(&stats.settle_errors);
                 tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
@@ -586,8 +627,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             // Fresh deliveries whose keys had rows (a republished duplicate, say), now that
             // this batch's locks are released.
             for (delivery, acker, p) in unclaimed {
+                let key = p.key.clone();
                 let (settlement, outcome) = self.decide_prepared(&delivery, p).await?;
-                settled.push((acker, settlement, outcome));
+                settled.push(self.settled(acker, &key, settlement, outcome));
             }
             // A fault point fires for the batch if it fires for any of its keys.
             for key in &batch_keys {
@@ -629,9 +671,13 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 return Ok(());
             }
         };
-        let items: Vec<(String, String)> = runnable
+        let items: Vec<AttemptItem> = runnable
             .iter()
-            .map(|(_, _, p)| (p.key.clone(), p.hash.clone()))
+            .map(|(d, _, p)| AttemptItem {
+                key: p.key.clone(),
+                hash: p.hash.clone(),
+                attempt: d.attempt.max(1),
+            })
             .collect();
         let (conn, lock_ids) = lease.locking();
         let claims = match DB::begin_attempts(
@@ -687,7 +733,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 None => (Settlement::Ack, Outcome::Completed),
                 Some(f) => self.fail(lease.conn(), &delivery, &key, attempt, &f).await,
             };
-            settled.push((acker, settlement, outcome));
+            settled.push(self.settled(acker, &key, settlement, outcome));
         }
         lease.release().await;
         Ok(())
@@ -855,11 +901,48 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             .fetch_add(tentative_runs, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// A settlement to apply, with its acker (see [`Worker::recording_retry`]).
+    fn settled(
+        &self,
+        acker: Box<dyn Acknowledger>,
+        key: &str,
+        settlement: Settlement,
+        outcome: Outcome,
+    ) -> Settled {
+        let acker = self.recording_retry(acker, key, &settlement);
+        (acker, settlement, outcome)
+    }
+
+    /// The acker to settle with: for a retry whose transport writes a copy (see
+    /// [`Acknowledger::retry_writes_copy`]), one that then records the copy's attempt number
+    /// in the inbox, so that a redelivery of this delivery is known to be superseded.
+    fn recording_retry(
+        &self,
+        acker: Box<dyn Acknowledger>,
+        key: &str,
+        settlement: &Settlement,
+    ) -> Box<dyn Acknowledger> {
+        let Settlement::Retry { attempt, .. } = *settlement else {
+            return acker;
+        };
+        if key.is_empty() || !acker.retry_writes_copy() {
+            return acker;
+        }
+        Box::new(RecordRetry {
+            acker,
+            inbox: self.inner.inbox.clone(),
+            handler: self.inner.settings.name.clone(),
+            key: key.to_owned(),
+            attempt,
+        })
+    }
+
     fn count(&self, outcome: Outcome) {
         let stats = &self.inner.stats;
         Stats::bump(match outcome {
             Outcome::Completed => &stats.completed,
             Outcome::Duplicate => &stats.duplicates,
+            Outcome::Superseded => &stats.superseded,
             Outcome::ConflictSkipped => &stats.conflicts,
             Outcome::Retry => &stats.retries,
             Outcome::DeadLettered => &stats.dead_lettered,
@@ -913,9 +996,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         pending: Vec<Pending<H::Message>>,
         settled: &mut Vec<Settled>,
     ) {
-        for (delivery, acker, _) in pending {
+        for (delivery, acker, p) in pending {
             let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
-            settled.push((acker, settlement, outcome));
+            settled.push(self.settled(acker, &p.key, settlement, outcome));
         }
     }
 
@@ -1001,6 +1084,14 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         match claim {
             Claim::Run { attempt } => Ok(attempt),
             Claim::Duplicate => Err((Settlement::Ack, Outcome::Duplicate)),
+            Claim::Superseded { by } => {
+                tracing::debug!(
+                    attempt = delivery.attempt,
+                    newer = by,
+                    "superseded by a newer retry copy"
+                );
+                Err((Settlement::Ack, Outcome::Superseded))
+            }
             Claim::Conflict { status } => {
                 let error = format!(
                     "key {key:?} was first seen with a different payload (that one is {status:?})"
@@ -1244,13 +1335,21 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         };
         let names = self.inner.inbox.names();
         let (conn, lock_ids) = lease.locking();
-        let claim =
-            match DB::begin_attempt(conn, names, &s.name, &key, &hash, s.max_attempts, lock_ids)
-                .await
-            {
-                Ok(c) => c,
-                Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
-            };
+        let claim = match DB::begin_attempt(
+            conn,
+            names,
+            &s.name,
+            &key,
+            &hash,
+            delivery.attempt.max(1),
+            s.max_attempts,
+            lock_ids,
+        )
+        .await
+        {
+            Ok(c) => c,
+            Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+        };
         let attempt = match self.check_claim(lease.conn(), delivery, &key, claim).await {
             Ok(attempt) => attempt,
             Err(settled) => {
@@ -1467,7 +1566,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                             .await
                     }
                 };
-                settled.push((acker, settlement, outcome));
+                settled.push(self.settled(acker, &key, settlement, outcome));
             }
             return Ok(());
         }
@@ -1494,7 +1593,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     }
                 }
             };
-            settled.push((acker, settlement, outcome));
+            settled.push(self.settled(acker, &key, settlement, outcome));
         }
         Ok(())
     }

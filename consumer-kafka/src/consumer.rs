@@ -833,6 +833,12 @@ impl Acknowledger for KafkaAcker {
             result
         })
     }
+
+    /// With a retry topic, a retry writes a copy; a blocking retry puts the record back in
+    /// place, and a replay of it is then its only copy.
+    fn retry_writes_copy(&self) -> bool {
+        self.shared.settings.retry == RetryMode::RetryTopic
+    }
 }
 
 impl KafkaAcker {
@@ -857,7 +863,16 @@ impl KafkaAcker {
                     )
                     .await
                     {
-                        Ok(_) => shared.mark_settled(tp, generation, record),
+                        Ok(_) => {
+                            // The copy is the outcome: once it is written the retry is done,
+                            // even if the partition was revoked meanwhile. The new owner's
+                            // replay of this record is then superseded by the copy (see
+                            // `retry_writes_copy`).
+                            if let Err(e) = shared.mark_settled(tp, generation, record) {
+                                tracing::debug!(error = %e, "retry copy written after a revoke");
+                            }
+                            Ok(())
+                        }
                         Err(e) => {
                             // Not written: retry in place instead, so the record is not stuck.
                             let _ = shared.defer(tp, generation, record, delay, attempt);

@@ -713,6 +713,113 @@ async fn retries_then_succeeds<DB: Backend, H: Handler<DB> + Clone>(h: Harness<D
     );
 }
 
+/// A delivery whose attempt failed and whose retry copy is with the broker may come back: a
+/// Kafka record replayed after a rebalance, a RabbitMQ delivery whose ack was lost. It is
+/// superseded by the copy: acked without running and without counting an attempt, so the
+/// message keeps its backoff and its attempt budget. The copy then runs as attempt 2.
+async fn replay_of_a_retried_delivery_is_superseded<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    // The retry copies (attempt 2) are held back until the replays have been seen; the
+    // replays come as redeliveries (not fresh), as a log's or a lost ack's do.
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let replaying = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (release, released) = futures::channel::mpsc::unbounded();
+    let deliveries = broker.consume(&queue).filter_map({
+        let (held, replaying) = (held.clone(), replaying.clone());
+        move |item| {
+            let item = match item {
+                Ok(incoming) if incoming.delivery.attempt >= 2 => {
+                    held.lock().unwrap().push(incoming);
+                    None
+                }
+                Ok(mut incoming) if replaying.load(std::sync::atomic::Ordering::SeqCst) => {
+                    incoming.delivery.fresh = false;
+                    incoming.delivery.redelivered = true;
+                    Some(Ok(incoming))
+                }
+                other => Some(other),
+            };
+            futures::future::ready(item)
+        }
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn({
+        let w = w.clone();
+        let deliveries = futures::stream::select(deliveries, released);
+        async move {
+            w.run(deliveries, async {
+                let _ = stopped.await;
+            })
+            .await
+        }
+    });
+    let ids = ["s1", "s2"];
+    let publish_all = || {
+        for id in ids {
+            broker.publish(&queue, msg(id, json!({"id": id, "fail_times": 1})));
+        }
+    };
+    let entries = || {
+        let inbox = inbox.clone();
+        async move {
+            let mut entries = Vec::new();
+            for id in ids {
+                entries.push(inbox.entry("record", id).await.unwrap());
+            }
+            entries
+        }
+    };
+
+    publish_all();
+    wait_until("both retry copies held, and recorded in the inbox", || {
+        let copies = held.lock().unwrap().len();
+        let entries = entries();
+        async move {
+            let recorded = entries
+                .await
+                .iter()
+                .all(|e| e.as_ref().is_some_and(|e| e.retried_to == 2));
+            copies == 2 && recorded
+        }
+    })
+    .await;
+    replaying.store(true, std::sync::atomic::Ordering::SeqCst);
+    publish_all();
+    wait_until("both replays superseded", || {
+        let superseded = w.snapshot().superseded;
+        async move { superseded == 2 }
+    })
+    .await;
+    let s = w.snapshot();
+    assert_eq!(s.handler_runs - s.batch_reruns, 2, "{s:?}");
+    for entry in entries().await {
+        let entry = entry.unwrap();
+        assert_eq!((entry.status, entry.attempts), (EntryStatus::Pending, 1));
+    }
+
+    for copy in held.lock().unwrap().drain(..) {
+        release.unbounded_send(Ok(copy)).unwrap();
+    }
+    wait_until("both copies completed", || {
+        let completed = w.snapshot().completed;
+        async move { completed == 2 }
+    })
+    .await;
+    for id in ids {
+        assert_eq!((h.ledger)(inbox.clone(), id.into()).await, 1, "{id}");
+        let entry = inbox.entry("record", id).await.unwrap().unwrap();
+        assert_eq!((entry.status, entry.attempts), (EntryStatus::Completed, 2));
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert!(broker.dead_letters(&queue).is_empty());
+}
+
 async fn guards_are_won_once<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
     let broker = MemoryBroker::new();
     let queue = common::unique("q");
@@ -896,6 +1003,11 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn transient_failures_retry_permanent_and_undecodable_do_not() {
                 retries_then_succeeds($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_replay_of_a_retried_delivery_is_superseded_by_its_copy() {
+                replay_of_a_retried_delivery_is_superseded($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

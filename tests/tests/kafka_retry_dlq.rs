@@ -8,10 +8,14 @@ mod kafka_support;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use consumer_core::{handler, Context, HandlerError};
 use consumer_kafka::{headers, RetryMode};
-use kafka_support::{header, read_topic, wait_for, worker_config, KafkaEnv, Running};
+use kafka_support::{
+    committed_offsets, header, read_topic, wait_for, worker_config, Job, KafkaEnv, Running,
+};
 use rdkafka::Message;
 use serde_json::json;
+use sqlx::Postgres;
 
 async fn publish(
     env: &KafkaEnv,
@@ -330,4 +334,78 @@ async fn groups_sharing_a_topic_run_only_their_own_retry_copies() {
             vec![("s".to_owned(), 1), ("r".to_owned(), 2)]
         );
     }
+}
+
+/// Fails its first attempt; its retry copy is due an hour later, so it waits in the retry
+/// topic for the whole test.
+#[handler(name = "kafka_record", max_attempts = 3, backoff = "1h..1h")]
+async fn fails_once_retries_late(
+    ctx: &mut Context<'_, Postgres>,
+    job: Job,
+) -> Result<(), HandlerError> {
+    if ctx.attempt() == 1 {
+        return Err(HandlerError::transient(format!(
+            "job {} fails once",
+            job.id
+        )));
+    }
+    Ok(())
+}
+
+/// A record read again while its retry copy waits (as a rebalance makes a member re-read a
+/// partition from an older commit) is superseded by the copy: acked without running and
+/// without counting an attempt. The second reading here comes from a second group with the
+/// same inbox, reading the topic from its start; the copy belongs to the first group, which
+/// the second skips.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_read_again_while_its_retry_copy_waits_is_superseded() {
+    let env = KafkaEnv::new("superseded", 1).await;
+    let end = publish(&env, "r", "r", &job("r", json!({})), &[]).await + 1;
+
+    let first = Running::start_handler(
+        &env,
+        fails_once_retries_late,
+        env.config(),
+        worker_config(2),
+    )
+    .await;
+    let inbox = env.pg.inbox().await;
+    wait_for(
+        "r's retry copy written and recorded, the record committed",
+        Duration::from_secs(60),
+        || async {
+            let entry = inbox.entry("kafka_record", "r").await.expect("entry");
+            entry.is_some_and(|e| e.retried_to == 2) && env.committed_up_to(&[end]).await
+        },
+    )
+    .await;
+    let stats = first.stop().await;
+    assert_eq!((stats.handler_runs, stats.retries), (1, 1), "{stats:?}");
+
+    let mut config = env.config();
+    config.group_id = format!("{}-again", env.group);
+    let group = config.group_id.clone();
+    let again =
+        Running::start_handler(&env, fails_once_retries_late, config, worker_config(2)).await;
+    wait_for(
+        "the second reading of r superseded, and committed",
+        Duration::from_secs(60),
+        || async {
+            let committed = committed_offsets(&group, &env.topic, 1).await;
+            again.stats().superseded == 1 && committed[0].is_some_and(|c| c >= end)
+        },
+    )
+    .await;
+    let stats = again.stop().await;
+    assert_eq!(
+        (stats.handler_runs, stats.retries, stats.dead_lettered),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    let entry = inbox
+        .entry("kafka_record", "r")
+        .await
+        .expect("entry")
+        .expect("row");
+    assert_eq!((entry.attempts, entry.retried_to), (1, 2), "{entry:?}");
 }

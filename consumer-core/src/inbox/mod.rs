@@ -98,6 +98,7 @@ pub struct Statements {
     pub(crate) complete_many: String,
     pub(crate) complete_many_and_unlock: String,
     pub(crate) record_failure: String,
+    pub(crate) record_retry: String,
     pub(crate) purge_expired: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
@@ -141,6 +142,16 @@ impl TableNames {
     }
 }
 
+/// One delivery of a batch to count an attempt for: its key, payload hash and own attempt
+/// number (see [`Backend::begin_attempt`]).
+#[derive(Debug, Clone)]
+#[doc(hidden)]
+pub struct AttemptItem {
+    pub(crate) key: String,
+    pub(crate) hash: String,
+    pub(crate) attempt: u32,
+}
+
 /// The state of one key in the inbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryStatus {
@@ -173,6 +184,10 @@ pub struct InboxEntry {
     pub payload_hash: String,
     /// The last failure, if any.
     pub last_error: Option<String>,
+    /// The highest attempt number a copy of the message is known to carry: a retry copy its
+    /// broker confirmed, or the delivery that created the row. While the key is pending, a
+    /// delivery with a lower number is superseded by that copy (acked without running).
+    pub retried_to: u32,
 }
 
 /// The outcome of counting an attempt.
@@ -198,6 +213,13 @@ pub enum Claim {
         /// Why.
         last_error: Option<String>,
     },
+    /// A newer copy of the message is with the broker (its attempt number is above this
+    /// delivery's): this delivery is a replay of an attempt that already failed and was
+    /// retried, so it is acked without running and without counting an attempt.
+    Superseded {
+        /// The newer copy's attempt number.
+        by: u32,
+    },
     /// Attempts used up without a recorded outcome.
     Exhausted {
         /// Attempts counted.
@@ -208,8 +230,9 @@ pub enum Claim {
 }
 
 impl Claim {
-    /// Decides from an existing row when the attempt was not counted.
-    pub(crate) fn from_entry(entry: InboxEntry, payload_hash: &str) -> Claim {
+    /// Decides from an existing row when the attempt of a delivery carrying attempt number
+    /// `attempt` was not counted.
+    pub(crate) fn from_entry(entry: InboxEntry, payload_hash: &str, attempt: u32) -> Claim {
         if entry.payload_hash != payload_hash {
             return Claim::Conflict {
                 status: entry.status,
@@ -220,6 +243,9 @@ impl Claim {
             EntryStatus::Dead => Claim::Dead {
                 attempts: entry.attempts,
                 last_error: entry.last_error,
+            },
+            EntryStatus::Pending if entry.retried_to > attempt => Claim::Superseded {
+                by: entry.retried_to,
             },
             EntryStatus::Pending => Claim::Exhausted {
                 attempts: entry.attempts,
@@ -262,38 +288,49 @@ pub trait Backend: sqlx::Database + private::Sealed {
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
     /// Takes the key's database lock (`lock_ids`: sorted, distinct; empty on SQLite), then
-    /// counts an attempt, durably for a worker crash, before the handler runs.
+    /// counts an attempt, durably for a worker crash, before the handler runs. `attempt` is
+    /// the delivery's own attempt number ([`Delivery::attempt`](crate::Delivery::attempt)):
+    /// a delivery below the row's [`InboxEntry::retried_to`] is superseded, not counted.
     #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
     fn begin_attempt<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
         payload_hash: &'a str,
+        attempt: u32,
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>>;
 
-    /// [`Backend::begin_attempt`] for several distinct keys (`(key, payload_hash)` pairs);
-    /// claims in the same order.
+    /// [`Backend::begin_attempt`] for several distinct keys; claims in the same order.
     #[doc(hidden)]
     fn begin_attempts<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
-        items: &'a [(String, String)],
+        items: &'a [AttemptItem],
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
             let mut claims = Vec::with_capacity(items.len());
-            for (i, (key, hash)) in items.iter().enumerate() {
+            for (i, item) in items.iter().enumerate() {
                 // All locks with the first claim, in order.
                 let locks = if i == 0 { lock_ids } else { &[] };
-                claims.push(
-                    Self::begin_attempt(conn, names, handler, key, hash, max_attempts, locks)
-                        .await?,
-                );
+                let claim = Self::begin_attempt(
+                    conn,
+                    names,
+                    handler,
+                    &item.key,
+                    &item.hash,
+                    item.attempt,
+                    max_attempts,
+                    locks,
+                )
+                .await?;
+                claims.push(claim);
             }
             Ok(claims)
         })
@@ -409,6 +446,19 @@ pub trait Backend: sqlx::Database + private::Sealed {
         unlock: &'a [i64],
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
+    /// A retry copy of the key's message carrying attempt number `attempt` is with the
+    /// broker: raises the pending row's [`InboxEntry::retried_to`] to it, so that a
+    /// redelivery of an older copy is superseded. Its own statement, committed before it
+    /// returns.
+    #[doc(hidden)]
+    fn record_retry<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        attempt: u32,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
     #[doc(hidden)]
     fn record_failure<'a>(
         conn: &'a mut Self::Connection,
@@ -516,6 +566,16 @@ impl<DB: Backend> Inbox<DB> {
     /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
     pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {
         Ok(DB::log_mark(&self.pool, &self.names, handler, log).await?)
+    }
+
+    /// See [`Backend::record_retry`].
+    pub(crate) async fn record_retry(
+        &self,
+        handler: &str,
+        key: &str,
+        attempt: u32,
+    ) -> Result<(), sqlx::Error> {
+        DB::record_retry(&self.pool, &self.names, handler, key, attempt).await
     }
 
     /// See [`Backend::advance_log_mark`].

@@ -5,7 +5,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
 
-use super::{Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
+use super::{AttemptItem, Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
 use crate::guard::GuardValue;
 use crate::Error;
 
@@ -15,6 +15,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
         2,
         include_str!("../../migrations/postgres/0002_log_marks.sql"),
     ),
+    (
+        3,
+        include_str!("../../migrations/postgres/0003_retried_to.sql"),
+    ),
 ];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.
@@ -23,14 +27,18 @@ const MIGRATIONS: &[(i32, &str)] = &[
 /// commit asynchronously, count the attempt. The count must survive the worker being killed,
 /// not the database server crashing, so it stays off the fsync path; the handler's own
 /// transaction commits synchronously. (An INSERT ... ON CONFLICT DO UPDATE sees the latest
-/// committed row even if it was committed while this statement waited for the lock.)
+/// committed row even if it was committed while this statement waited for the lock.) A
+/// delivery whose attempt number (`$6`) is below the row's `retried_to` is superseded by a
+/// newer copy: not counted (the new row records the delivery's own number; see the
+/// migration `0003_retried_to.sql`).
 const BEGIN_ATTEMPT: &str =
     "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM unnest($5::bigint[]) AS u(id)), \
      c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
-     SELECT $1, $2, $3, 'pending', 1 FROM l, c \
+     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, retried_to) \
+     SELECT $1, $2, $3, 'pending', 1, $6 FROM l, c \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
+     AND i.retried_to <= EXCLUDED.retried_to \
      RETURNING attempts";
 
 /// [`BEGIN_ATTEMPT`] for many keys: the locks in ascending order (the sorted subquery, and
@@ -40,18 +48,20 @@ const BEGIN_ATTEMPT: &str =
 const BEGIN_ATTEMPTS: &str = "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM \
        (SELECT id FROM unnest($5::bigint[]) AS u(id) ORDER BY id) AS s), \
      c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
-     SELECT $1, u.key, u.hash, 'pending', 1 \
-     FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c ORDER BY u.key \
+     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, retried_to) \
+     SELECT $1, u.key, u.hash, 'pending', 1, u.attempt \
+     FROM unnest($2::text[], $3::text[], $6::int[]) AS u(key, hash, attempt), l, c \
+     ORDER BY u.key \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
+     AND i.retried_to <= EXCLUDED.retried_to \
      RETURNING key, attempts";
 
-const SELECT_ENTRIES: &str = "SELECT key, status, attempts, payload_hash, last_error FROM {inbox} \
-     WHERE handler = $1 AND key = ANY($2)";
+const SELECT_ENTRIES: &str = "SELECT key, status, attempts, payload_hash, last_error, retried_to \
+     FROM {inbox} WHERE handler = $1 AND key = ANY($2)";
 
-const FETCH_ENTRY: &str = "SELECT status, attempts, payload_hash, last_error FROM {inbox} \
-     WHERE handler = $1 AND key = $2";
+const FETCH_ENTRY: &str = "SELECT status, attempts, payload_hash, last_error, retried_to \
+     FROM {inbox} WHERE handler = $1 AND key = $2";
 
 /// Marks keys completed; the caller appends the `WHERE`.
 const COMPLETE: &str = "UPDATE {inbox} SET status = 'completed', completed_at = now(), \
@@ -64,6 +74,13 @@ const COMPLETE: &str = "UPDATE {inbox} SET status = 'completed', completed_at = 
 const UNLOCK_AFTER_DONE: &str = ", d AS (SELECT count(*) AS n FROM done) \
      SELECT count(CASE WHEN d.n >= 0 THEN pg_advisory_unlock(u.id) END) \
      FROM d, unnest($4::bigint[]) AS u(id)";
+
+/// A retry copy carrying attempt `$3` is with the broker (see `Backend::record_retry`). Like
+/// the attempt count, it must survive a worker crash, not a database crash (then a replay
+/// runs once more, as it would without the record), so it commits asynchronously.
+const RECORD_RETRY: &str = "WITH c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
+     UPDATE {inbox} SET retried_to = GREATEST(retried_to, $3), updated_at = now() FROM c \
+     WHERE handler = $1 AND key = $2 AND status = 'pending'";
 
 const RECORD_FAILURE: &str = "UPDATE {inbox} SET last_error = $3, updated_at = now(), \
      status = CASE WHEN $4 THEN 'dead' ELSE status END \
@@ -127,6 +144,7 @@ impl Backend for Postgres {
                 "WITH done AS ({COMPLETE} WHERE handler = $1 AND key = ANY($2) RETURNING 1){UNLOCK_AFTER_DONE}"
             )),
             record_failure: names.render(RECORD_FAILURE),
+            record_retry: names.render(RECORD_RETRY),
             purge_expired: names.render(PURGE_EXPIRED),
             claim_fresh: names.render(CLAIM_FRESH),
             claim_fresh_many: names.render(CLAIM_FRESH_MANY),
@@ -161,13 +179,14 @@ impl Backend for Postgres {
         conn: &'a mut PgConnection,
         names: &'a TableNames,
         handler: &'a str,
-        items: &'a [(String, String)],
+        items: &'a [AttemptItem],
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
-            let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
-            let hashes: Vec<&str> = items.iter().map(|(_, h)| h.as_str()).collect();
+            let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+            let hashes: Vec<&str> = items.iter().map(|i| i.hash.as_str()).collect();
+            let attempts: Vec<i32> = items.iter().map(|i| attempt_number(i.attempt)).collect();
             // One statement: see `BEGIN_ATTEMPTS`.
             let counted: Vec<(String, i32)> = sqlx::query_as(&names.sql.begin_attempts)
                 .bind(handler)
@@ -175,6 +194,7 @@ impl Backend for Postgres {
                 .bind(&hashes)
                 .bind(i64::from(max_attempts))
                 .bind(lock_ids)
+                .bind(&attempts)
                 .fetch_all(&mut *conn)
                 .await?;
             let counted: std::collections::HashMap<String, i32> = counted.into_iter().collect();
@@ -196,13 +216,13 @@ impl Backend for Postgres {
             }
             items
                 .iter()
-                .map(|(key, hash)| match counted.get(key) {
+                .map(|item| match counted.get(&item.key) {
                     Some(attempt) => Ok(Claim::Run {
                         attempt: (*attempt).max(0) as u32,
                     }),
                     None => existing
-                        .remove(key)
-                        .map(|e| Claim::from_entry(e, hash))
+                        .remove(&item.key)
+                        .map(|e| Claim::from_entry(e, &item.hash, item.attempt))
                         .ok_or(sqlx::Error::RowNotFound),
                 })
                 .collect()
@@ -239,6 +259,7 @@ impl Backend for Postgres {
         handler: &'a str,
         key: &'a str,
         payload_hash: &'a str,
+        attempt: u32,
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
@@ -250,14 +271,15 @@ impl Backend for Postgres {
                 .bind(payload_hash)
                 .bind(i64::from(max_attempts))
                 .bind(lock_ids)
+                .bind(attempt_number(attempt))
                 .fetch_optional(&mut *conn)
                 .await?;
             Ok(match counted {
-                Some(attempt) => Claim::Run {
-                    attempt: attempt.max(0) as u32,
+                Some(counted) => Claim::Run {
+                    attempt: counted.max(0) as u32,
                 },
                 None => match fetch_entry(conn, names, handler, key).await? {
-                    Some(entry) => Claim::from_entry(entry, payload_hash),
+                    Some(entry) => Claim::from_entry(entry, payload_hash, attempt),
                     None => return Err(sqlx::Error::RowNotFound),
                 },
             })
@@ -347,6 +369,24 @@ impl Backend for Postgres {
                 .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
             let q = if unlock.is_empty() { q } else { q.bind(unlock) };
             q.execute(conn).await?;
+            Ok(())
+        })
+    }
+
+    fn record_retry<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        attempt: u32,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&names.sql.record_retry)
+                .bind(handler)
+                .bind(key)
+                .bind(attempt_number(attempt))
+                .execute(pool)
+                .await?;
             Ok(())
         })
     }
@@ -461,6 +501,11 @@ impl Backend for Postgres {
     }
 }
 
+/// An attempt number as the `INTEGER` columns hold it.
+fn attempt_number(attempt: u32) -> i32 {
+    i32::try_from(attempt).unwrap_or(i32::MAX)
+}
+
 async fn fetch_entry(
     conn: &mut PgConnection,
     names: &TableNames,
@@ -481,6 +526,7 @@ fn entry_from_row(r: &sqlx::postgres::PgRow) -> Result<InboxEntry, sqlx::Error> 
         attempts: r.try_get::<i32, _>("attempts")?.max(0) as u32,
         payload_hash: r.try_get("payload_hash")?,
         last_error: r.try_get("last_error")?,
+        retried_to: r.try_get::<i32, _>("retried_to")?.max(0) as u32,
     })
 }
 

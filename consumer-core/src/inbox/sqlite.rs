@@ -16,6 +16,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         2,
         include_str!("../../migrations/sqlite/0002_log_marks.sql"),
     ),
+    (
+        3,
+        include_str!("../../migrations/sqlite/0003_retried_to.sql"),
+    ),
 ];
 
 fn now_ms() -> i64 {
@@ -52,14 +56,15 @@ impl Backend for Sqlite {
     fn statements(names: &TableNames) -> Statements {
         Statements {
             begin_attempt: names.render(
-                "INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, first_seen, updated_at) \
-                 VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5) \
+                "INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, first_seen, \
+                 updated_at, retried_to) VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5, ?6) \
                  ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = ?5 \
                  WHERE i.status = 'pending' AND i.payload_hash = excluded.payload_hash AND i.attempts < ?4 \
+                 AND i.retried_to <= excluded.retried_to \
                  RETURNING attempts",
             ),
             fetch_entry: names.render(
-                "SELECT status, attempts, payload_hash, last_error FROM {inbox} \
+                "SELECT status, attempts, payload_hash, last_error, retried_to FROM {inbox} \
                  WHERE handler = ?1 AND key = ?2",
             ),
             complete: names.render(
@@ -70,6 +75,10 @@ impl Backend for Sqlite {
                 "UPDATE {inbox} SET last_error = ?3, updated_at = ?5, \
                  status = CASE WHEN ?4 THEN 'dead' ELSE status END \
                  WHERE handler = ?1 AND key = ?2 AND status <> 'completed'",
+            ),
+            record_retry: names.render(
+                "UPDATE {inbox} SET retried_to = max(retried_to, ?3), updated_at = ?4 \
+                 WHERE handler = ?1 AND key = ?2 AND status = 'pending'",
             ),
             purge_expired: names.render(
                 "DELETE FROM {inbox} WHERE rowid IN (\
@@ -117,6 +126,7 @@ impl Backend for Sqlite {
         handler: &'a str,
         key: &'a str,
         payload_hash: &'a str,
+        attempt: u32,
         max_attempts: u32,
         _lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
@@ -128,14 +138,15 @@ impl Backend for Sqlite {
                 .bind(payload_hash)
                 .bind(i64::from(max_attempts))
                 .bind(now)
+                .bind(i64::from(attempt))
                 .fetch_optional(&mut *conn)
                 .await?;
             Ok(match counted {
-                Some(attempt) => Claim::Run {
-                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                Some(counted) => Claim::Run {
+                    attempt: u32::try_from(counted).unwrap_or(u32::MAX),
                 },
                 None => match fetch_entry(conn, names, handler, key).await? {
-                    Some(entry) => Claim::from_entry(entry, payload_hash),
+                    Some(entry) => Claim::from_entry(entry, payload_hash, attempt),
                     None => return Err(sqlx::Error::RowNotFound),
                 },
             })
@@ -212,6 +223,25 @@ impl Backend for Sqlite {
                 .bind(now)
                 .bind(expires)
                 .execute(conn)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn record_retry<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        attempt: u32,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&names.sql.record_retry)
+                .bind(handler)
+                .bind(key)
+                .bind(i64::from(attempt))
+                .bind(now_ms())
+                .execute(pool)
                 .await?;
             Ok(())
         })
@@ -350,6 +380,7 @@ async fn fetch_entry(
             attempts: u32::try_from(r.try_get::<i64, _>("attempts")?).unwrap_or(0),
             payload_hash: r.try_get("payload_hash")?,
             last_error: r.try_get("last_error")?,
+            retried_to: u32::try_from(r.try_get::<i64, _>("retried_to")?).unwrap_or(0),
         })
     })
     .transpose()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use consumer_core::{
-    handler, Context, HandlerError, NoJitter, StatsSnapshot, Worker, WorkerConfig,
+    handler, Context, Handler, HandlerError, NoJitter, StatsSnapshot, Worker, WorkerConfig,
 };
 use consumer_kafka::{ClientProperties, KafkaConfig, KafkaConsumer, KafkaObserver, KafkaPublisher};
 use futures::StreamExt;
@@ -346,8 +346,8 @@ pub(crate) async fn publish_all(
 }
 
 /// A worker running over a Kafka consumer in a task.
-pub(crate) struct Running {
-    pub(crate) worker: Worker<Postgres, kafka_record>,
+pub(crate) struct Running<H: Handler<Postgres> = kafka_record> {
+    pub(crate) worker: Worker<Postgres, H>,
     pub(crate) observer: KafkaObserver,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), consumer_core::Error>>,
@@ -360,8 +360,19 @@ impl Running {
         config: KafkaConfig,
         worker: WorkerConfig,
     ) -> Running {
-        let worker =
-            Worker::with_config(env.pg.inbox().await, kafka_record, worker).expect("worker");
+        Running::start_handler(env, kafka_record, config, worker).await
+    }
+}
+
+impl<H: Handler<Postgres>> Running<H> {
+    /// [`Running::start`] with another handler.
+    pub(crate) async fn start_handler(
+        env: &KafkaEnv,
+        handler: H,
+        config: KafkaConfig,
+        worker: WorkerConfig,
+    ) -> Running<H> {
+        let worker = Worker::with_config(env.pg.inbox().await, handler, worker).expect("worker");
         let transport = KafkaConsumer::new(config).expect("consumer");
         let observer = transport.observer();
         let closed = Box::pin(transport.closed());

@@ -1,0 +1,7 @@
+-- The highest attempt number a copy of the message is known to carry (a retry copy the
+-- broker confirmed, or the delivery that created the row). A pending key's delivery with a
+-- lower attempt number is superseded by that copy: it is acked without running and without
+-- counting an attempt (a replayed Kafka record, a RabbitMQ redelivery after a lost ack).
+-- A constant default: no table rewrite. `{inbox}` is replaced by a validated, quoted
+-- identifier before this runs.
+ALTER TABLE {inbox} ADD COLUMN IF NOT EXISTS retried_to INTEGER NOT NULL DEFAULT 0;

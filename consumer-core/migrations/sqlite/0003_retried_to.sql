@@ -1,0 +1,6 @@
+-- The highest attempt number a copy of the message is known to carry (a retry copy the
+-- broker confirmed, or the delivery that created the row). A pending key's delivery with a
+-- lower attempt number is superseded by that copy: it is acked without running and without
+-- counting an attempt. `{inbox}` is replaced by a validated, quoted identifier before this
+-- runs.
+ALTER TABLE {inbox} ADD COLUMN retried_to INTEGER NOT NULL DEFAULT 0;
