@@ -691,8 +691,9 @@ async fn run() -> anyhow::Result<bool> {
 
     // RabbitMQ flags a redelivery; a Kafka record carries no such flag, so there a
     // redelivery is a replayed record the inbox already had: a duplicate beyond the copies
-    // that were published twice (each group reads every copy). Killed workers lose their
-    // last second of counters, so both figures are lower bounds.
+    // that were published twice (each group reads every copy), or a replay superseded by its
+    // retry copy. Killed workers lose their last second of counters, so both figures are
+    // lower bounds.
     let redeliveries = match args.broker {
         BrokerKind::Amqp => figures.redelivered,
         BrokerKind::Kafka => {
@@ -700,7 +701,7 @@ async fn run() -> anyhow::Result<bool> {
                 .unwrap_or(u64::MAX)
                 .saturating_add(happened.publish_retries);
             let copies = i64::try_from(copies).unwrap_or(i64::MAX);
-            (figures.duplicates - 2 * copies).max(0)
+            (figures.duplicates - 2 * copies).max(0) + figures.superseded
         }
     };
     let rows: Vec<(&str, String)> = vec![
@@ -745,6 +746,7 @@ async fn run() -> anyhow::Result<bool> {
         ("fault-point aborts (SIGABRT)", c.aborts.to_string()),
         ("redeliveries seen", redeliveries.to_string()),
         ("duplicates skipped", figures.duplicates.to_string()),
+        ("superseded by a retry copy", figures.superseded.to_string()),
         ("retries", figures.retries.to_string()),
         ("extra attempts (inbox)", figures.extra_attempts.to_string()),
         ("quarantined", figures.quarantined.to_string()),

@@ -185,18 +185,21 @@ pub(crate) async fn check(
 pub(crate) struct WorkerFigures {
     pub(crate) redelivered: i64,
     pub(crate) duplicates: i64,
+    pub(crate) superseded: i64,
     pub(crate) retries: i64,
     pub(crate) quarantined: i64,
     pub(crate) extra_attempts: i64,
 }
 
 pub(crate) async fn worker_figures(pool: &PgPool) -> anyhow::Result<WorkerFigures> {
-    let (redelivered, duplicates, retries, quarantined): (i64, i64, i64, i64) = sqlx::query_as(
-        "SELECT coalesce(sum(redelivered), 0)::bigint, coalesce(sum(duplicates), 0)::bigint, \
-         coalesce(sum(retries), 0)::bigint, coalesce(sum(quarantined), 0)::bigint FROM worker_stats",
-    )
-    .fetch_one(pool)
-    .await?;
+    let (redelivered, duplicates, superseded, retries, quarantined): (i64, i64, i64, i64, i64) =
+        sqlx::query_as(
+            "SELECT coalesce(sum(redelivered), 0)::bigint, coalesce(sum(duplicates), 0)::bigint, \
+             coalesce(sum(superseded), 0)::bigint, coalesce(sum(retries), 0)::bigint, \
+             coalesce(sum(quarantined), 0)::bigint FROM worker_stats",
+        )
+        .fetch_one(pool)
+        .await?;
     let extra_attempts: i64 =
         sqlx::query_scalar("SELECT coalesce(sum(attempts - 1), 0)::bigint FROM consumer_inbox")
             .fetch_one(pool)
@@ -204,6 +207,7 @@ pub(crate) async fn worker_figures(pool: &PgPool) -> anyhow::Result<WorkerFigure
     Ok(WorkerFigures {
         redelivered,
         duplicates,
+        superseded,
         retries,
         quarantined,
         extra_attempts,

@@ -1,7 +1,9 @@
 //! The inbox: durable memory of which (handler, key) pairs were processed.
 //!
 //! One row per (handler, key) holds the payload hash, status (`pending`, `completed`,
-//! `dead`), attempts, first seen, completed at, expires at and the last error.
+//! `dead`), attempts, the newest retry copy's attempt number (`retried_to`: an older
+//! delivery of a pending key is superseded, see [`Claim::Superseded`]), first seen,
+//! completed at, expires at and the last error.
 //!
 //! A fresh delivery (see [`Delivery::fresh`](crate::Delivery::fresh)) takes one step, under
 //! the in-process key lock: [`Backend::claim_fresh`] inserts the key as completed in the

@@ -194,6 +194,7 @@ pub async fn run_worker<H: Handler<Postgres>>(
         received = s.received,
         completed = s.completed,
         duplicates = s.duplicates,
+        superseded = s.superseded,
         retries = s.retries,
         dead_lettered = s.dead_lettered,
         settle_errors = s.settle_errors,
@@ -240,11 +241,13 @@ impl StatsRecorder {
             .unwrap_or(0.0);
         let result = sqlx::query(
             "INSERT INTO worker_stats (pid, started_at, handler, received, redelivered, \
-             handler_runs, completed, duplicates, retries, dead_lettered, quarantined, settle_errors) \
-             VALUES ($1, to_timestamp($2), $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+             handler_runs, completed, duplicates, superseded, retries, dead_lettered, quarantined, \
+             settle_errors) \
+             VALUES ($1, to_timestamp($2), $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
              ON CONFLICT (pid, started_at) DO UPDATE SET received = EXCLUDED.received, \
              redelivered = EXCLUDED.redelivered, handler_runs = EXCLUDED.handler_runs, \
              completed = EXCLUDED.completed, duplicates = EXCLUDED.duplicates, \
+             superseded = EXCLUDED.superseded, \
              retries = EXCLUDED.retries, dead_lettered = EXCLUDED.dead_lettered, \
              quarantined = EXCLUDED.quarantined, settle_errors = EXCLUDED.settle_errors, \
              updated_at = now()",
@@ -257,6 +260,7 @@ impl StatsRecorder {
         .bind(n(s.handler_runs))
         .bind(n(s.completed))
         .bind(n(s.duplicates))
+        .bind(n(s.superseded))
         .bind(n(s.retries))
         .bind(n(s.dead_lettered))
         .bind(n(s.quarantined))

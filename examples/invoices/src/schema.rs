@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS {schema}.worker_stats (
     handler_runs  BIGINT NOT NULL,
     completed     BIGINT NOT NULL,
     duplicates    BIGINT NOT NULL,
+    superseded    BIGINT NOT NULL,
     retries       BIGINT NOT NULL,
     dead_lettered BIGINT NOT NULL,
     quarantined   BIGINT NOT NULL,
