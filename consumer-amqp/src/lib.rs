@@ -58,7 +58,7 @@
 //! with `x-message-ttl` = the delay, `x-dead-letter-exchange` = `""` and
 //! `x-dead-letter-routing-key` = the work queue.
 //!
-//! The runtime's backoff has full jitter, so exact delays would mean a queue per
+//! The runtime's backoff is jittered, so exact delays would mean a queue per
 //! millisecond. Instead the delays are rounded *up* to a small fixed set,
 //! [`AmqpConfig::retry_delays`] (default 1s, 5s, 15s, 60s, 300s; longer delays use the
 //! longest). Rounding up keeps the backoff's promise ("not before"), and a fixed set means

@@ -73,7 +73,8 @@ impl HandlerOptions {
         self
     }
 
-    /// Exponential backoff with full jitter from `base`, doubling, capped at `cap`.
+    /// Exponential backoff from `base`, doubling, capped at `cap`; each delay is jittered
+    /// between half its value and its value (see [`crate::ExponentialBackoff`]).
     pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
         self.backoff = (base, cap);
         self

@@ -118,7 +118,12 @@ pub async fn send_invoice(
 /// Sends the "invoice ready" email once the invoice exists.
 ///
 /// Until the invoice worker has created the invoice, it fails transiently and is retried
-/// after a backoff. The guard `orders.email_sent` is set in the handler's transaction
+/// after a backoff. The invoice comes from another worker (another consumer group on
+/// Kafka), which may fall behind: in the chaos suite's Kafka profile, rebalance after
+/// rebalance held one partition of the invoice group for 73 s (seed 71935). So the email
+/// keeps trying for at least 90 s (16 attempts, `1s..15s`: each delay is at least half its
+/// nominal value) before it is dead-lettered; on RabbitMQ, whose retry queues round delays
+/// up to 1 s, 5 s and 15 s, for about 190 s. The guard `orders.email_sent` is set in the handler's transaction
 /// before the provider is called, so among all attempts that commit exactly one calls the
 /// provider. An attempt that calls the provider and then fails to commit (a crash at the
 /// `in_effect` fault point) is retried; like a client of an idempotent API (Stripe-style),
@@ -127,7 +132,7 @@ pub async fn send_invoice(
 #[handler(
     name = "send_email",
     key = "invoice-email-{order_id}",
-    max_attempts = 10,
+    max_attempts = 16,
     backoff = "1s..15s"
 )]
 pub async fn send_email(
