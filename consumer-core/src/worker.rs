@@ -1225,10 +1225,14 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         tracing::warn!(key, attempt, error = %error, "handler failed");
         match reason {
             Some(reason) => self.dead_letter(delivery, reason, Some(key), attempt, error),
+            // The copy is numbered above this delivery as well as above the count: a
+            // delivery's number can run ahead of the count (retries after database errors
+            // are not counted), and the inbox may hold that number as the newest copy's
+            // (`retried_to`), which must never supersede the copy written now.
             None => (
                 Settlement::Retry {
                     delay: s.backoff.next_delay(attempt),
-                    attempt: attempt + 1,
+                    attempt: attempt.max(delivery.attempt) + 1,
                 },
                 Outcome::Retry,
             ),

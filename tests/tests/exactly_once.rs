@@ -820,6 +820,42 @@ async fn replay_of_a_retried_delivery_is_superseded<DB: Backend, H: Handler<DB> 
     assert!(broker.dead_letters(&queue).is_empty());
 }
 
+/// A delivery can carry a higher attempt number than the inbox has counted (its earlier
+/// attempts were retried after database errors, which count nothing). Its retry copy is
+/// numbered above it, so copies are numbered upward along the message's line and a copy is
+/// never superseded by a record of an older one; the message then completes.
+async fn a_delivery_numbered_ahead_of_the_count_is_retried<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    broker.publish(
+        &queue,
+        msg("ahead", json!({"id": "ahead", "fail_times": 1})),
+    );
+    // The published message arrives as the third copy of a message the inbox never saw.
+    let deliveries = broker.consume(&queue).map(|item| {
+        item.map(|mut incoming| {
+            let d = &mut incoming.delivery;
+            if d.attempt == 1 {
+                (d.attempt, d.fresh, d.redelivered) = (3, false, true);
+            }
+            incoming
+        })
+    });
+    tokio::time::timeout(DEADLINE, w.run(deliveries, broker.drained(&queue)))
+        .await
+        .expect("worker did not drain the queue in time")
+        .unwrap();
+    let s = w.snapshot();
+    assert_eq!((s.retries, s.superseded, s.completed), (1, 0, 1), "{s:?}");
+    assert_eq!((h.ledger)(inbox.clone(), "ahead".into()).await, 1);
+    let entry = inbox.entry("record", "ahead").await.unwrap().unwrap();
+    assert_eq!((entry.status, entry.attempts), (EntryStatus::Completed, 2));
+}
+
 async fn guards_are_won_once<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
     let broker = MemoryBroker::new();
     let queue = common::unique("q");
@@ -1008,6 +1044,11 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_replay_of_a_retried_delivery_is_superseded_by_its_copy() {
                 replay_of_a_retried_delivery_is_superseded($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_delivery_numbered_ahead_of_the_count_is_retried_not_superseded() {
+                a_delivery_numbered_ahead_of_the_count_is_retried($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

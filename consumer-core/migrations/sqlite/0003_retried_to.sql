@@ -1,5 +1,5 @@
--- The highest attempt number a copy of the message is known to carry (a retry copy the
--- broker confirmed, or the delivery that created the row). A pending key's delivery with a
+-- The highest attempt number of a retry copy of the message that the broker confirmed
+-- (0: none), recorded after the confirm. A pending key's delivery with a
 -- lower attempt number is superseded by that copy: it is acked without running and without
 -- counting an attempt. `{inbox}` is replaced by a validated, quoted identifier before this
 -- runs.

@@ -186,9 +186,9 @@ pub struct InboxEntry {
     pub payload_hash: String,
     /// The last failure, if any.
     pub last_error: Option<String>,
-    /// The highest attempt number a copy of the message is known to carry: a retry copy its
-    /// broker confirmed, or the delivery that created the row. While the key is pending, a
-    /// delivery with a lower number is superseded by that copy (acked without running).
+    /// The highest attempt number of a retry copy of the message that its broker confirmed
+    /// (0: none). While the key is pending, a delivery with a lower number is superseded by
+    /// that copy (acked without running).
     pub retried_to: u32,
 }
 

@@ -29,16 +29,15 @@ const MIGRATIONS: &[(i32, &str)] = &[
 /// transaction commits synchronously. (An INSERT ... ON CONFLICT DO UPDATE sees the latest
 /// committed row even if it was committed while this statement waited for the lock.) A
 /// delivery whose attempt number (`$6`) is below the row's `retried_to` is superseded by a
-/// newer copy: not counted (the new row records the delivery's own number; see the
-/// migration `0003_retried_to.sql`).
+/// newer copy: not counted (see the migration `0003_retried_to.sql`).
 const BEGIN_ATTEMPT: &str =
     "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM unnest($5::bigint[]) AS u(id)), \
      c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, retried_to) \
-     SELECT $1, $2, $3, 'pending', 1, $6 FROM l, c \
+     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
+     SELECT $1, $2, $3, 'pending', 1 FROM l, c \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
-     AND i.retried_to <= EXCLUDED.retried_to \
+     AND i.retried_to <= $6 \
      RETURNING attempts";
 
 /// [`BEGIN_ATTEMPT`] for many keys: the locks in ascending order (the sorted subquery, and
@@ -48,13 +47,13 @@ const BEGIN_ATTEMPT: &str =
 const BEGIN_ATTEMPTS: &str = "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM \
        (SELECT id FROM unnest($5::bigint[]) AS u(id) ORDER BY id) AS s), \
      c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, retried_to) \
-     SELECT $1, u.key, u.hash, 'pending', 1, u.attempt \
-     FROM unnest($2::text[], $3::text[], $6::int[]) AS u(key, hash, attempt), l, c \
-     ORDER BY u.key \
+     INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts) \
+     SELECT $1, u.key, u.hash, 'pending', 1 \
+     FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c ORDER BY u.key \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
-     AND i.retried_to <= EXCLUDED.retried_to \
+     AND i.retried_to <= (SELECT a.attempt FROM unnest($2::text[], $6::int[]) AS a(key, attempt) \
+       WHERE a.key = EXCLUDED.key) \
      RETURNING key, attempts";
 
 const SELECT_ENTRIES: &str = "SELECT key, status, attempts, payload_hash, last_error, retried_to \

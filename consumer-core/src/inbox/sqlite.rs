@@ -56,11 +56,11 @@ impl Backend for Sqlite {
     fn statements(names: &TableNames) -> Statements {
         Statements {
             begin_attempt: names.render(
-                "INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, first_seen, \
-                 updated_at, retried_to) VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5, ?6) \
+                "INSERT INTO {inbox} AS i (handler, key, payload_hash, status, attempts, first_seen, updated_at) \
+                 VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5) \
                  ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = ?5 \
                  WHERE i.status = 'pending' AND i.payload_hash = excluded.payload_hash AND i.attempts < ?4 \
-                 AND i.retried_to <= excluded.retried_to \
+                 AND i.retried_to <= ?6 \
                  RETURNING attempts",
             ),
             fetch_entry: names.render(
