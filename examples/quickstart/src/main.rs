@@ -93,7 +93,8 @@ async fn count(inbox: &Inbox<Sqlite>, sql: &str) -> anyhow::Result<i64> {
 fn add(total: &mut StatsSnapshot, s: StatsSnapshot) {
     total.received += s.received;
     total.handler_runs += s.handler_runs;
-    total.duplicates += s.duplicates;
+    // A duplicate of a message whose retry copy is pending is superseded by that copy.
+    total.duplicates += s.duplicates + s.superseded;
     total.retries += s.retries;
     total.dead_lettered += s.dead_lettered;
 }
