@@ -91,7 +91,9 @@ impl Profile {
                 broker_restarts: restarts(1),
                 db_restarts: 0,
                 fault_rate: 0.01,
-                drain_deadline: Duration::from_secs(300),
+                // Poison emails take ~190 s of retry delays on RabbitMQ (16 attempts through
+                // the 1/5/15 s retry queues), so the runs drain ~190 s after publishing.
+                drain_deadline: Duration::from_secs(420),
                 member_every: Duration::from_secs(10),
             },
             "full" => Profile {
