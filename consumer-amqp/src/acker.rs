@@ -222,6 +222,7 @@ impl Acknowledger for AmqpAcker {
             }
         })
     }
+
     /// A retry publishes a copy to a retry queue (confirmed) before the original is acked.
     fn retry_writes_copy(&self) -> bool {
         true

@@ -342,7 +342,11 @@ enum Outcome {
     Duplicate,
     Superseded,
     ConflictSkipped,
-    Retry,
+    /// Sent back for a delayed retry. `counted`: after a failed attempt the inbox counted
+    /// (not after a database error), so its copy is recorded (see [`RecordRetry`]).
+    Retry {
+        counted: bool,
+    },
     DeadLettered,
 }
 
@@ -353,7 +357,7 @@ impl Outcome {
             Outcome::Duplicate => "duplicate",
             Outcome::Superseded => "superseded",
             Outcome::ConflictSkipped => "conflict_skipped",
-            Outcome::Retry => "retry",
+            Outcome::Retry { .. } => "retry",
             Outcome::DeadLettered => "dead_lettered",
         }
     }
@@ -554,7 +558,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             let Some(acker) = acker else {
                 return Ok(());
             };
-            let acker = self.recording_retry(acker, &key, &settlement);
+            let acker = self.recording_retry(acker, &key, &settlement, outcome);
             if let Err(e) = acker.settle(settlement).await {
                 Stats::bump(&stats.settle_errors);
                 tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
@@ -671,11 +675,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 return Ok(());
             }
         };
-        let items: Vec<AttemptItem> = runnable
+        let items: Vec<AttemptItem<'_>> = runnable
             .iter()
             .map(|(d, _, p)| AttemptItem {
-                key: p.key.clone(),
-                hash: p.hash.clone(),
+                key: &p.key,
+                hash: &p.hash,
                 attempt: d.attempt.max(1),
             })
             .collect();
@@ -909,23 +913,29 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         settlement: Settlement,
         outcome: Outcome,
     ) -> Settled {
-        let acker = self.recording_retry(acker, key, &settlement);
+        let acker = self.recording_retry(acker, key, &settlement, outcome);
         (acker, settlement, outcome)
     }
 
-    /// The acker to settle with: for a retry whose transport writes a copy (see
-    /// [`Acknowledger::retry_writes_copy`]), one that then records the copy's attempt number
-    /// in the inbox, so that a redelivery of this delivery is known to be superseded.
+    /// The acker to settle with: for the retry of an attempt the inbox counted, when the
+    /// transport writes a copy (see [`Acknowledger::retry_writes_copy`]), one that then
+    /// records the copy's attempt number in the inbox, so that a redelivery of this
+    /// delivery is known to be superseded. A retry after a database error is not recorded:
+    /// the database is likely still unreachable, and waiting for it would hold the
+    /// settlement back.
     fn recording_retry(
         &self,
         acker: Box<dyn Acknowledger>,
         key: &str,
         settlement: &Settlement,
+        outcome: Outcome,
     ) -> Box<dyn Acknowledger> {
-        let Settlement::Retry { attempt, .. } = *settlement else {
+        let (Settlement::Retry { attempt, .. }, Outcome::Retry { counted: true }) =
+            (settlement, outcome)
+        else {
             return acker;
         };
-        if key.is_empty() || !acker.retry_writes_copy() {
+        if !acker.retry_writes_copy() {
             return acker;
         }
         Box::new(RecordRetry {
@@ -933,7 +943,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             inbox: self.inner.inbox.clone(),
             handler: self.inner.settings.name.clone(),
             key: key.to_owned(),
-            attempt,
+            attempt: *attempt,
         })
     }
 
@@ -944,7 +954,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Outcome::Duplicate => &stats.duplicates,
             Outcome::Superseded => &stats.superseded,
             Outcome::ConflictSkipped => &stats.conflicts,
-            Outcome::Retry => &stats.retries,
+            Outcome::Retry { .. } => &stats.retries,
             Outcome::DeadLettered => &stats.dead_lettered,
         });
     }
@@ -996,9 +1006,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         pending: Vec<Pending<H::Message>>,
         settled: &mut Vec<Settled>,
     ) {
-        for (delivery, acker, p) in pending {
+        for (delivery, acker, _) in pending {
             let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
-            settled.push(self.settled(acker, &p.key, settlement, outcome));
+            settled.push((acker, settlement, outcome));
         }
     }
 
@@ -1011,7 +1021,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 delay: self.inner.settings.backoff.next_delay(attempt),
                 attempt: attempt.saturating_add(1),
             },
-            Outcome::Retry,
+            Outcome::Retry { counted: false },
         )
     }
 
@@ -1234,7 +1244,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     delay: s.backoff.next_delay(attempt),
                     attempt: attempt.max(delivery.attempt) + 1,
                 },
-                Outcome::Retry,
+                Outcome::Retry { counted: true },
             ),
         }
     }

@@ -822,8 +822,9 @@ async fn replay_of_a_retried_delivery_is_superseded<DB: Backend, H: Handler<DB> 
 
 /// A delivery can carry a higher attempt number than the inbox has counted (its earlier
 /// attempts were retried after database errors, which count nothing). Its retry copy is
-/// numbered above it, so copies are numbered upward along the message's line and a copy is
-/// never superseded by a record of an older one; the message then completes.
+/// numbered above it (4, not the count's 2), so copies are numbered upward along the
+/// message's line and a copy is never below a recorded older one; the message then
+/// completes.
 async fn a_delivery_numbered_ahead_of_the_count_is_retried<DB: Backend, H: Handler<DB> + Clone>(
     h: Harness<DB, H>,
 ) {
@@ -836,14 +837,19 @@ async fn a_delivery_numbered_ahead_of_the_count_is_retried<DB: Backend, H: Handl
         msg("ahead", json!({"id": "ahead", "fail_times": 1})),
     );
     // The published message arrives as the third copy of a message the inbox never saw.
-    let deliveries = broker.consume(&queue).map(|item| {
-        item.map(|mut incoming| {
-            let d = &mut incoming.delivery;
-            if d.attempt == 1 {
-                (d.attempt, d.fresh, d.redelivered) = (3, false, true);
-            }
-            incoming
-        })
+    let numbers = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let deliveries = broker.consume(&queue).map({
+        let numbers = numbers.clone();
+        move |item| {
+            item.map(|mut incoming| {
+                let d = &mut incoming.delivery;
+                if d.attempt == 1 {
+                    (d.attempt, d.fresh, d.redelivered) = (3, false, true);
+                }
+                numbers.lock().unwrap().push(d.attempt);
+                incoming
+            })
+        }
     });
     tokio::time::timeout(DEADLINE, w.run(deliveries, broker.drained(&queue)))
         .await
@@ -851,6 +857,7 @@ async fn a_delivery_numbered_ahead_of_the_count_is_retried<DB: Backend, H: Handl
         .unwrap();
     let s = w.snapshot();
     assert_eq!((s.retries, s.superseded, s.completed), (1, 0, 1), "{s:?}");
+    assert_eq!(*numbers.lock().unwrap(), vec![3, 4]);
     assert_eq!((h.ledger)(inbox.clone(), "ahead".into()).await, 1);
     let entry = inbox.entry("record", "ahead").await.unwrap().unwrap();
     assert_eq!((entry.status, entry.attempts), (EntryStatus::Completed, 2));

@@ -148,9 +148,9 @@ impl TableNames {
 /// number (see [`Backend::begin_attempt`]).
 #[derive(Debug, Clone)]
 #[doc(hidden)]
-pub struct AttemptItem {
-    pub(crate) key: String,
-    pub(crate) hash: String,
+pub struct AttemptItem<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) hash: &'a str,
     pub(crate) attempt: u32,
 }
 
@@ -312,7 +312,7 @@ pub trait Backend: sqlx::Database + private::Sealed {
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
-        items: &'a [AttemptItem],
+        items: &'a [AttemptItem<'a>],
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
@@ -325,8 +325,8 @@ pub trait Backend: sqlx::Database + private::Sealed {
                     conn,
                     names,
                     handler,
-                    &item.key,
-                    &item.hash,
+                    item.key,
+                    item.hash,
                     item.attempt,
                     max_attempts,
                     locks,

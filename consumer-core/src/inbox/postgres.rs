@@ -178,13 +178,13 @@ impl Backend for Postgres {
         conn: &'a mut PgConnection,
         names: &'a TableNames,
         handler: &'a str,
-        items: &'a [AttemptItem],
+        items: &'a [AttemptItem<'a>],
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
-            let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
-            let hashes: Vec<&str> = items.iter().map(|i| i.hash.as_str()).collect();
+            let keys: Vec<&str> = items.iter().map(|i| i.key).collect();
+            let hashes: Vec<&str> = items.iter().map(|i| i.hash).collect();
             let attempts: Vec<i32> = items.iter().map(|i| attempt_number(i.attempt)).collect();
             // One statement: see `BEGIN_ATTEMPTS`.
             let counted: Vec<(String, i32)> = sqlx::query_as(&names.sql.begin_attempts)
@@ -215,13 +215,13 @@ impl Backend for Postgres {
             }
             items
                 .iter()
-                .map(|item| match counted.get(&item.key) {
+                .map(|item| match counted.get(item.key) {
                     Some(attempt) => Ok(Claim::Run {
                         attempt: (*attempt).max(0) as u32,
                     }),
                     None => existing
-                        .remove(&item.key)
-                        .map(|e| Claim::from_entry(e, &item.hash, item.attempt))
+                        .remove(item.key)
+                        .map(|e| Claim::from_entry(e, item.hash, item.attempt))
                         .ok_or(sqlx::Error::RowNotFound),
                 })
                 .collect()

@@ -123,8 +123,10 @@ pub async fn send_invoice(
 /// rebalance held one partition of the invoice group for 73 s (seed 71935). So the email
 /// keeps trying for at least 90 s (16 attempts, `1s..15s`: each delay is at least half its
 /// nominal value) before it is dead-lettered; on RabbitMQ, whose retry queues round delays
-/// up to 1 s, 5 s and 15 s, for about 190 s. The guard `orders.email_sent` is set in the handler's transaction
-/// before the provider is called, so among all attempts that commit exactly one calls the
+/// up to 1 s, 5 s and 15 s, for 191 s (the sum of those buckets' delays).
+///
+/// The guard `orders.email_sent` is set in the handler's transaction before the provider
+/// is called, so among all attempts that commit exactly one calls the
 /// provider. An attempt that calls the provider and then fails to commit (a crash at the
 /// `in_effect` fault point) is retried; like a client of an idempotent API (Stripe-style),
 /// it first asks the provider whether the idempotency key was already accepted and sends
