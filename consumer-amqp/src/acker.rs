@@ -223,9 +223,10 @@ impl Acknowledger for AmqpAcker {
         })
     }
 
-    /// A retry publishes a copy to a retry queue (confirmed) before the original is acked.
-    fn retry_writes_copy(&self) -> bool {
-        true
+    /// A retry publishes a copy to a retry queue (confirmed) before the original is acked;
+    /// the retry queue dead-letters it back to this consumer's queue when it is due.
+    fn copy_scope(&self) -> Option<&str> {
+        Some(&self.link.topology.copy_scope)
     }
 }
 

@@ -21,6 +21,9 @@ pub(crate) struct RetryBucket {
 pub(crate) struct Topology {
     pub(crate) queue: String,
     pub(crate) dead_letter_queue: String,
+    /// `amqp:<queue>`: names the consumers that read this queue's retry copies (see
+    /// `Acknowledger::copy_scope`).
+    pub(crate) copy_scope: String,
     queue_type: QueueType,
     exchange: String,
     exchange_type: ExchangeType,
@@ -42,6 +45,7 @@ impl Topology {
         Topology {
             queue: config.queue.clone(),
             dead_letter_queue: config.dead_letter_queue_name(),
+            copy_scope: format!("amqp:{}", config.queue),
             queue_type: config.queue_type,
             exchange: config.exchange.clone(),
             exchange_type: config.exchange_type,

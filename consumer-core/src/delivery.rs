@@ -213,17 +213,28 @@ pub trait Acknowledger: Send + 'static {
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>>;
 
-    /// Whether a [`Settlement::Retry`] that returns `Ok` has left a new copy of the message
-    /// with the broker, carrying the new attempt number (a retry queue or topic), rather than
-    /// put this delivery back in place. The runtime then records the copy's attempt number in
-    /// the inbox, so that a later redelivery of this delivery (a Kafka record replayed after
-    /// a rebalance, a RabbitMQ delivery whose ack was lost) is known to be superseded: it is
-    /// acked without running and without counting an attempt, and the message keeps the
-    /// backoff and the attempt budget its copies were given.
+    /// Where the copies of a [`Settlement::Retry`] that returns `Ok` go, when such a retry
+    /// leaves a new copy of the message with the broker, carrying the new attempt number (a
+    /// retry queue or topic), rather than putting this delivery back in place: a name for the
+    /// consumers that will read the copy (e.g. `amqp:<queue>`, `kafka:<group>:<retry suffix>`,
+    /// the in-memory broker's instance and queue). `None` (the default) when a retry writes
+    /// no copy.
     ///
-    /// `false` (the default) is always safe: such a redelivery then runs as one more attempt.
-    fn retry_writes_copy(&self) -> bool {
-        false
+    /// The runtime records the copy's attempt number, this scope and the copy's due time in
+    /// the inbox. A later delivery of the same pending key with a lower attempt number (a
+    /// Kafka record replayed after a rebalance, a RabbitMQ delivery whose ack was lost) is
+    /// then superseded — acked without running and without counting an attempt, so the
+    /// message keeps the backoff and the attempt budget its copies were given — but only if
+    /// it arrives through an acknowledger of the same scope (so the copy will reach the same
+    /// consumers) and before the copy is overdue by the worker's grace period. Otherwise the
+    /// copy may never be read (another consumer group, a retry queue deleted, a retry topic
+    /// no longer consumed or past its retention), and the delivery runs as one more attempt.
+    ///
+    /// The scope must be stable across restarts of the same consumers and differ between
+    /// consumers that do not read each other's copies. `None` is always safe: such a
+    /// redelivery then runs as one more attempt.
+    fn copy_scope(&self) -> Option<&str> {
+        None
     }
 }
 

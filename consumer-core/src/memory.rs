@@ -91,10 +91,23 @@ struct State {
     next_consumer: u64,
 }
 
-#[derive(Default)]
 struct Shared {
     state: Mutex<State>,
     notify: Notify,
+    /// Distinguishes this broker from any other in the process: a retry copy left with one
+    /// broker never reaches the consumers of another (see [`Acknowledger::copy_scope`]).
+    id: u64,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Shared {
+            state: Mutex::default(),
+            notify: Notify::default(),
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
 }
 
 impl Shared {
@@ -240,6 +253,7 @@ fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
     Some(Incoming {
         delivery,
         acker: Box::new(MemoryAcker {
+            scope: format!("memory:{}/{queue}", shared.id),
             broker: MemoryBroker {
                 shared: shared.clone(),
             },
@@ -304,6 +318,8 @@ impl Drop for MemoryConsumer {
 }
 
 struct MemoryAcker {
+    /// `memory:<broker id>/<queue>`: where this delivery's retry copies come back.
+    scope: String,
     broker: MemoryBroker,
     queue: String,
     tag: u64,
@@ -375,9 +391,10 @@ impl Acknowledger for MemoryAcker {
         })
     }
 
-    /// A retry removes the delivery and queues a copy carrying the new attempt number.
-    fn retry_writes_copy(&self) -> bool {
-        true
+    /// A retry removes the delivery and queues a copy carrying the new attempt number, on
+    /// this broker and queue.
+    fn copy_scope(&self) -> Option<&str> {
+        Some(&self.scope)
     }
 }
 

@@ -40,7 +40,7 @@ counters! {
     duplicates,
     /// Deliveries acked without running because a newer retry copy of their message was
     /// already with the broker (a replay of an attempt that failed and was retried; see
-    /// [`crate::Acknowledger::retry_writes_copy`]). No attempt is counted for them.
+    /// [`crate::Acknowledger::copy_scope`]). No attempt is counted for them.
     superseded,
     /// Key conflicts (same key, different payload).
     conflicts,

@@ -97,8 +97,16 @@ impl std::fmt::Debug for WorkerConfig {
 /// transaction, and the batch commits once; then every delivery is settled. If any handler
 /// fails, that transaction is rolled back and the batch runs again one message per
 /// transaction, so one failure never sinks or half-commits the others (and no attempt is
-/// counted twice). The guarantees of the per-message mode hold unchanged; what changes is
-/// the number of fsyncs per message.
+/// counted twice). What changes is the number of fsyncs per message, and one thing more:
+///
+/// - **Database effects** (written through the context) are exactly once, as in the
+///   per-message mode: the rolled-back batch left nothing.
+/// - **Effects outside the database** may be made once more, even with no crash: when one
+///   member fails, every member that ran before it in the batch (up to `max_messages - 1`)
+///   runs again alone, and repeats any external call it made. Such a call must be safe to
+///   repeat: hand the provider [`Context::idempotency_key`](crate::Context::idempotency_key)
+///   (the same on every run of the key), or ask the provider whether the effect exists
+///   before making it. Where neither is possible, use the per-message mode.
 ///
 /// A handler with a batch function (`#[handler(batch = "fn_name")]`, see
 /// [`Handler::handle_batch`]) gets the whole batch in one call and can write its effects
@@ -258,14 +266,17 @@ async fn settle_all(settled: Vec<Settled>) -> Vec<(Outcome, Result<(), Transport
 }
 
 /// Settles a retry through the transport's acker, then records in the inbox that the copy
-/// (carrying `attempt`) is with the broker (see [`Backend::record_retry`]). If the record
-/// cannot be written, a redelivery of this delivery runs once more, as it would without it.
+/// (carrying `attempt`, due after `delay`) is with the broker, on its way to the acker's
+/// [`Acknowledger::copy_scope`] (see [`Backend::record_retry`]). If the record cannot be
+/// written, a redelivery of this delivery runs once more, as it would without it.
 struct RecordRetry<DB: Backend> {
     acker: Box<dyn Acknowledger>,
     inbox: Inbox<DB>,
     handler: String,
     key: String,
     attempt: u32,
+    scope: String,
+    delay: Duration,
 }
 
 impl<DB: Backend> Acknowledger for RecordRetry<DB> {
@@ -280,17 +291,22 @@ impl<DB: Backend> Acknowledger for RecordRetry<DB> {
                 handler,
                 key,
                 attempt,
+                scope,
+                delay,
             } = *self;
             acker.settle(settlement).await?;
-            if let Err(e) = inbox.record_retry(&handler, &key, attempt).await {
+            if let Err(e) = inbox
+                .record_retry(&handler, &key, attempt, &scope, delay)
+                .await
+            {
                 tracing::debug!(error = %e, "could not record the retry copy in the inbox");
             }
             Ok(())
         })
     }
 
-    fn retry_writes_copy(&self) -> bool {
-        true
+    fn copy_scope(&self) -> Option<&str> {
+        Some(&self.scope)
     }
 }
 
@@ -309,14 +325,48 @@ struct Prepared<M> {
 
 /// A batch member that may run: its delivery, acker and decoded message.
 type Pending<M> = (Delivery, Box<dyn Acknowledger>, Prepared<M>);
-/// A batch member after its attempt: its key, attempt number and failure, if any.
-type Ran = (
-    Delivery,
-    Box<dyn Acknowledger>,
-    String,
-    u32,
-    Option<HandlerError>,
-);
+/// A batch member after its attempt: its key, attempt number and how the attempt ended.
+type Ran = (Delivery, Box<dyn Acknowledger>, String, u32, Attempted);
+
+/// How a counted attempt in a transaction ended.
+#[derive(Debug)]
+enum Attempted {
+    /// The handler's writes and the key's completion committed.
+    Committed,
+    /// The handler failed (or its writes were refused at the commit): rolled back; a
+    /// failed attempt.
+    Failed(HandlerError),
+    /// The key's row was no longer this attempt's at the completion (another worker
+    /// completed it or counted a newer attempt on it): rolled back, and the delivery is a
+    /// duplicate of the one that holds the key now.
+    Overtaken,
+    /// No transaction could begin: the handler did not run.
+    NotBegun(sqlx::Error),
+    /// The completion or the commit failed for a reason of the database's own (a
+    /// failover, a lost connection): the outcome is unknown, and it is no failed attempt.
+    CommitFailed(sqlx::Error),
+}
+
+impl Attempted {
+    /// A failed completion or commit: the database's fault unless it refused the handler's
+    /// own writes (an integrity violation found at the commit, such as a deferred
+    /// constraint), which is the handler's failed attempt.
+    fn commit_failed(e: sqlx::Error) -> Self {
+        if refused_writes(&e) {
+            Attempted::Failed(HandlerError::transient(CommitFailed(e)))
+        } else {
+            Attempted::CommitFailed(e)
+        }
+    }
+}
+
+/// Whether a failed commit refused the handler's own writes: an integrity constraint
+/// violation (SQLSTATE class 23) found at the commit, such as a deferred constraint's.
+fn refused_writes(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code.starts_with("23"))
+}
 /// A batch member whose handler ran in the batch's transaction: delivery, acker, key,
 /// attempt.
 type Member = (Delivery, Box<dyn Acknowledger>, String, u32);
@@ -327,8 +377,8 @@ type Settled = (Box<dyn Acknowledger>, Settlement, Outcome);
 enum Fresh<M> {
     /// The key has a row already: the message goes to the counted path.
     Unclaimed(M),
-    /// The handler ran (or the transaction could not begin): `None` committed, `Some`
-    /// failed and rolled back.
+    /// The handler ran (or the transaction could not begin, or its commit failed for the
+    /// database's own reason, `Err`): `None` committed, `Some` failed and rolled back.
     Ran(Result<Option<HandlerError>, sqlx::Error>),
 }
 
@@ -530,6 +580,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             mut delivery,
             acker,
         } = incoming;
+        delivery.attempt = bounded_attempt(delivery.attempt);
         delivery.fresh = self.is_fresh(&delivery).await;
         let s = &self.inner.settings;
         let span = tracing::info_span!(
@@ -550,7 +601,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 }
             }
             let mut key = None;
-            let (settlement, outcome) = self.decide(&delivery, &mut key).await?;
+            let scope = acker.as_deref().and_then(|a| a.copy_scope());
+            let (settlement, outcome) = self.decide(&delivery, scope, &mut key).await?;
             let key = key.unwrap_or_default();
             tracing::Span::current().record("outcome", outcome.as_str());
             self.count(outcome);
@@ -583,7 +635,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             let stats = &self.inner.stats;
             let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
             let mut prepared: Vec<Pending<H::Message>> = Vec::with_capacity(batch.len());
-            for incoming in batch {
+            for mut incoming in batch {
+                incoming.delivery.attempt = bounded_attempt(incoming.delivery.attempt);
                 match self.prepare(&incoming.delivery) {
                     Err((settlement, outcome)) => {
                         Stats::bump(&stats.received);
@@ -632,7 +685,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             // this batch's locks are released.
             for (delivery, acker, p) in unclaimed {
                 let key = p.key.clone();
-                let (settlement, outcome) = self.decide_prepared(&delivery, p).await?;
+                let (settlement, outcome) = self
+                    .decide_prepared(&delivery, acker.copy_scope(), p)
+                    .await?;
                 settled.push(self.settled(acker, &key, settlement, outcome));
             }
             // A fault point fires for the batch if it fires for any of its keys.
@@ -677,10 +732,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         };
         let items: Vec<AttemptItem<'_>> = runnable
             .iter()
-            .map(|(d, _, p)| AttemptItem {
+            .map(|(d, a, p)| AttemptItem {
                 key: &p.key,
                 hash: &p.hash,
                 attempt: d.attempt.max(1),
+                scope: a.copy_scope(),
             })
             .collect();
         let (conn, lock_ids) = lease.locking();
@@ -732,15 +788,64 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 return Ok(());
             }
         };
-        for (delivery, acker, key, attempt, failure) in ran {
-            let (settlement, outcome) = match failure {
-                None => (Settlement::Ack, Outcome::Completed),
-                Some(f) => self.fail(lease.conn(), &delivery, &key, attempt, &f).await,
-            };
+        for (delivery, acker, key, attempt, attempted) in ran {
+            let (settlement, outcome) = self
+                .settle_attempt(lease.conn(), &delivery, &key, attempt, attempted)
+                .await;
             settled.push(self.settled(acker, &key, settlement, outcome));
         }
         lease.release().await;
         Ok(())
+    }
+
+    /// The settlement of a counted attempt that ran (or tried to) in a transaction.
+    async fn settle_attempt(
+        &self,
+        conn: &mut DB::Connection,
+        delivery: &Delivery,
+        key: &str,
+        attempt: u32,
+        attempted: Attempted,
+    ) -> (Settlement, Outcome) {
+        match attempted {
+            Attempted::Committed => (Settlement::Ack, Outcome::Completed),
+            Attempted::Failed(f) => self.fail(conn, delivery, key, attempt, &f).await,
+            Attempted::Overtaken => {
+                tracing::warn!(
+                    key,
+                    attempt,
+                    "the key was completed or counted again by another worker while this attempt ran: rolled back, settled as a duplicate"
+                );
+                (Settlement::Ack, Outcome::Duplicate)
+            }
+            Attempted::NotBegun(e) => self.retry_after_db_error(delivery, &e),
+            Attempted::CommitFailed(e) => {
+                self.give_back(key, attempt).await;
+                self.retry_after_db_error(delivery, &e)
+            }
+        }
+    }
+
+    /// Gives back the count of an attempt whose commit failed for the database's reason (see
+    /// [`Backend::uncount_attempt`]), so that a failover cannot use up a message's attempts.
+    /// If the database cannot be reached yet, the count stays: the message then has one
+    /// attempt fewer, as after a crash.
+    async fn give_back(&self, key: &str, attempt: u32) {
+        let name = &self.inner.settings.name;
+        match self.inner.inbox.uncount_attempt(name, key, attempt).await {
+            Ok(given_back) => {
+                tracing::debug!(
+                    key,
+                    attempt,
+                    given_back,
+                    "commit failed: attempt given back"
+                )
+            }
+            Err(e) => {
+                Stats::bump(&self.inner.stats.db_errors);
+                tracing::warn!(key, attempt, error = %e, "commit failed, and its attempt could not be given back");
+            }
+        }
     }
 
     /// Runs the messages in one transaction (through the handler's batch function if it has
@@ -768,61 +873,88 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         };
         let (items, failed, tentative_runs) = self.run_handlers(&mut tx, to_run).await?;
         if !failed {
-            let keys: Vec<String> = items.iter().map(|i| i.2.clone()).collect();
+            let keys: Vec<&str> = items.iter().map(|i| i.2.as_str()).collect();
+            let attempts: Vec<u32> = items.iter().map(|i| i.3).collect();
             for key in &keys {
                 self.fault(FaultPoint::BeforeCommit, key)?;
             }
-            let committed = async {
-                DB::complete_many(&mut tx, names, &s.name, &keys, s.retention, unlock).await?;
-                *unlocked = !unlock.is_empty();
-                tx.commit().await
-            }
+            let completed = DB::complete_many(
+                &mut tx,
+                names,
+                &s.name,
+                &keys,
+                &attempts,
+                s.retention,
+                unlock,
+            )
             .await;
-            return Ok(Ok(match committed {
-                Ok(()) => {
-                    Stats::bump(&self.inner.stats.batches);
-                    items
-                        .into_iter()
-                        .map(|(d, a, k, n)| (d, a, k, n, None))
-                        .collect()
+            let committed = match completed {
+                Ok(n) if n == keys.len() as u64 => {
+                    *unlocked = !unlock.is_empty();
+                    Some(tx.commit().await)
+                }
+                Ok(_) => {
+                    // A key was overtaken by another worker: its handler's writes must not
+                    // commit, so the batch rolls back and each member runs alone, where
+                    // the completion settles that key as a duplicate.
+                    *unlocked = !unlock.is_empty();
+                    self.abandon_batch(tx, tentative_runs).await;
+                    None
                 }
                 Err(e) => {
-                    let e = e.to_string();
-                    items
-                        .into_iter()
-                        .map(|(d, a, k, n)| {
-                            let f = HandlerError::transient(format!("batch commit failed: {e}"));
-                            (d, a, k, n, Some(f))
-                        })
-                        .collect()
+                    drop(tx);
+                    Some(Err(e))
                 }
-            }));
+            };
+            if let Some(committed) = committed {
+                if committed.is_ok() {
+                    Stats::bump(&self.inner.stats.batches);
+                }
+                // Each member gets the failure: the handler's if the database refused the
+                // batch's writes, else the database's (no attempt).
+                let failure = committed
+                    .err()
+                    .map(|e| (refused_writes(&e), format!("batch commit failed: {e}")));
+                return Ok(Ok(items
+                    .into_iter()
+                    .map(|(d, a, k, n)| {
+                        let attempted = match &failure {
+                            None => Attempted::Committed,
+                            Some((true, e)) => {
+                                Attempted::Failed(HandlerError::transient(e.clone()))
+                            }
+                            Some((false, e)) => {
+                                Attempted::CommitFailed(sqlx::Error::Protocol(e.clone()))
+                            }
+                        };
+                        (d, a, k, n, attempted)
+                    })
+                    .collect()));
+            }
+        } else {
+            self.abandon_batch(tx, tentative_runs).await;
         }
-        self.abandon_batch(tx, tentative_runs).await;
         // One by one. The messages were moved into the handlers: decode them again.
         let mut ran = Vec::with_capacity(items.len());
         for (delivery, acker, key, attempt) in items {
-            let failure = match self.prepare(&delivery) {
-                Err(_) => Some(HandlerError::permanent("the payload no longer decodes")),
+            let attempted = match self.prepare(&delivery) {
+                Err(_) => {
+                    Attempted::Failed(HandlerError::permanent("the payload no longer decodes"))
+                }
                 Ok(p) => {
-                    match self
-                        .run_in_own_transaction(
-                            conn,
-                            &[],
-                            &mut false,
-                            &delivery,
-                            &key,
-                            attempt,
-                            p.message,
-                        )
-                        .await?
-                    {
-                        Ok(failure) => failure,
-                        Err(e) => Some(HandlerError::transient(e)),
-                    }
+                    self.run_in_own_transaction(
+                        conn,
+                        &[],
+                        &mut false,
+                        &delivery,
+                        &key,
+                        attempt,
+                        p.message,
+                    )
+                    .await?
                 }
             };
-            ran.push((delivery, acker, key, attempt, failure));
+            ran.push((delivery, acker, key, attempt, attempted));
         }
         Ok(Ok(ran))
     }
@@ -918,7 +1050,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     }
 
     /// The acker to settle with: for the retry of an attempt the inbox counted, when the
-    /// transport writes a copy (see [`Acknowledger::retry_writes_copy`]), one that then
+    /// transport writes a copy (see [`Acknowledger::copy_scope`]), one that then
     /// records the copy's attempt number in the inbox, so that a redelivery of this
     /// delivery is known to be superseded. A retry after a database error is not recorded:
     /// the database is likely still unreachable, and waiting for it would hold the
@@ -930,20 +1062,22 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         settlement: &Settlement,
         outcome: Outcome,
     ) -> Box<dyn Acknowledger> {
-        let (Settlement::Retry { attempt, .. }, Outcome::Retry { counted: true }) =
+        let (Settlement::Retry { attempt, delay }, Outcome::Retry { counted: true }) =
             (settlement, outcome)
         else {
             return acker;
         };
-        if !acker.retry_writes_copy() {
+        let Some(scope) = acker.copy_scope().map(str::to_owned) else {
             return acker;
-        }
+        };
         Box::new(RecordRetry {
             acker,
             inbox: self.inner.inbox.clone(),
             handler: self.inner.settings.name.clone(),
             key: key.to_owned(),
             attempt: *attempt,
+            scope,
+            delay: *delay,
         })
     }
 
@@ -1019,7 +1153,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         (
             Settlement::Retry {
                 delay: self.inner.settings.backoff.next_delay(attempt),
-                attempt: attempt.saturating_add(1),
+                attempt: next_attempt(attempt),
             },
             Outcome::Retry { counted: false },
         )
@@ -1137,7 +1271,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     "{attempts} attempts were used up without an outcome (the worker crashed); last error: {}",
                     last_error.as_deref().unwrap_or("none recorded")
                 );
-                self.record_failure(conn, key, DeadLetterReason::Quarantined, &error, true)
+                self.record_failure(conn, key, Some(DeadLetterReason::Quarantined), &error)
                     .await;
                 Stats::bump(&self.inner.stats.quarantined);
                 Err(self.dead_letter(
@@ -1229,9 +1363,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         } else {
             None
         };
-        let reason_for_row = reason.unwrap_or(DeadLetterReason::MaxAttemptsExceeded);
-        self.record_failure(conn, key, reason_for_row, &error, reason.is_some())
-            .await;
+        self.record_failure(conn, key, reason, &error).await;
         tracing::warn!(key, attempt, error = %error, "handler failed");
         match reason {
             Some(reason) => self.dead_letter(delivery, reason, Some(key), attempt, error),
@@ -1242,7 +1374,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             None => (
                 Settlement::Retry {
                     delay: s.backoff.next_delay(attempt),
-                    attempt: attempt.max(delivery.attempt) + 1,
+                    attempt: next_attempt(attempt.max(delivery.attempt)),
                 },
                 Outcome::Retry { counted: true },
             ),
@@ -1304,6 +1436,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     async fn decide(
         &self,
         delivery: &Delivery,
+        scope: Option<&str>,
         key_out: &mut Option<String>,
     ) -> Result<(Settlement, Outcome), Crash> {
         let prepared = match self.prepare(delivery) {
@@ -1312,15 +1445,17 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         };
         tracing::Span::current().record("key", prepared.key.as_str());
         *key_out = Some(prepared.key.clone());
-        self.decide_prepared(delivery, prepared).await
+        self.decide_prepared(delivery, scope, prepared).await
     }
 
     /// [`Worker::decide`] once the message is decoded and keyed: a fresh delivery claims its
     /// key in the handler's transaction; anything else, or a fresh delivery whose key has a
-    /// row already, counts its attempt first.
+    /// row already, counts its attempt first. `scope`: the delivery's
+    /// [`Acknowledger::copy_scope`].
     async fn decide_prepared(
         &self,
         delivery: &Delivery,
+        scope: Option<&str>,
         prepared: Prepared<H::Message>,
     ) -> Result<(Settlement, Outcome), Crash> {
         let s = &self.inner.settings;
@@ -1348,22 +1483,18 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             message
         };
         let names = self.inner.inbox.names();
-        let (conn, lock_ids) = lease.locking();
-        let claim = match DB::begin_attempt(
-            conn,
-            names,
-            &s.name,
-            &key,
-            &hash,
-            delivery.attempt.max(1),
-            s.max_attempts,
-            lock_ids,
-        )
-        .await
-        {
-            Ok(c) => c,
-            Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+        let item = AttemptItem {
+            key: &key,
+            hash: &hash,
+            attempt: delivery.attempt.max(1),
+            scope,
         };
+        let (conn, lock_ids) = lease.locking();
+        let claim =
+            match DB::begin_attempt(conn, names, &s.name, &item, s.max_attempts, lock_ids).await {
+                Ok(c) => c,
+                Err(e) => return Ok(self.retry_after_db_error(delivery, &e)),
+            };
         let attempt = match self.check_claim(lease.conn(), delivery, &key, claim).await {
             Ok(attempt) => attempt,
             Err(settled) => {
@@ -1383,20 +1514,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         if unlocked {
             lease.released_in_db();
         }
-        let failure = match ran? {
-            Ok(failure) => failure,
-            Err(e) => {
-                lease.release().await;
-                return Ok(self.retry_after_db_error(delivery, &e));
-            }
-        };
-        let settled = match failure {
-            None => (Settlement::Ack, Outcome::Completed),
-            Some(failure) => {
-                self.fail(lease.conn(), delivery, &key, attempt, &failure)
-                    .await
-            }
-        };
+        let attempted = ran?;
+        let settled = self
+            .settle_attempt(lease.conn(), delivery, &key, attempt, attempted)
+            .await;
         lease.release().await;
         Ok(settled)
     }
@@ -1437,13 +1558,19 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         match result {
             Ok(()) => {
                 self.fault(FaultPoint::BeforeCommit, key)?;
-                let committed = tx.commit().await;
-                if committed.is_ok() {
-                    Stats::bump(&self.inner.stats.fresh_completed);
-                }
-                Ok(Fresh::Ran(Ok(committed.err().map(|e| {
-                    HandlerError::transient(format!("commit failed: {e}"))
-                }))))
+                // A commit that fails takes the claim with it: no attempt is left counted. The
+                // database's failure is retried as one (no attempt); refused writes are the
+                // handler's failed attempt.
+                Ok(Fresh::Ran(match tx.commit().await {
+                    Ok(()) => {
+                        Stats::bump(&self.inner.stats.fresh_completed);
+                        Ok(None)
+                    }
+                    Err(e) if refused_writes(&e) => {
+                        Ok(Some(HandlerError::transient(CommitFailed(e))))
+                    }
+                    Err(e) => Err(e),
+                }))
             }
             Err(HandlerError {
                 crash: Some(point), ..
@@ -1569,7 +1696,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                         Stats::bump(&self.inner.stats.fresh_completed);
                         (Settlement::Ack, Outcome::Completed)
                     }
-                    Err(e) => {
+                    Err(e) if refused_writes(e) => {
                         let failure = HandlerError::transient(format!("batch commit failed: {e}"));
                         // The hash claimed with the key, taken again from the payload (which
                         // decoded before): a commit failure is rare.
@@ -1579,6 +1706,9 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                         self.fresh_outcome(&mut *conn, &delivery, &key, &hash, Ok(Some(failure)))
                             .await
                     }
+                    // The database's failure: the claims rolled back with it, nothing is
+                    // counted, and the members are retried as after any database error.
+                    Err(e) => self.retry_after_db_error(&delivery, e),
                 };
                 settled.push(self.settled(acker, &key, settlement, outcome));
             }
@@ -1631,8 +1761,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 
     /// One message in one transaction: run the handler, mark the key completed (releasing
     /// the database locks `unlock` in that statement, and then setting `unlocked`), commit.
-    /// `Ok(Ok(None))` committed; `Ok(Ok(Some(e)))` failed and rolled back; `Ok(Err(e))` the
-    /// transaction could not begin; `Err` a simulated crash.
+    /// `Err` is a simulated crash.
     #[allow(clippy::too_many_arguments)]
     async fn run_in_own_transaction(
         &self,
@@ -1643,11 +1772,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         key: &str,
         attempt: u32,
         message: H::Message,
-    ) -> Result<Result<Option<HandlerError>, sqlx::Error>, Crash> {
+    ) -> Result<Attempted, Crash> {
         let s = &self.inner.settings;
         let mut tx = match DB::begin_handler(conn).await {
             Ok(tx) => tx,
-            Err(e) => return Ok(Err(e)),
+            Err(e) => return Ok(Attempted::NotBegun(e)),
         };
         let result = {
             let mut ctx = self.context(&mut tx, key, attempt, delivery);
@@ -1659,42 +1788,58 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         {
             return Err(Crash(*point));
         }
-        Ok(Ok(match result {
+        Ok(match result {
             Ok(()) => {
                 self.fault(FaultPoint::BeforeCommit, key)?;
                 let names = self.inner.inbox.names();
-                let committed = async {
-                    DB::complete(&mut tx, names, &s.name, key, s.retention, unlock).await?;
-                    *unlocked = !unlock.is_empty();
-                    tx.commit().await
+                match DB::complete(&mut tx, names, &s.name, key, attempt, s.retention, unlock).await
+                {
+                    Ok(true) => {
+                        *unlocked = !unlock.is_empty();
+                        match tx.commit().await {
+                            Ok(()) => Attempted::Committed,
+                            Err(e) => Attempted::commit_failed(e),
+                        }
+                    }
+                    Ok(false) => {
+                        *unlocked = !unlock.is_empty();
+                        if let Err(rb) = tx.rollback().await {
+                            tracing::warn!(error = %rb, "rollback failed");
+                        }
+                        Attempted::Overtaken
+                    }
+                    Err(e) => Attempted::commit_failed(e),
                 }
-                .await;
-                committed
-                    .err()
-                    .map(|e| HandlerError::transient(CommitFailed(e)))
             }
             Err(e) => {
                 if let Err(rb) = tx.rollback().await {
                     tracing::warn!(error = %rb, "rollback failed");
                 }
-                Some(e)
+                Attempted::Failed(e)
             }
-        }))
+        })
     }
 
+    /// Records a failed attempt's error in the key's row; with a `reason`, the key is dead.
     async fn record_failure(
         &self,
         conn: &mut DB::Connection,
         key: &str,
-        reason: DeadLetterReason,
+        reason: Option<DeadLetterReason>,
         error: &str,
-        dead: bool,
     ) {
         let s = &self.inner.settings;
-        // Stored as "reason: error" so a redelivery of a dead message reports the same reason.
-        let text = format!("{}: {error}", reason.as_str());
+        // A dead key's as "reason: error", so a redelivery of it reports the same reason; a
+        // pending key's error alone (it has no reason yet).
+        let text = match reason {
+            Some(reason) => format!("{}: {error}", reason.as_str()),
+            None => error.to_owned(),
+        };
+        let dead = reason.is_some();
         let names = self.inner.inbox.names();
-        if let Err(e) = DB::record_failure(conn, names, &s.name, key, &text, dead).await {
+        if let Err(e) =
+            DB::record_failure(conn, names, &s.name, key, &text, dead, s.retention).await
+        {
             Stats::bump(&self.inner.stats.db_errors);
             tracing::warn!(error = %e, "could not record the failure in the inbox");
         }
@@ -1706,6 +1851,23 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 #[derive(Debug, thiserror::Error)]
 #[error("commit failed")]
 struct CommitFailed(#[source] sqlx::Error);
+
+/// The largest attempt number a delivery is taken to carry: what the inbox's `INTEGER`
+/// columns hold. A header claiming more (a producer's, or a corrupted one) is read as this,
+/// and every number derived from it saturates, so no header can overflow the arithmetic.
+const MAX_ATTEMPT: u32 = i32::MAX as u32;
+
+/// A transport's attempt number, bounded to `1..=`[`MAX_ATTEMPT`].
+fn bounded_attempt(attempt: u32) -> u32 {
+    attempt.clamp(1, MAX_ATTEMPT)
+}
+
+/// The number of the copy that follows attempt `n`, bounded like a delivery's: a copy is
+/// never numbered above what its delivery will be read as, or that delivery would be taken
+/// for a replay the copy supersedes.
+fn next_attempt(n: u32) -> u32 {
+    n.saturating_add(1).min(MAX_ATTEMPT)
+}
 
 fn split_reason(text: &str) -> (DeadLetterReason, &str) {
     text.split_once(": ")

@@ -241,6 +241,9 @@ struct Settings {
     retry_suffix: String,
     dead_letter_suffix: String,
     group_id: String,
+    /// `kafka:<group>:<retry suffix>`: the consumers that read this group's retry copies
+    /// (see `Acknowledger::copy_scope`).
+    copy_scope: String,
 }
 
 struct Shared {
@@ -834,10 +837,14 @@ impl Acknowledger for KafkaAcker {
         })
     }
 
-    /// With a retry topic, a retry writes a copy; a blocking retry puts the record back in
-    /// place, and a replay of it is then its only copy.
-    fn retry_writes_copy(&self) -> bool {
-        self.shared.settings.retry == RetryMode::RetryTopic
+    /// With a retry topic, a retry writes a copy that this consumer group reads back from
+    /// the retry topic; a blocking retry puts the record back in place, and a replay of it is
+    /// then its only copy.
+    fn copy_scope(&self) -> Option<&str> {
+        match self.shared.settings.retry {
+            RetryMode::RetryTopic => Some(&self.shared.settings.copy_scope),
+            RetryMode::Blocking => None,
+        }
     }
 }
 
@@ -867,7 +874,7 @@ impl KafkaAcker {
                             // The copy is the outcome: once it is written the retry is done,
                             // even if the partition was revoked meanwhile. The new owner's
                             // replay of this record is then superseded by the copy (see
-                            // `retry_writes_copy`).
+                            // `copy_scope`).
                             if let Err(e) = shared.mark_settled(tp, generation, record) {
                                 tracing::debug!(error = %e, "retry copy written after a revoke");
                             }
@@ -1017,6 +1024,7 @@ impl KafkaConsumer {
                 retry_suffix: config.retry_topic_suffix.clone(),
                 dead_letter_suffix: config.dead_letter_topic_suffix.clone(),
                 group_id: config.group_id.clone(),
+                copy_scope: format!("kafka:{}:{}", config.group_id, config.retry_topic_suffix),
             },
             producer,
             observer: KafkaObserver::default(),

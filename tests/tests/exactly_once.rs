@@ -18,8 +18,8 @@ use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Backend, BatchConfig, BatchContext, Context, DeadLetterReason, EntryStatus, Error,
-    FlagGuard, Handler, HandlerError, Inbox, LogPosition, NoJitter, StatsSnapshot, Transition,
-    Worker, WorkerConfig,
+    FlagGuard, Handler, HandlerError, Inbox, InboxConfig, LogPosition, NoJitter, StatsSnapshot,
+    Transition, Worker, WorkerConfig,
 };
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -199,6 +199,11 @@ struct Harness<DB: Backend, H> {
     /// An inbox as a separate worker process would have it (PostgreSQL: its own pool;
     /// SQLite, one process only: the same inbox).
     new_inbox: Box<dyn Fn() -> BoxFuture<'static, Inbox<DB>> + Send + Sync>,
+    /// An inbox on the same table with key locks of its own (as a second deployment whose
+    /// locks this one does not see), its table spelled another way where the backend allows
+    /// (PostgreSQL: unqualified, resolved through the search path), and a copy grace of its
+    /// own.
+    other_inbox: Box<dyn Fn(Duration) -> BoxFuture<'static, Inbox<DB>> + Send + Sync>,
     /// `SELECT count(*) FROM ledger WHERE job_id = ?`.
     ledger: fn(Inbox<DB>, String) -> BoxFuture<'static, i64>,
     /// `SELECT status FROM orders WHERE id = ?`, inserting the order first if `create`.
@@ -218,9 +223,19 @@ async fn pg_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> Harness<P
     Harness {
         handler,
         batch,
-        new_inbox: Box::new(move || {
+        new_inbox: Box::new({
             let env = env.clone();
-            Box::pin(async move { env.inbox().await })
+            move || {
+                let env = env.clone();
+                Box::pin(async move { env.inbox().await })
+            }
+        }),
+        other_inbox: Box::new(move |grace| {
+            let env = env.clone();
+            Box::pin(async move {
+                env.inbox_with(InboxConfig::table("consumer_inbox").with_copy_grace(grace))
+                    .await
+            })
         }),
         ledger: |inbox, id| {
             Box::pin(async move {
@@ -263,9 +278,19 @@ async fn sqlite_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> Harne
     Harness {
         handler,
         batch,
-        new_inbox: Box::new(move || {
+        new_inbox: Box::new({
             let env = env.clone();
-            Box::pin(async move { env.inbox.clone() })
+            move || {
+                let env = env.clone();
+                Box::pin(async move { env.inbox.clone() })
+            }
+        }),
+        other_inbox: Box::new(move |grace| {
+            let env = env.clone();
+            Box::pin(async move {
+                let config = InboxConfig::default().with_copy_grace(grace);
+                Inbox::new(env.inbox.pool().clone(), config).await.unwrap()
+            })
         }),
         ledger: |inbox, id| {
             Box::pin(async move {
@@ -998,6 +1023,304 @@ async fn many_distinct_jobs_each_once<DB: Backend, H: Handler<DB> + Clone>(h: Ha
     }
 }
 
+/// Holds back the retry copies (attempt 2 and up) of `deliveries` in `held`, and hands on
+/// the rest as redeliveries (not fresh), as a log's replay or a lost ack's redelivery comes.
+fn holding_copies(
+    deliveries: consumer_core::memory::MemoryConsumer,
+    held: Arc<std::sync::Mutex<Vec<consumer_core::Incoming>>>,
+) -> impl consumer_core::Transport {
+    deliveries.filter_map(move |item| {
+        let item = match item {
+            Ok(incoming) if incoming.delivery.attempt >= 2 => {
+                held.lock().unwrap().push(incoming);
+                None
+            }
+            Ok(mut incoming) => {
+                incoming.delivery.fresh = false;
+                incoming.delivery.redelivered = true;
+                Some(Ok(incoming))
+            }
+            other => Some(other),
+        };
+        futures::future::ready(item)
+    })
+}
+
+/// Runs `worker` on `deliveries` until `done` holds, then stops it gracefully.
+async fn run_until<DB, H, T, F, Fut>(worker: &Worker<DB, H>, deliveries: T, what: &str, done: F)
+where
+    DB: Backend,
+    H: Handler<DB>,
+    T: consumer_core::Transport,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn({
+        let worker = worker.clone();
+        async move {
+            worker
+                .run(deliveries, async {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+    wait_until(what, done).await;
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+}
+
+/// Finding: a retry copy that will never be consumed must not supersede the message. The
+/// copy of a failed attempt is left with a broker that is then replaced (as a retry queue
+/// deleted, a retry topic no longer read, or another consumer group would leave it); the
+/// producer publishes the job again, to the new broker. That delivery comes through other
+/// consumers than the copy's, so it runs, and the job's effect happens once.
+async fn a_copy_that_can_no_longer_arrive_does_not_supersede<
+    DB: Backend,
+    H: Handler<DB> + Clone,
+>(
+    h: Harness<DB, H>,
+) {
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    let body = json!({"id": "gone", "fail_times": 1});
+    let first = MemoryBroker::new();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let w1 = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    first.publish(&queue, msg("gone", body.clone()));
+    run_until(
+        &w1,
+        holding_copies(first.consume(&queue), held.clone()),
+        "the first attempt failed, its copy held and recorded",
+        || {
+            let (inbox, held) = (inbox.clone(), held.clone());
+            async move {
+                let entry = inbox.entry("record", "gone").await.unwrap();
+                entry.is_some_and(|e| e.retried_to == 2) && held.lock().unwrap().len() == 1
+            }
+        },
+    )
+    .await;
+    let entry = inbox.entry("record", "gone").await.unwrap().unwrap();
+    assert_eq!(
+        entry.last_error.as_deref(),
+        Some("transient failure on attempt 1"),
+        "a pending key's error names no dead-letter reason: {entry:?}"
+    );
+
+    let second = MemoryBroker::new();
+    second.publish(&queue, msg("gone", body));
+    let w2 = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    run_until_drained(&w2, &second, &queue).await.unwrap();
+    let s = w2.snapshot();
+    assert_eq!((s.superseded, s.completed), (0, 1), "{s:?}");
+    assert_eq!((h.ledger)(inbox.clone(), "gone".to_owned()).await, 1);
+    let entry = inbox.entry("record", "gone").await.unwrap().unwrap();
+    assert_eq!(
+        (entry.status, entry.attempts),
+        (EntryStatus::Completed, 2),
+        "{entry:?}"
+    );
+}
+
+/// Finding: a copy that is overdue by more than the inbox's grace period is taken as lost
+/// (a retry topic past its retention, say): a later delivery of the message through the same
+/// consumers runs instead of being superseded.
+async fn an_overdue_copy_does_not_supersede<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.other_inbox)(Duration::ZERO).await;
+    let body = json!({"id": "late", "fail_times": 1});
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    broker.publish(&queue, msg("late", body.clone()));
+    run_until(
+        &w,
+        holding_copies(broker.consume(&queue), held.clone()),
+        "the copy held, recorded, and overdue",
+        || {
+            let (inbox, held) = (inbox.clone(), held.clone());
+            async move {
+                let entry = inbox.entry("record", "late").await.unwrap();
+                let overdue = entry.is_some_and(|e| {
+                    e.retried_to == 2 && e.copy_due_in_ms.is_some_and(|due| due < 0)
+                });
+                overdue && held.lock().unwrap().len() == 1
+            }
+        },
+    )
+    .await;
+    // The held copy is never delivered: it was lost. The job comes again.
+    broker.publish(&queue, msg("late", body));
+    run_until(
+        &w,
+        holding_copies(broker.consume(&queue), held.clone()),
+        "the job's effect",
+        || {
+            let (inbox, ledger) = (inbox.clone(), h.ledger);
+            async move { ledger(inbox, "late".to_owned()).await == 1 }
+        },
+    )
+    .await;
+    let s = w.snapshot();
+    assert_eq!((s.superseded, s.completed), (0, 1), "{s:?}");
+}
+
+/// Finding: completion has a status guard. Two inboxes on one table whose key locks do not
+/// see each other (PostgreSQL: the table spelled `"schema"."consumer_inbox"` and, through
+/// the search path, `consumer_inbox`; SQLite: two inboxes on one file) are each handed a
+/// redelivery of one key, and their handlers overlap. The key's effect is committed once;
+/// the other delivery is settled as a duplicate.
+async fn two_inboxes_that_share_no_locks_complete_a_key_once<
+    DB: Backend,
+    H: Handler<DB> + Clone,
+>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let (qa, qb) = (common::unique("qa"), common::unique("qb"));
+    let inbox_a = (h.new_inbox)().await;
+    let inbox_b = (h.other_inbox)(Duration::from_secs(300)).await;
+    let body = json!({"id": "both", "sleep_ms": 500});
+    broker.publish(&qa, msg("both", body.clone()));
+    broker.publish(&qb, msg("both", body));
+    let wa = Worker::with_config(inbox_a.clone(), h.handler.clone(), h.config()).unwrap();
+    let wb = Worker::with_config(inbox_b, h.handler.clone(), h.config()).unwrap();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let settled = |w: &Worker<DB, H>| {
+        let s = w.snapshot();
+        s.completed + s.duplicates
+    };
+    let (a, b) = tokio::join!(
+        run_until(
+            &wa,
+            holding_copies(broker.consume(&qa), held.clone()),
+            "a settled",
+            || {
+                let n = settled(&wa);
+                async move { n == 1 }
+            }
+        ),
+        run_until(
+            &wb,
+            holding_copies(broker.consume(&qb), held.clone()),
+            "b settled",
+            || {
+                let n = settled(&wb);
+                async move { n == 1 }
+            }
+        ),
+    );
+    let ((), ()) = (a, b);
+    assert_eq!((h.ledger)(inbox_a.clone(), "both".to_owned()).await, 1);
+    let (sa, sb) = (wa.snapshot(), wb.snapshot());
+    assert_eq!(sa.completed + sb.completed, 1, "{sa:?} {sb:?}");
+    assert_eq!(sa.duplicates + sb.duplicates, 1, "{sa:?} {sb:?}");
+}
+
+/// Finding: dead is not forever. A dead key released through the inbox runs again when its
+/// dead letter is replayed; before the release, a replay is dead-lettered again.
+async fn a_released_dead_key_runs_again<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    let body = json!({"id": "dead", "fail_times": 1});
+    let one_attempt = WorkerConfig {
+        max_attempts: Some(1),
+        ..h.config()
+    };
+    let w1 = Worker::with_config(inbox.clone(), h.handler.clone(), one_attempt).unwrap();
+    broker.publish(&queue, msg("dead", body.clone()));
+    run_until_drained(&w1, &broker, &queue).await.unwrap();
+    let entry = inbox.entry("record", "dead").await.unwrap().unwrap();
+    assert_eq!(entry.status, EntryStatus::Dead, "{entry:?}");
+    assert!(!inbox.release("record", "missing").await.unwrap());
+
+    // The cause is fixed (three attempts now), but the key is still dead: the replay is
+    // dead-lettered again, with the recorded reason.
+    let w2 = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    broker.publish(&queue, msg("dead", body.clone()));
+    run_until_drained(&w2, &broker, &queue).await.unwrap();
+    let dead = broker.dead_letters(&queue);
+    assert_eq!(dead.len(), 2);
+    assert_eq!(
+        dead[1].dead_letter.reason,
+        DeadLetterReason::MaxAttemptsExceeded
+    );
+    assert_eq!((h.ledger)(inbox.clone(), "dead".to_owned()).await, 0);
+
+    assert!(inbox.release("record", "dead").await.unwrap());
+    assert!(inbox.entry("record", "dead").await.unwrap().is_none());
+    broker.publish(&queue, msg("dead", body));
+    run_until_drained(&w2, &broker, &queue).await.unwrap();
+    assert_eq!(broker.dead_letters(&queue).len(), 2);
+    assert_eq!((h.ledger)(inbox.clone(), "dead".to_owned()).await, 1);
+    let entry = inbox.entry("record", "dead").await.unwrap().unwrap();
+    assert_eq!(entry.status, EntryStatus::Completed, "{entry:?}");
+}
+
+/// Finding: dead rows expire after the handler's retention, like completed ones.
+async fn dead_rows_expire_after_retention<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    let config = WorkerConfig {
+        retention: Some(Duration::from_millis(1)),
+        ..h.config()
+    };
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), config).unwrap();
+    broker.publish(
+        &queue,
+        msg("poison", json!({"id": "poison", "permanent": true})),
+    );
+    run_until_drained(&w, &broker, &queue).await.unwrap();
+    let entry = inbox.entry("record", "poison").await.unwrap().unwrap();
+    assert_eq!(entry.status, EntryStatus::Dead, "{entry:?}");
+    wait_until("the dead row purged", || {
+        let inbox = inbox.clone();
+        async move {
+            inbox.purge_expired(100).await.unwrap();
+            inbox.entry("record", "poison").await.unwrap().is_none()
+        }
+    })
+    .await;
+}
+
+/// Finding: an attempt number at `u32::MAX` (a producer's or a corrupted header) does not
+/// overflow the numbering of the retry copies: the message is retried and dead-lettered
+/// after its attempts like any other.
+async fn an_attempt_number_at_u32_max_is_bounded<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let inbox = (h.new_inbox)().await;
+    let w = Worker::with_config(inbox.clone(), h.handler.clone(), h.config()).unwrap();
+    broker.publish(&queue, msg("max", json!({"id": "max", "fail_times": 10})));
+    let deliveries = broker.consume(&queue).map(|item| {
+        item.map(|mut incoming| {
+            if incoming.delivery.attempt == 1 {
+                incoming.delivery.attempt = u32::MAX;
+                incoming.delivery.fresh = false;
+            }
+            incoming
+        })
+    });
+    run_until(&w, deliveries, "the message dead-lettered", || {
+        let n = broker.dead_letters(&queue).len();
+        async move { n == 1 }
+    })
+    .await;
+    let dead = broker.dead_letters(&queue);
+    assert_eq!(
+        (dead[0].dead_letter.reason, dead[0].dead_letter.attempts),
+        (DeadLetterReason::MaxAttemptsExceeded, 3)
+    );
+}
+
 macro_rules! scenarios {
     ($backend:ident, $harness:ident, $batch:expr) => {
         mod $backend {
@@ -1066,6 +1389,38 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn many_distinct_jobs_with_failures_and_duplicates_each_once() {
                 many_distinct_jobs_each_once($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_copy_that_can_no_longer_arrive_does_not_supersede() {
+                super::a_copy_that_can_no_longer_arrive_does_not_supersede($harness($batch).await)
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_overdue_copy_does_not_supersede() {
+                super::an_overdue_copy_does_not_supersede($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn two_inboxes_that_share_no_locks_complete_a_key_once() {
+                super::two_inboxes_that_share_no_locks_complete_a_key_once($harness($batch).await)
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_released_dead_key_runs_again() {
+                super::a_released_dead_key_runs_again($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn dead_rows_expire_after_retention() {
+                super::dead_rows_expire_after_retention($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_attempt_number_at_u32_max_is_bounded() {
+                super::an_attempt_number_at_u32_max_is_bounded($harness($batch).await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

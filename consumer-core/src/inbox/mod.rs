@@ -39,13 +39,21 @@ use crate::guard::GuardValue;
 use crate::ident::Identifier;
 use crate::Error;
 
-/// Where the inbox lives.
+/// Where the inbox lives, and how long a retry copy may be late.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct InboxConfig {
     /// PostgreSQL schema (created if missing). Not supported on SQLite.
     pub schema: Option<String>,
     /// Table name; default `consumer_inbox`.
     pub table: String,
+    /// How long past its due time a retry copy may still arrive (default 5 minutes). Until
+    /// then an older delivery of the key that comes through the same consumers is superseded
+    /// by the copy (acked without running, see [`Claim::Superseded`]); after it, the copy is
+    /// taken as lost (a retry topic past its retention, a retry queue deleted) and such a
+    /// delivery runs. Too short costs an attempt (the replay and the copy both run, one after
+    /// the other, under the key's lock); too long delays a message whose copy was lost.
+    pub copy_grace: Duration,
 }
 
 impl Default for InboxConfig {
@@ -53,6 +61,7 @@ impl Default for InboxConfig {
         InboxConfig {
             schema: None,
             table: "consumer_inbox".to_owned(),
+            copy_grace: Duration::from_secs(300),
         }
     }
 }
@@ -65,6 +74,26 @@ impl InboxConfig {
             ..InboxConfig::default()
         }
     }
+
+    /// The table `table` (in the connection's default schema on PostgreSQL).
+    pub fn table(table: impl Into<String>) -> Self {
+        InboxConfig {
+            table: table.into(),
+            ..InboxConfig::default()
+        }
+    }
+
+    /// The same place with another schema.
+    pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// The same with another [`InboxConfig::copy_grace`].
+    pub fn with_copy_grace(mut self, grace: Duration) -> Self {
+        self.copy_grace = grace;
+        self
+    }
 }
 
 /// Validated, quoted names of the inbox objects.
@@ -72,6 +101,8 @@ impl InboxConfig {
 #[doc(hidden)]
 pub struct TableNames {
     pub(crate) schema: Option<Identifier>,
+    /// `"table"`, without its schema.
+    bare_table: String,
     /// `"schema"."table"` or `"table"`.
     pub(crate) inbox: String,
     /// `"schema"."table_migrations"`.
@@ -80,8 +111,13 @@ pub struct TableNames {
     pub(crate) log_marks: String,
     /// `"table_expires_at"` (indexes live in the table's schema).
     pub(crate) expires_index: String,
-    /// Distinguishes this inbox in lock ids.
+    /// `"table_dead_expires_at"`.
+    pub(crate) dead_expires_index: String,
+    /// Distinguishes this inbox in lock ids: the table as the database resolved it (see
+    /// [`Backend::lock_namespace`]), so two spellings of one table take the same locks.
     pub(crate) lock_namespace: String,
+    /// [`InboxConfig::copy_grace`].
+    pub(crate) copy_grace: Duration,
     /// The backend's statements on this table, rendered once (see [`Backend::statements`]).
     pub(crate) sql: Statements,
 }
@@ -101,6 +137,8 @@ pub struct Statements {
     pub(crate) complete_many_and_unlock: String,
     pub(crate) record_failure: String,
     pub(crate) record_retry: String,
+    pub(crate) uncount_attempt: String,
+    pub(crate) release_dead: String,
     pub(crate) purge_expired: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
@@ -126,14 +164,22 @@ impl TableNames {
             None => format!("\"{name}\""),
         };
         Ok(TableNames {
+            bare_table: format!("\"{table}\""),
             inbox: qualify(table.as_str()),
             migrations: qualify(&format!("{table}_migrations")),
             log_marks: qualify(&format!("{table}_log_marks")),
             expires_index: format!("\"{table}_expires_at\""),
+            dead_expires_index: format!("\"{table}_dead_expires_at\""),
             lock_namespace: qualify(table.as_str()),
+            copy_grace: config.copy_grace,
             schema,
             sql: Statements::default(),
         })
+    }
+
+    /// The table's quoted name without its schema.
+    pub(crate) fn unqualified_table(&self) -> &str {
+        &self.bare_table
     }
 
     pub(crate) fn render(&self, template: &str) -> String {
@@ -141,17 +187,26 @@ impl TableNames {
             .replace("{inbox}", &self.inbox)
             .replace("{log_marks}", &self.log_marks)
             .replace("{expires_index}", &self.expires_index)
+            .replace("{dead_expires_index}", &self.dead_expires_index)
+            .replace("{copy_grace_ms}", &self.copy_grace_ms().to_string())
+    }
+
+    /// [`InboxConfig::copy_grace`] in milliseconds, as the statements compare it.
+    pub(crate) fn copy_grace_ms(&self) -> i64 {
+        i64::try_from(self.copy_grace.as_millis()).unwrap_or(i64::MAX)
     }
 }
 
-/// One delivery of a batch to count an attempt for: its key, payload hash and own attempt
-/// number (see [`Backend::begin_attempt`]).
+/// One delivery to count an attempt for: its key, payload hash, own attempt number and the
+/// scope its retry copies go to (see [`Backend::begin_attempt`]).
 #[derive(Debug, Clone)]
 #[doc(hidden)]
 pub struct AttemptItem<'a> {
     pub(crate) key: &'a str,
     pub(crate) hash: &'a str,
     pub(crate) attempt: u32,
+    /// [`Acknowledger::copy_scope`](crate::Acknowledger::copy_scope) of the delivery.
+    pub(crate) scope: Option<&'a str>,
 }
 
 /// The state of one key in the inbox.
@@ -177,6 +232,7 @@ impl EntryStatus {
 
 /// One inbox row, for operators and tests.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InboxEntry {
     /// Status.
     pub status: EntryStatus,
@@ -188,8 +244,31 @@ pub struct InboxEntry {
     pub last_error: Option<String>,
     /// The highest attempt number of a retry copy of the message that its broker confirmed
     /// (0: none). While the key is pending, a delivery with a lower number is superseded by
-    /// that copy (acked without running).
+    /// that copy (acked without running), if it comes through the same consumers
+    /// ([`InboxEntry::retry_scope`]) before the copy is overdue.
     pub retried_to: u32,
+    /// Where that copy went: the consumers that will read it
+    /// ([`Acknowledger::copy_scope`](crate::Acknowledger::copy_scope)).
+    pub retry_scope: Option<String>,
+    /// Milliseconds until that copy is due, by the database's clock (negative once it is
+    /// overdue); `None` without a recorded copy.
+    pub copy_due_in_ms: Option<i64>,
+}
+
+impl InboxEntry {
+    /// Whether the newest retry copy supersedes a delivery carrying `attempt` that comes
+    /// through `scope`: the copy is numbered above it, goes to the same consumers, and is
+    /// not overdue by more than `grace`. The statements that count attempts apply the same
+    /// rule in SQL (see `BEGIN_ATTEMPT` in the backends); this is its one statement in Rust.
+    pub(crate) fn superseded(&self, attempt: u32, scope: Option<&str>, grace: Duration) -> bool {
+        let grace = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+        self.retried_to > attempt
+            && scope.is_some()
+            && self.retry_scope.as_deref() == scope
+            && self
+                .copy_due_in_ms
+                .is_some_and(|due| due > grace.saturating_neg())
+    }
 }
 
 /// The outcome of counting an attempt.
@@ -216,8 +295,9 @@ pub enum Claim {
         last_error: Option<String>,
     },
     /// A newer copy of the message is with the broker (its attempt number is above this
-    /// delivery's): this delivery is a replay of an attempt that already failed and was
-    /// retried, so it is acked without running and without counting an attempt.
+    /// delivery's), on its way to the consumers this delivery came through and not overdue
+    /// (see [`InboxEntry::superseded`]): this delivery is a replay of an attempt that already
+    /// failed and was retried, so it is acked without running and without counting an attempt.
     Superseded {
         /// The newer copy's attempt number.
         by: u32,
@@ -232,10 +312,9 @@ pub enum Claim {
 }
 
 impl Claim {
-    /// Decides from an existing row when the attempt of a delivery carrying attempt number
-    /// `attempt` was not counted.
-    pub(crate) fn from_entry(entry: InboxEntry, payload_hash: &str, attempt: u32) -> Claim {
-        if entry.payload_hash != payload_hash {
+    /// Decides from an existing row when the attempt of `item` was not counted.
+    pub(crate) fn from_entry(entry: InboxEntry, item: &AttemptItem<'_>, grace: Duration) -> Claim {
+        if entry.payload_hash != item.hash {
             return Claim::Conflict {
                 status: entry.status,
             };
@@ -246,9 +325,11 @@ impl Claim {
                 attempts: entry.attempts,
                 last_error: entry.last_error,
             },
-            EntryStatus::Pending if entry.retried_to > attempt => Claim::Superseded {
-                by: entry.retried_to,
-            },
+            EntryStatus::Pending if entry.superseded(item.attempt, item.scope, grace) => {
+                Claim::Superseded {
+                    by: entry.retried_to,
+                }
+            }
             EntryStatus::Pending => Claim::Exhausted {
                 attempts: entry.attempts,
                 last_error: entry.last_error,
@@ -283,6 +364,15 @@ pub trait Backend: sqlx::Database + private::Sealed {
     fn migrate<'a>(pool: &'a Pool<Self>, names: &'a TableNames)
         -> BoxFuture<'a, Result<(), Error>>;
 
+    /// The lock namespace of the (migrated) table as the database resolves it, whatever the
+    /// configuration's spelling (PostgreSQL: `"schema"."table"` with the schema the name
+    /// resolves to); `None` where the backend takes no database locks.
+    #[doc(hidden)]
+    fn lock_namespace<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<Option<String>, Error>>;
+
     #[doc(hidden)]
     fn unlock_keys<'a>(
         conn: &'a mut Self::Connection,
@@ -290,18 +380,16 @@ pub trait Backend: sqlx::Database + private::Sealed {
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
     /// Takes the key's database lock (`lock_ids`: sorted, distinct; empty on SQLite), then
-    /// counts an attempt, durably for a worker crash, before the handler runs. `attempt` is
-    /// the delivery's own attempt number ([`Delivery::attempt`](crate::Delivery::attempt)):
-    /// a delivery below the row's [`InboxEntry::retried_to`] is superseded, not counted.
+    /// counts an attempt, durably for a worker crash, before the handler runs. The item's
+    /// `attempt` is the delivery's own attempt number
+    /// ([`Delivery::attempt`](crate::Delivery::attempt)): a delivery that the row's newest
+    /// retry copy supersedes ([`InboxEntry::superseded`]) is not counted.
     #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
     fn begin_attempt<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-        attempt: u32,
+        item: &'a AttemptItem<'a>,
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>>;
@@ -321,40 +409,37 @@ pub trait Backend: sqlx::Database + private::Sealed {
             for (i, item) in items.iter().enumerate() {
                 // All locks with the first claim, in order.
                 let locks = if i == 0 { lock_ids } else { &[] };
-                let claim = Self::begin_attempt(
-                    conn,
-                    names,
-                    handler,
-                    item.key,
-                    item.hash,
-                    item.attempt,
-                    max_attempts,
-                    locks,
-                )
-                .await?;
+                let claim =
+                    Self::begin_attempt(conn, names, handler, item, max_attempts, locks).await?;
                 claims.push(claim);
             }
             Ok(claims)
         })
     }
 
-    /// [`Backend::complete`] for several keys, in the handler's transaction.
+    /// [`Backend::complete`] for several keys (`keys[i]` counted as attempt `attempts[i]`),
+    /// in the handler's transaction; returns how many were completed.
     #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
     fn complete_many<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
-        keys: &'a [String],
+        keys: &'a [&'a str],
+        attempts: &'a [u32],
         retention: Duration,
         unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            for (i, key) in keys.iter().enumerate() {
+            let mut completed = 0;
+            for (i, (key, attempt)) in keys.iter().zip(attempts).enumerate() {
                 // All unlocks with the last key, once every row is marked.
                 let unlock = if i + 1 == keys.len() { unlock } else { &[] };
-                Self::complete(conn, names, handler, key, retention, unlock).await?;
+                if Self::complete(conn, names, handler, key, *attempt, retention, unlock).await? {
+                    completed += 1;
+                }
             }
-            Ok(())
+            Ok(completed)
         })
     }
 
@@ -433,35 +518,63 @@ pub trait Backend: sqlx::Database + private::Sealed {
         conn: &mut Self::Connection,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>>;
 
-    /// Marks the key completed in the handler's transaction and, in the same statement,
-    /// releases the database locks `unlock` (sorted lock ids; may be empty). Releasing them
-    /// before the commit is safe: the row lock this update takes holds any other worker's
-    /// attempt count on the key (and so its handler) until this transaction ends, and then
-    /// that count sees the committed completion. It saves the unlock's round trip.
+    /// Marks the key completed in the handler's transaction, if its row is still pending
+    /// and counted at `attempt` (this attempt's own count): `false` if it is not, because
+    /// another worker completed the key or counted another attempt on it meanwhile (a second
+    /// inbox on the same table whose key locks this one does not see, say). The caller then
+    /// rolls back: completing it anyway would commit a second run's effects.
+    ///
+    /// In the same statement it releases the database locks `unlock` (sorted lock ids; may
+    /// be empty). Releasing them before the commit is safe: the row lock this update takes
+    /// holds any other worker's attempt count on the key (and so its handler) until this
+    /// transaction ends, and then that count sees the committed completion. It saves the
+    /// unlock's round trip.
     #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
     fn complete<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
+        attempt: u32,
         retention: Duration,
         unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
 
     /// A retry copy of the key's message carrying attempt number `attempt` is with the
-    /// broker: raises the pending row's [`InboxEntry::retried_to`] to it, so that a
-    /// redelivery of an older copy is superseded. Its own statement, committed before it
-    /// returns.
+    /// broker, on its way to the consumers named `scope`, due after `delay`: raises the
+    /// pending row's [`InboxEntry::retried_to`] to it and records the scope and due time, so
+    /// that a redelivery of an older copy through the same consumers is superseded while the
+    /// copy can still arrive. Its own statement, committed before it returns.
     #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
     fn record_retry<'a>(
         pool: &'a Pool<Self>,
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
         attempt: u32,
+        scope: &'a str,
+        delay: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 
+    /// Gives back the attempt counted at `attempt` whose outcome is unknown because its
+    /// commit failed (a database failover): the key's pending row, still counted at
+    /// `attempt`, goes back to `attempt - 1`. `false` if the row has moved on (it committed
+    /// after all, or another attempt was counted).
     #[doc(hidden)]
+    fn uncount_attempt<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        attempt: u32,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+
+    /// Records a failed attempt's error; `dead`: the key is dead-lettered, and its row then
+    /// expires after `retention`, like a completed one.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
     fn record_failure<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
@@ -469,7 +582,17 @@ pub trait Backend: sqlx::Database + private::Sealed {
         key: &'a str,
         error: &'a str,
         dead: bool,
+        retention: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    /// Deletes the key's row if it is dead; `true` if it was.
+    #[doc(hidden)]
+    fn release_dead<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
 
     #[doc(hidden)]
     fn entry<'a>(
@@ -528,6 +651,9 @@ impl<DB: Backend> Inbox<DB> {
         DB::check_config(&names)?;
         names.sql = DB::statements(&names);
         DB::migrate(&pool, &names).await?;
+        if let Some(namespace) = DB::lock_namespace(&pool, &names).await? {
+            names.lock_namespace = namespace;
+        }
         Ok(Inbox {
             pool,
             names: Arc::new(names),
@@ -550,7 +676,18 @@ impl<DB: Backend> Inbox<DB> {
         Ok(DB::entry(&self.pool, &self.names, handler, key).await?)
     }
 
-    /// Deletes completed rows whose retention has expired, `batch` rows per statement, until
+    /// Releases a dead-lettered key for a replay: deletes its row if it is `dead`, so the
+    /// next delivery of the key (the replayed dead letter) runs as a new message. `false`
+    /// (nothing changed) if the key is not dead: a completed key stays a duplicate, a pending
+    /// one stays with the delivery that holds it.
+    ///
+    /// Replay the dead letter after this returns; a replay that arrives first is dead-lettered
+    /// again, with the recorded reason.
+    pub async fn release(&self, handler: &str, key: &str) -> Result<bool, Error> {
+        Ok(DB::release_dead(&self.pool, &self.names, handler, key).await?)
+    }
+
+    /// Deletes completed and dead rows whose retention has expired, `batch` rows per statement, until
     /// none are left. Returns how many were deleted.
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, Error> {
         let batch = batch.max(1);
@@ -576,8 +713,20 @@ impl<DB: Backend> Inbox<DB> {
         handler: &str,
         key: &str,
         attempt: u32,
+        scope: &str,
+        delay: Duration,
     ) -> Result<(), sqlx::Error> {
-        DB::record_retry(&self.pool, &self.names, handler, key, attempt).await
+        DB::record_retry(&self.pool, &self.names, handler, key, attempt, scope, delay).await
+    }
+
+    /// See [`Backend::uncount_attempt`].
+    pub(crate) async fn uncount_attempt(
+        &self,
+        handler: &str,
+        key: &str,
+        attempt: u32,
+    ) -> Result<bool, sqlx::Error> {
+        DB::uncount_attempt(&self.pool, &self.names, handler, key, attempt).await
     }
 
     /// See [`Backend::advance_log_mark`].

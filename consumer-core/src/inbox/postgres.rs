@@ -19,6 +19,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
         3,
         include_str!("../../migrations/postgres/0003_retried_to.sql"),
     ),
+    (
+        4,
+        include_str!("../../migrations/postgres/0004_copy_scope.sql"),
+    ),
 ];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.
@@ -28,8 +32,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
 /// not the database server crashing, so it stays off the fsync path; the handler's own
 /// transaction commits synchronously. (An INSERT ... ON CONFLICT DO UPDATE sees the latest
 /// committed row even if it was committed while this statement waited for the lock.) A
-/// delivery whose attempt number (`$6`) is below the row's `retried_to` is superseded by a
-/// newer copy: not counted (see the migration `0003_retried_to.sql`).
+/// delivery (attempt number `$6`, copy scope `$7`) that the row's newest retry copy
+/// supersedes is not counted: the copy is numbered above it, goes to the same scope, and is
+/// not overdue by more than the grace period (`InboxEntry::superseded` states the same rule;
+/// see the migrations `0003_retried_to.sql` and `0004_copy_scope.sql`).
 const BEGIN_ATTEMPT: &str =
     "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n FROM unnest($5::bigint[]) AS u(id)), \
      c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
@@ -37,7 +43,8 @@ const BEGIN_ATTEMPT: &str =
      SELECT $1, $2, $3, 'pending', 1 FROM l, c \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
-     AND i.retried_to <= $6 \
+     AND NOT COALESCE(i.retried_to > $6 AND i.retry_scope = $7 \
+       AND i.retry_due_at > now() - {copy_grace_ms} * interval '1 millisecond', false) \
      RETURNING attempts";
 
 /// [`BEGIN_ATTEMPT`] for many keys: the locks in ascending order (the sorted subquery, and
@@ -52,38 +59,61 @@ const BEGIN_ATTEMPTS: &str = "WITH l AS (SELECT count(pg_advisory_lock(id)) AS n
      FROM unnest($2::text[], $3::text[]) AS u(key, hash), l, c ORDER BY u.key \
      ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = now() \
      WHERE i.status = 'pending' AND i.payload_hash = EXCLUDED.payload_hash AND i.attempts < $4 \
-     AND i.retried_to <= (SELECT a.attempt FROM unnest($2::text[], $6::int[]) AS a(key, attempt) \
-       WHERE a.key = EXCLUDED.key) \
+     AND NOT EXISTS (SELECT 1 FROM unnest($2::text[], $6::int[], $7::text[]) AS a(key, attempt, scope) \
+       WHERE a.key = EXCLUDED.key AND i.retried_to > a.attempt AND i.retry_scope = a.scope \
+       AND i.retry_due_at > now() - {copy_grace_ms} * interval '1 millisecond') \
      RETURNING key, attempts";
 
-const SELECT_ENTRIES: &str = "SELECT key, status, attempts, payload_hash, last_error, retried_to \
-     FROM {inbox} WHERE handler = $1 AND key = ANY($2)";
+/// An entry's columns (see `entry_from_row`).
+const ENTRY_COLUMNS: &str = "status, attempts, payload_hash, last_error, retried_to, retry_scope, \
+     (extract(epoch FROM retry_due_at - now()) * 1000)::bigint AS copy_due_in_ms";
 
-const FETCH_ENTRY: &str = "SELECT status, attempts, payload_hash, last_error, retried_to \
-     FROM {inbox} WHERE handler = $1 AND key = $2";
-
-/// Marks keys completed; the caller appends the `WHERE`.
-const COMPLETE: &str = "UPDATE {inbox} SET status = 'completed', completed_at = now(), \
+/// Marks keys completed (`i`: the inbox); the caller appends the `FROM` and `WHERE`. Only a
+/// pending row counted at this attempt is completed (see `Backend::complete`).
+const COMPLETE: &str = "UPDATE {inbox} AS i SET status = 'completed', completed_at = now(), \
      updated_at = now(), expires_at = now() + $3 * interval '1 millisecond', last_error = NULL";
 
-/// Follows `WITH done AS (<COMPLETE ...> RETURNING 1)`: releases the session locks `$4`
-/// only after the update ran to the end (each unlock waits on the row count of `done`, and a
-/// data-modifying CTE runs to completion before its output is complete), so the updated rows
-/// are locked by this transaction before any key lock is released.
-const UNLOCK_AFTER_DONE: &str = ", d AS (SELECT count(*) AS n FROM done) \
-     SELECT count(CASE WHEN d.n >= 0 THEN pg_advisory_unlock(u.id) END) \
-     FROM d, unnest($4::bigint[]) AS u(id)";
+/// [`COMPLETE`]'s condition for one key counted at attempt `$4`.
+const COMPLETE_ONE: &str =
+    " WHERE i.handler = $1 AND i.key = $2 AND i.status = 'pending' AND i.attempts = $4";
 
-/// A retry copy carrying attempt `$3` is with the broker (see `Backend::record_retry`). Like
-/// the attempt count, it must survive a worker crash, not a database crash (then a replay
-/// runs once more, as it would without the record), so it commits asynchronously.
+/// [`COMPLETE`]'s condition for the keys `$2`, each counted at its attempt in `$4`.
+const COMPLETE_MANY: &str = " FROM unnest($2::text[], $4::int[]) AS u(key, attempt) \
+     WHERE i.handler = $1 AND i.key = u.key AND i.status = 'pending' AND i.attempts = u.attempt";
+
+/// Follows `WITH done AS (<COMPLETE ...> RETURNING 1)`: returns how many rows were
+/// completed, and releases the session locks `$5` only after the update ran to the end (each
+/// unlock waits on the row count of `done`, and a data-modifying CTE runs to completion
+/// before its output is complete), so the updated rows are locked by this transaction before
+/// any key lock is released.
+const UNLOCK_AFTER_DONE: &str = ", d AS (SELECT count(*) AS n FROM done) \
+     SELECT d.n, count(CASE WHEN d.n >= 0 THEN pg_advisory_unlock(u.id) END) \
+     FROM d, unnest($5::bigint[]) AS u(id) GROUP BY d.n";
+
+/// A retry copy carrying attempt `$3` is with the broker, for the scope `$4`, due in `$5`
+/// milliseconds (see `Backend::record_retry`); the scope and due time are the newest copy's.
+/// Like the attempt count, it must survive a worker crash, not a database crash (then a
+/// replay runs once more, as it would without the record), so it commits asynchronously.
 const RECORD_RETRY: &str = "WITH c AS (SELECT set_config('synchronous_commit', 'off', true) AS v) \
-     UPDATE {inbox} SET retried_to = GREATEST(retried_to, $3), updated_at = now() FROM c \
+     UPDATE {inbox} SET retried_to = GREATEST(retried_to, $3), \
+     retry_scope = CASE WHEN $3 >= retried_to THEN $4 ELSE retry_scope END, \
+     retry_due_at = CASE WHEN $3 >= retried_to THEN now() + $5 * interval '1 millisecond' \
+       ELSE retry_due_at END, \
+     updated_at = now() FROM c \
      WHERE handler = $1 AND key = $2 AND status = 'pending'";
 
+/// A dead row expires after the retention `$5`, like a completed one.
 const RECORD_FAILURE: &str = "UPDATE {inbox} SET last_error = $3, updated_at = now(), \
-     status = CASE WHEN $4 THEN 'dead' ELSE status END \
+     status = CASE WHEN $4 THEN 'dead' ELSE status END, \
+     expires_at = CASE WHEN $4 THEN now() + $5 * interval '1 millisecond' ELSE expires_at END \
      WHERE handler = $1 AND key = $2 AND status <> 'completed'";
+
+/// Gives back the attempt `$3` whose commit failed (see `Backend::uncount_attempt`).
+const UNCOUNT_ATTEMPT: &str = "UPDATE {inbox} SET attempts = attempts - 1, updated_at = now() \
+     WHERE handler = $1 AND key = $2 AND status = 'pending' AND attempts = $3";
+
+const RELEASE_DEAD: &str =
+    "DELETE FROM {inbox} WHERE handler = $1 AND key = $2 AND status = 'dead'";
 
 /// A fresh delivery's claim, in the handler's transaction (see `Backend::claim_fresh`): the
 /// row is inserted already completed, so the commit that makes the handler's writes durable
@@ -114,8 +144,10 @@ const MARK_SELECT: &str = "SELECT mark FROM {log_marks} WHERE handler = $1 AND l
 const MARK_UPDATE: &str = "UPDATE {log_marks} SET mark = GREATEST(mark, $3), updated_at = now() \
      WHERE handler = $1 AND log = $2";
 
+/// Each status's condition on its own, so each partial index serves its part.
 const PURGE_EXPIRED: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
-     SELECT ctid FROM {inbox} WHERE status = 'completed' AND expires_at < now() LIMIT $1))";
+     SELECT ctid FROM {inbox} WHERE (status = 'completed' AND expires_at < now()) \
+     OR (status = 'dead' AND expires_at < now()) LIMIT $1))";
 
 impl Backend for Postgres {
     const NAME: &'static str = "postgres";
@@ -132,18 +164,24 @@ impl Backend for Postgres {
         Statements {
             begin_attempt: names.render(BEGIN_ATTEMPT),
             begin_attempts: names.render(BEGIN_ATTEMPTS),
-            select_entries: names.render(SELECT_ENTRIES),
-            fetch_entry: names.render(FETCH_ENTRY),
-            complete: names.render(&format!("{COMPLETE} WHERE handler = $1 AND key = $2")),
-            complete_and_unlock: names.render(&format!(
-                "WITH done AS ({COMPLETE} WHERE handler = $1 AND key = $2 RETURNING 1){UNLOCK_AFTER_DONE}"
+            select_entries: names.render(&format!(
+                "SELECT key, {ENTRY_COLUMNS} FROM {{inbox}} WHERE handler = $1 AND key = ANY($2)"
             )),
-            complete_many: names.render(&format!("{COMPLETE} WHERE handler = $1 AND key = ANY($2)")),
+            fetch_entry: names.render(&format!(
+                "SELECT {ENTRY_COLUMNS} FROM {{inbox}} WHERE handler = $1 AND key = $2"
+            )),
+            complete: names.render(&format!("{COMPLETE}{COMPLETE_ONE}")),
+            complete_and_unlock: names.render(&format!(
+                "WITH done AS ({COMPLETE}{COMPLETE_ONE} RETURNING 1){UNLOCK_AFTER_DONE}"
+            )),
+            complete_many: names.render(&format!("{COMPLETE}{COMPLETE_MANY}")),
             complete_many_and_unlock: names.render(&format!(
-                "WITH done AS ({COMPLETE} WHERE handler = $1 AND key = ANY($2) RETURNING 1){UNLOCK_AFTER_DONE}"
+                "WITH done AS ({COMPLETE}{COMPLETE_MANY} RETURNING 1){UNLOCK_AFTER_DONE}"
             )),
             record_failure: names.render(RECORD_FAILURE),
             record_retry: names.render(RECORD_RETRY),
+            uncount_attempt: names.render(UNCOUNT_ATTEMPT),
+            release_dead: names.render(RELEASE_DEAD),
             purge_expired: names.render(PURGE_EXPIRED),
             claim_fresh: names.render(CLAIM_FRESH),
             claim_fresh_many: names.render(CLAIM_FRESH_MANY),
@@ -159,6 +197,37 @@ impl Backend for Postgres {
         names: &'a TableNames,
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(migrate(pool, names))
+    }
+
+    fn lock_namespace<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<Option<String>, Error>> {
+        Box::pin(async move {
+            // The schema the table's name resolves to: `consumer_inbox` and
+            // `"public"."consumer_inbox"` are one table, and must take one set of locks.
+            let schema: Option<String> = sqlx::query_scalar(
+                "SELECT n.nspname::text FROM pg_class c \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
+            )
+            .bind(&names.inbox)
+            .fetch_optional(pool)
+            .await?;
+            let Some(schema) = schema else {
+                return Err(Error::config(
+                    "inbox.table",
+                    format!(
+                        "{} does not resolve to a table after the migrations",
+                        names.inbox
+                    ),
+                ));
+            };
+            Ok(Some(format!(
+                "\"{}\".{}",
+                schema.replace('"', "\"\""),
+                names.unqualified_table()
+            )))
+        })
     }
 
     fn unlock_keys<'a>(
@@ -186,6 +255,7 @@ impl Backend for Postgres {
             let keys: Vec<&str> = items.iter().map(|i| i.key).collect();
             let hashes: Vec<&str> = items.iter().map(|i| i.hash).collect();
             let attempts: Vec<i32> = items.iter().map(|i| attempt_number(i.attempt)).collect();
+            let scopes: Vec<Option<&str>> = items.iter().map(|i| i.scope).collect();
             // One statement: see `BEGIN_ATTEMPTS`.
             let counted: Vec<(String, i32)> = sqlx::query_as(&names.sql.begin_attempts)
                 .bind(handler)
@@ -194,6 +264,7 @@ impl Backend for Postgres {
                 .bind(i64::from(max_attempts))
                 .bind(lock_ids)
                 .bind(&attempts)
+                .bind(&scopes)
                 .fetch_all(&mut *conn)
                 .await?;
             let counted: std::collections::HashMap<String, i32> = counted.into_iter().collect();
@@ -221,7 +292,7 @@ impl Backend for Postgres {
                     }),
                     None => existing
                         .remove(item.key)
-                        .map(|e| Claim::from_entry(e, item.hash, item.attempt))
+                        .map(|e| Claim::from_entry(e, item, names.copy_grace))
                         .ok_or(sqlx::Error::RowNotFound),
                 })
                 .collect()
@@ -232,23 +303,18 @@ impl Backend for Postgres {
         conn: &'a mut PgConnection,
         names: &'a TableNames,
         handler: &'a str,
-        keys: &'a [String],
+        keys: &'a [&'a str],
+        attempts: &'a [u32],
         retention: Duration,
         unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let sql = if unlock.is_empty() {
-                &names.sql.complete_many
-            } else {
-                &names.sql.complete_many_and_unlock
+            let attempts: Vec<i32> = attempts.iter().map(|a| attempt_number(*a)).collect();
+            let (sql, unlock) = match unlock {
+                [] => (&names.sql.complete_many, None),
+                ids => (&names.sql.complete_many_and_unlock, Some(ids)),
             };
-            let q = sqlx::query(sql)
-                .bind(handler)
-                .bind(keys)
-                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-            let q = if unlock.is_empty() { q } else { q.bind(unlock) };
-            q.execute(conn).await?;
-            Ok(())
+            completing(sql, handler, keys, retention, attempts, unlock, conn).await
         })
     }
 
@@ -256,9 +322,7 @@ impl Backend for Postgres {
         conn: &'a mut PgConnection,
         names: &'a TableNames,
         handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-        attempt: u32,
+        item: &'a AttemptItem<'a>,
         max_attempts: u32,
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
@@ -266,19 +330,20 @@ impl Backend for Postgres {
             // One round trip: see `BEGIN_ATTEMPT`.
             let counted: Option<i32> = sqlx::query_scalar(&names.sql.begin_attempt)
                 .bind(handler)
-                .bind(key)
-                .bind(payload_hash)
+                .bind(item.key)
+                .bind(item.hash)
                 .bind(i64::from(max_attempts))
                 .bind(lock_ids)
-                .bind(attempt_number(attempt))
+                .bind(attempt_number(item.attempt))
+                .bind(item.scope)
                 .fetch_optional(&mut *conn)
                 .await?;
             Ok(match counted {
                 Some(counted) => Claim::Run {
                     attempt: counted.max(0) as u32,
                 },
-                None => match fetch_entry(conn, names, handler, key).await? {
-                    Some(entry) => Claim::from_entry(entry, payload_hash, attempt),
+                None => match fetch_entry(conn, names, handler, item.key).await? {
+                    Some(entry) => Claim::from_entry(entry, item, names.copy_grace),
                     None => return Err(sqlx::Error::RowNotFound),
                 },
             })
@@ -353,22 +418,17 @@ impl Backend for Postgres {
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
+        attempt: u32,
         retention: Duration,
         unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
         Box::pin(async move {
-            let sql = if unlock.is_empty() {
-                &names.sql.complete
-            } else {
-                &names.sql.complete_and_unlock
+            let (sql, unlock) = match unlock {
+                [] => (&names.sql.complete, None),
+                ids => (&names.sql.complete_and_unlock, Some(ids)),
             };
-            let q = sqlx::query(sql)
-                .bind(handler)
-                .bind(key)
-                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-            let q = if unlock.is_empty() { q } else { q.bind(unlock) };
-            q.execute(conn).await?;
-            Ok(())
+            let attempt = attempt_number(attempt);
+            Ok(completing(sql, handler, key, retention, attempt, unlock, conn).await? == 1)
         })
     }
 
@@ -378,15 +438,37 @@ impl Backend for Postgres {
         handler: &'a str,
         key: &'a str,
         attempt: u32,
+        scope: &'a str,
+        delay: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
             sqlx::query(&names.sql.record_retry)
                 .bind(handler)
                 .bind(key)
                 .bind(attempt_number(attempt))
+                .bind(scope)
+                .bind(millis(delay))
                 .execute(pool)
                 .await?;
             Ok(())
+        })
+    }
+
+    fn uncount_attempt<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        attempt: u32,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(&names.sql.uncount_attempt)
+                .bind(handler)
+                .bind(key)
+                .bind(attempt_number(attempt))
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected() == 1)
         })
     }
 
@@ -397,6 +479,7 @@ impl Backend for Postgres {
         key: &'a str,
         error: &'a str,
         dead: bool,
+        retention: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
             sqlx::query(&names.sql.record_failure)
@@ -404,9 +487,26 @@ impl Backend for Postgres {
                 .bind(key)
                 .bind(error)
                 .bind(dead)
+                .bind(millis(retention))
                 .execute(conn)
                 .await?;
             Ok(())
+        })
+    }
+
+    fn release_dead<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(&names.sql.release_dead)
+                .bind(handler)
+                .bind(key)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected() == 1)
         })
     }
 
@@ -505,6 +605,41 @@ fn attempt_number(attempt: u32) -> i32 {
     i32::try_from(attempt).unwrap_or(i32::MAX)
 }
 
+/// A duration as the statements' millisecond parameters take it.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Runs a completing statement (`$1` handler, `$2` key(s), `$3` retention, `$4` attempt(s),
+/// `$5` the locks to release, for the `_and_unlock` forms) and returns how many rows it
+/// completed.
+async fn completing<'q, K, A>(
+    sql: &'q str,
+    handler: &'q str,
+    keys: K,
+    retention: Duration,
+    attempts: A,
+    unlock: Option<&'q [i64]>,
+    conn: &mut PgConnection,
+) -> Result<u64, sqlx::Error>
+where
+    K: 'q + Send + sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres>,
+    A: 'q + Send + sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres>,
+{
+    let q = sqlx::query(sql)
+        .bind(handler)
+        .bind(keys)
+        .bind(millis(retention))
+        .bind(attempts);
+    match unlock {
+        None => Ok(q.execute(conn).await?.rows_affected()),
+        Some(ids) => {
+            let row = q.bind(ids).fetch_one(conn).await?;
+            Ok(row.try_get::<i64, _>(0)?.max(0) as u64)
+        }
+    }
+}
+
 async fn fetch_entry(
     conn: &mut PgConnection,
     names: &TableNames,
@@ -526,6 +661,8 @@ fn entry_from_row(r: &sqlx::postgres::PgRow) -> Result<InboxEntry, sqlx::Error> 
         payload_hash: r.try_get("payload_hash")?,
         last_error: r.try_get("last_error")?,
         retried_to: r.try_get::<i32, _>("retried_to")?.max(0) as u32,
+        retry_scope: r.try_get("retry_scope")?,
+        copy_due_in_ms: r.try_get("copy_due_in_ms")?,
     })
 }
 

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
 
-use super::{Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
+use super::{AttemptItem, Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
 use crate::guard::GuardValue;
 use crate::Error;
 
@@ -20,7 +20,16 @@ const MIGRATIONS: &[(i64, &str)] = &[
         3,
         include_str!("../../migrations/sqlite/0003_retried_to.sql"),
     ),
+    (
+        4,
+        include_str!("../../migrations/sqlite/0004_copy_scope.sql"),
+    ),
 ];
+
+/// `now` (Unix milliseconds) plus `d`.
+fn after(now: i64, d: Duration) -> i64 {
+    now.saturating_add(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -60,29 +69,47 @@ impl Backend for Sqlite {
                  VALUES (?1, ?2, ?3, 'pending', 1, ?5, ?5) \
                  ON CONFLICT (handler, key) DO UPDATE SET attempts = i.attempts + 1, updated_at = ?5 \
                  WHERE i.status = 'pending' AND i.payload_hash = excluded.payload_hash AND i.attempts < ?4 \
-                 AND i.retried_to <= ?6 \
+                 AND NOT coalesce(i.retried_to > ?6 AND i.retry_scope = ?7 \
+                   AND i.retry_due_at > ?5 - {copy_grace_ms}, 0) \
                  RETURNING attempts",
             ),
             fetch_entry: names.render(
-                "SELECT status, attempts, payload_hash, last_error, retried_to FROM {inbox} \
+                "SELECT status, attempts, payload_hash, last_error, retried_to, retry_scope, \
+                 retry_due_at - ?3 AS copy_due_in_ms FROM {inbox} \
                  WHERE handler = ?1 AND key = ?2",
             ),
+            // Only a pending row counted at this attempt (see `Backend::complete`).
             complete: names.render(
                 "UPDATE {inbox} SET status = 'completed', completed_at = ?3, updated_at = ?3, \
-                 expires_at = ?4, last_error = NULL WHERE handler = ?1 AND key = ?2",
+                 expires_at = ?4, last_error = NULL \
+                 WHERE handler = ?1 AND key = ?2 AND status = 'pending' AND attempts = ?5",
             ),
             record_failure: names.render(
                 "UPDATE {inbox} SET last_error = ?3, updated_at = ?5, \
-                 status = CASE WHEN ?4 THEN 'dead' ELSE status END \
+                 status = CASE WHEN ?4 THEN 'dead' ELSE status END, \
+                 expires_at = CASE WHEN ?4 THEN ?6 ELSE expires_at END \
                  WHERE handler = ?1 AND key = ?2 AND status <> 'completed'",
             ),
+            // The scope and due time are the newest copy's.
             record_retry: names.render(
-                "UPDATE {inbox} SET retried_to = max(retried_to, ?3), updated_at = ?4 \
+                "UPDATE {inbox} SET retried_to = max(retried_to, ?3), \
+                 retry_scope = CASE WHEN ?3 >= retried_to THEN ?5 ELSE retry_scope END, \
+                 retry_due_at = CASE WHEN ?3 >= retried_to THEN ?6 ELSE retry_due_at END, \
+                 updated_at = ?4 \
                  WHERE handler = ?1 AND key = ?2 AND status = 'pending'",
             ),
+            uncount_attempt: names.render(
+                "UPDATE {inbox} SET attempts = attempts - 1, updated_at = ?4 \
+                 WHERE handler = ?1 AND key = ?2 AND status = 'pending' AND attempts = ?3",
+            ),
+            release_dead: names.render(
+                "DELETE FROM {inbox} WHERE handler = ?1 AND key = ?2 AND status = 'dead'",
+            ),
+            // Each status's condition on its own, so each partial index serves its part.
             purge_expired: names.render(
                 "DELETE FROM {inbox} WHERE rowid IN (\
-                 SELECT rowid FROM {inbox} WHERE status = 'completed' AND expires_at < ?1 LIMIT ?2)",
+                 SELECT rowid FROM {inbox} WHERE (status = 'completed' AND expires_at < ?1) \
+                 OR (status = 'dead' AND expires_at < ?1) LIMIT ?2)",
             ),
             claim_fresh: names.render(
                 "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \
@@ -112,7 +139,15 @@ impl Backend for Sqlite {
         }
     }
 
-    // One process: the in-process key locks are the whole story; there is no database lock.
+    fn lock_namespace<'a>(
+        _pool: &'a Pool<Self>,
+        _names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<Option<String>, Error>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    // The in-process key locks serve one process; there is no database lock. (Two inboxes on
+    // one file are kept apart by the completion's condition, see `Backend::complete`.)
     fn unlock_keys<'a>(
         _conn: &'a mut SqliteConnection,
         _lock_ids: &'a [i64],
@@ -124,9 +159,7 @@ impl Backend for Sqlite {
         conn: &'a mut SqliteConnection,
         names: &'a TableNames,
         handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-        attempt: u32,
+        item: &'a AttemptItem<'a>,
         max_attempts: u32,
         _lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
@@ -134,19 +167,20 @@ impl Backend for Sqlite {
             let now = now_ms();
             let counted: Option<i64> = sqlx::query_scalar(&names.sql.begin_attempt)
                 .bind(handler)
-                .bind(key)
-                .bind(payload_hash)
+                .bind(item.key)
+                .bind(item.hash)
                 .bind(i64::from(max_attempts))
                 .bind(now)
-                .bind(i64::from(attempt))
+                .bind(i64::from(item.attempt))
+                .bind(item.scope)
                 .fetch_optional(&mut *conn)
                 .await?;
             Ok(match counted {
                 Some(counted) => Claim::Run {
                     attempt: u32::try_from(counted).unwrap_or(u32::MAX),
                 },
-                None => match fetch_entry(conn, names, handler, key).await? {
-                    Some(entry) => Claim::from_entry(entry, payload_hash, attempt),
+                None => match fetch_entry(conn, names, handler, item.key).await? {
+                    Some(entry) => Claim::from_entry(entry, item, names.copy_grace),
                     None => return Err(sqlx::Error::RowNotFound),
                 },
             })
@@ -209,22 +243,22 @@ impl Backend for Sqlite {
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
+        attempt: u32,
         retention: Duration,
         // No database locks on SQLite (see `unlock_keys`).
         _unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             let now = now_ms();
-            let expires =
-                now.saturating_add(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-            sqlx::query(&names.sql.complete)
+            let done = sqlx::query(&names.sql.complete)
                 .bind(handler)
                 .bind(key)
                 .bind(now)
-                .bind(expires)
+                .bind(after(now, retention))
+                .bind(i64::from(attempt))
                 .execute(conn)
                 .await?;
-            Ok(())
+            Ok(done.rows_affected() == 1)
         })
     }
 
@@ -234,16 +268,40 @@ impl Backend for Sqlite {
         handler: &'a str,
         key: &'a str,
         attempt: u32,
+        scope: &'a str,
+        delay: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
+            let now = now_ms();
             sqlx::query(&names.sql.record_retry)
+                .bind(handler)
+                .bind(key)
+                .bind(i64::from(attempt))
+                .bind(now)
+                .bind(scope)
+                .bind(after(now, delay))
+                .execute(pool)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn uncount_attempt<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        attempt: u32,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(&names.sql.uncount_attempt)
                 .bind(handler)
                 .bind(key)
                 .bind(i64::from(attempt))
                 .bind(now_ms())
                 .execute(pool)
                 .await?;
-            Ok(())
+            Ok(done.rows_affected() == 1)
         })
     }
 
@@ -254,17 +312,36 @@ impl Backend for Sqlite {
         key: &'a str,
         error: &'a str,
         dead: bool,
+        retention: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
+            let now = now_ms();
             sqlx::query(&names.sql.record_failure)
                 .bind(handler)
                 .bind(key)
                 .bind(error)
                 .bind(dead)
-                .bind(now_ms())
+                .bind(now)
+                .bind(after(now, retention))
                 .execute(conn)
                 .await?;
             Ok(())
+        })
+    }
+
+    fn release_dead<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(&names.sql.release_dead)
+                .bind(handler)
+                .bind(key)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected() == 1)
         })
     }
 
@@ -372,6 +449,7 @@ async fn fetch_entry(
     let row = sqlx::query(&names.sql.fetch_entry)
         .bind(handler)
         .bind(key)
+        .bind(now_ms())
         .fetch_optional(conn)
         .await?;
     row.map(|r| {
@@ -381,6 +459,8 @@ async fn fetch_entry(
             payload_hash: r.try_get("payload_hash")?,
             last_error: r.try_get("last_error")?,
             retried_to: u32::try_from(r.try_get::<i64, _>("retried_to")?).unwrap_or(0),
+            retry_scope: r.try_get("retry_scope")?,
+            copy_due_in_ms: r.try_get("copy_due_in_ms")?,
         })
     })
     .transpose()

@@ -85,6 +85,12 @@ impl PgEnv {
 
     /// A new pool and inbox, as another process would have (own pool, own in-process locks).
     pub(crate) async fn inbox(&self) -> Inbox<Postgres> {
+        self.inbox_with(InboxConfig::in_schema(self.schema.clone()))
+            .await
+    }
+
+    /// [`PgEnv::inbox`] with `config` (an unqualified table resolves to this schema).
+    pub(crate) async fn inbox_with(&self, config: InboxConfig) -> Inbox<Postgres> {
         let options = PgConnectOptions::from_str(&database_url())
             .expect("DATABASE_URL")
             .options([("search_path", self.schema.as_str())]);
@@ -94,9 +100,7 @@ impl PgEnv {
             .connect_with(options)
             .await
             .expect("connect to PostgreSQL");
-        Inbox::new(pool, InboxConfig::in_schema(self.schema.clone()))
-            .await
-            .expect("inbox")
+        Inbox::new(pool, config).await.expect("inbox")
     }
 }
 
