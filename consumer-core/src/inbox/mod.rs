@@ -432,8 +432,9 @@ pub trait Backend: sqlx::Database + private::Sealed {
     /// times out, its future is dropped, but a statement it had sent keeps running on the
     /// server, and the rollback waits for it. PostgreSQL sets `statement_timeout` and
     /// `lock_timeout` to `timeout` for the transaction, in the `BEGIN`'s own round trip, so
-    /// the server ends such a statement within one timeout. SQLite has no such settings: its
-    /// statements run in process and are bounded by its `busy_timeout`.
+    /// the server ends such a statement within one timeout. SQLite has no such setting: a
+    /// statement still running there delays the rollback until it ends (its waits for the
+    /// write lock are bounded by the connection's `busy_timeout`).
     #[doc(hidden)]
     fn begin_handler(
         conn: &mut Self::Connection,
