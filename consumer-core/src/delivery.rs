@@ -136,6 +136,10 @@ pub enum DeadLetterReason {
     /// No idempotency key could be derived (no message id, template field missing, hashing
     /// not allowed).
     MissingKey,
+    /// The derived key cannot be stored: it is empty, longer than
+    /// [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES) or holds a control character, or the inbox
+    /// database refused it (a data exception or a program limit, named by its SQLSTATE).
+    InvalidKey,
     /// The key was seen before with a different payload.
     KeyConflict,
     /// The handler returned a permanent error.
@@ -154,6 +158,7 @@ impl DeadLetterReason {
             DeadLetterReason::Undecodable => "undecodable",
             DeadLetterReason::PayloadTooLarge => "payload_too_large",
             DeadLetterReason::MissingKey => "missing_key",
+            DeadLetterReason::InvalidKey => "invalid_key",
             DeadLetterReason::KeyConflict => "key_conflict",
             DeadLetterReason::PermanentError => "permanent_error",
             DeadLetterReason::MaxAttemptsExceeded => "max_attempts_exceeded",
@@ -167,6 +172,7 @@ impl DeadLetterReason {
             DeadLetterReason::Undecodable,
             DeadLetterReason::PayloadTooLarge,
             DeadLetterReason::MissingKey,
+            DeadLetterReason::InvalidKey,
             DeadLetterReason::KeyConflict,
             DeadLetterReason::PermanentError,
             DeadLetterReason::MaxAttemptsExceeded,

@@ -6,6 +6,72 @@ use sha2::{Digest, Sha256};
 
 use crate::Error;
 
+/// The longest key the inbox accepts, in bytes (UTF-8).
+///
+/// Far below PostgreSQL's limit on a btree index entry (about 2,700 bytes, shared with the
+/// handler name in the primary key) and within any SQLite page. A message whose key is
+/// longer is dead-lettered [`invalid_key`](crate::DeadLetterReason::InvalidKey).
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// Checks that a derived key can be stored in the inbox: not empty, at most
+/// [`MAX_KEY_BYTES`] bytes, and no control character (PostgreSQL refuses a NUL in text; the
+/// other control characters make keys no log or header shows faithfully). `Err` is the reason,
+/// with the start of the key escaped.
+pub(crate) fn check_key(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("the key is empty".to_owned());
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(format!(
+            "the key is {} bytes, over the limit of {MAX_KEY_BYTES} bytes; it starts {}",
+            key.len(),
+            preview(key)
+        ));
+    }
+    if let Some((at, c)) = key.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(format!(
+            "the key holds the control character U+{:04X} at byte {at}: {}",
+            u32::from(c),
+            preview(key)
+        ));
+    }
+    Ok(())
+}
+
+/// The first characters of a key, escaped, for an error message.
+fn preview(key: &str) -> String {
+    const CHARS: usize = 64;
+    match key.char_indices().nth(CHARS) {
+        Some((end, _)) => format!("{:?}…", &key[..end]),
+        None => format!("{key:?}"),
+    }
+}
+
+/// Whether the inbox database refused a statement for its input rather than failed: on
+/// PostgreSQL a data exception (SQLSTATE class 22, e.g. `22021`, a NUL in text) or a program
+/// limit (class 54, e.g. `54000`, an index entry too large); on SQLite `SQLITE_TOOBIG`. Such
+/// an error repeats on every retry, so it is permanent. The inbox statements take no input
+/// from a message but its key (the payload hash is hex, the numbers are bounded), so the
+/// refusal is the key's. `Some` is the reason, naming the SQLSTATE or code.
+pub(crate) fn refused_by_database(e: &sqlx::Error) -> Option<String> {
+    let db = e.as_database_error()?;
+    if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        let code = pg.code();
+        return (code.starts_with("22") || code.starts_with("54")).then(|| {
+            format!(
+                "the inbox database refused the key: SQLSTATE {code}: {}",
+                pg.message()
+            )
+        });
+    }
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // SQLITE_TOOBIG: a string or blob over the build's length limit.
+        return (db.code().as_deref() == Some("18"))
+            .then(|| format!("the inbox database refused the key: {}", db.message()));
+    }
+    None
+}
+
 /// A deterministic task key built from a message's fields, e.g. `invoice-{order_id}`.
 ///
 /// `{field}` takes a top-level field, `{a.b}` a nested one. Strings are inserted as they are,
@@ -236,6 +302,24 @@ mod tests {
                 .unwrap(),
             "{x}-1"
         );
+    }
+
+    #[test]
+    fn keys_the_inbox_cannot_hold_are_refused_with_the_reason() {
+        assert_eq!(check_key("invoice-42"), Ok(()));
+        assert_eq!(check_key(&"é".repeat(MAX_KEY_BYTES / 2)), Ok(()));
+        assert_eq!(check_key(""), Err("the key is empty".to_owned()));
+        let nul = check_key("a\0b").unwrap_err();
+        assert!(
+            nul.contains("U+0000 at byte 1") && nul.contains(r#""a\0b""#),
+            "{nul}"
+        );
+        let tab = check_key("a\tb").unwrap_err();
+        assert!(tab.contains("U+0009"), "{tab}");
+        let long = check_key(&"x".repeat(MAX_KEY_BYTES + 1)).unwrap_err();
+        assert!(long.contains("513 bytes") && long.contains("…"), "{long}");
+        // Counted in bytes, not characters.
+        assert!(check_key(&"é".repeat(MAX_KEY_BYTES / 2 + 1)).is_err());
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::delivery::{
 use crate::fault::{FaultAction, FaultInjector, FaultPoint};
 use crate::handler::{BatchContext, BatchMember, ConflictPolicy, Context, Handler, HandlerOptions};
 use crate::inbox::{AttemptItem, Backend, Claim, Inbox};
-use crate::key::{canonical_hash, KeyTemplate};
+use crate::key::{canonical_hash, check_key, refused_by_database, KeyTemplate};
 use crate::log_marks::{Check, LogWindows};
 use crate::retry::{ExponentialBackoff, Jitter};
 use crate::stats::{Stats, StatsSnapshot};
@@ -679,10 +679,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     .await?;
             }
             if !counted.is_empty() {
-                self.run_batch(counted, &mut settled).await?;
+                self.run_batch(counted, &mut settled, &mut unclaimed)
+                    .await?;
             }
-            // Fresh deliveries whose keys had rows (a republished duplicate, say), now that
-            // this batch's locks are released.
+            // Fresh deliveries whose keys had rows (a republished duplicate, say), and the
+            // members of a statement that the inbox refused, now that this batch's locks are
+            // released.
             for (delivery, acker, p) in unclaimed {
                 let key = p.key.clone();
                 let (settlement, outcome) = self
@@ -714,11 +716,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     }
 
     /// Claims, runs and commits the distinct-key part of a batch, pushing one settlement per
-    /// delivery to `settled`.
+    /// delivery to `settled`, or to `alone` a member to run by itself after the batch.
     async fn run_batch(
         &self,
         runnable: Vec<Pending<H::Message>>,
         settled: &mut Vec<Settled>,
+        alone: &mut Vec<Pending<H::Message>>,
     ) -> Result<(), Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
@@ -726,7 +729,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let mut lease = match self.inner.inbox.lease_many(&s.name, &keys).await {
             Ok(l) => l,
             Err(e) => {
-                self.retry_all_after_db_error(&e, runnable, settled);
+                self.retry_all_after_db_error(&e, runnable, settled, alone);
                 return Ok(());
             }
         };
@@ -753,7 +756,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Ok(c) => c,
             Err(e) => {
                 lease.release().await;
-                self.retry_all_after_db_error(&e, runnable, settled);
+                self.retry_all_after_db_error(&e, runnable, settled, alone);
                 return Ok(());
             }
         };
@@ -784,7 +787,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Ok(ran) => ran,
             Err((e, not_run)) => {
                 lease.release().await;
-                self.retry_all_after_db_error(&e, not_run, settled);
+                self.retry_all_after_db_error(&e, not_run, settled, alone);
                 return Ok(());
             }
         };
@@ -864,7 +867,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     ) -> Result<Result<Vec<Ran>, (sqlx::Error, Vec<Pending<H::Message>>)>, Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
-        let mut tx = match DB::begin_handler(&mut *conn).await {
+        let mut tx = match DB::begin_handler(&mut *conn, s.timeout).await {
             Ok(tx) => tx,
             Err(e) => {
                 let not_run = to_run.into_iter().map(|(pending, _)| pending).collect();
@@ -1131,23 +1134,37 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         (settlement, Outcome::DeadLettered)
     }
 
-    /// A retry when the inbox itself failed: the handler did not run, so no attempt is
-    /// counted; the broker's attempt number paces the backoff.
-    /// [`Worker::retry_after_db_error`] for every member of a batch that could not run.
+    /// [`Worker::retry_after_db_error`] for every member of a batch that could not run. If
+    /// the database refused the statement's input (see [`refused_by_database`]), the
+    /// statement does not say whose key it was: the members go to `alone`, to run one by one
+    /// after the batch, where only that one is dead-lettered.
     fn retry_all_after_db_error(
         &self,
         e: &sqlx::Error,
         pending: Vec<Pending<H::Message>>,
         settled: &mut Vec<Settled>,
+        alone: &mut Vec<Pending<H::Message>>,
     ) {
+        if refused_by_database(e).is_some() {
+            tracing::warn!(error = %e, "the inbox refused a key of the batch; its members run one by one");
+            alone.extend(pending);
+            return;
+        }
         for (delivery, acker, _) in pending {
             let (settlement, outcome) = self.retry_after_db_error(&delivery, e);
             settled.push((acker, settlement, outcome));
         }
     }
 
+    /// A retry when the inbox itself failed: the handler did not run, so no attempt is
+    /// counted; the broker's attempt number paces the backoff. A refusal of the key (see
+    /// [`refused_by_database`]) would repeat on every retry: the message is dead-lettered
+    /// `invalid_key` instead.
     fn retry_after_db_error(&self, delivery: &Delivery, e: &sqlx::Error) -> (Settlement, Outcome) {
         Stats::bump(&self.inner.stats.db_errors);
+        if let Some(reason) = refused_by_database(e) {
+            return self.dead_letter(delivery, DeadLetterReason::InvalidKey, None, 0, reason);
+        }
         tracing::error!(error = %e, "inbox unavailable; delivery will be retried");
         let attempt = delivery.attempt.max(1);
         (
@@ -1212,6 +1229,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         })?;
         let key =
             key.map_err(|e| self.dead_letter(delivery, DeadLetterReason::MissingKey, None, 0, e))?;
+        check_key(&key)
+            .map_err(|e| self.dead_letter(delivery, DeadLetterReason::InvalidKey, None, 0, e))?;
         Ok(Prepared { message, key, hash })
     }
 
@@ -1537,7 +1556,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     ) -> Result<Fresh<H::Message>, Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
-        let mut tx = match DB::begin_handler(conn).await {
+        let mut tx = match DB::begin_handler(conn, s.timeout).await {
             Ok(tx) => tx,
             Err(e) => return Ok(Fresh::Ran(Err(e))),
         };
@@ -1624,7 +1643,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let mut lease = match self.inner.inbox.lease_many(&s.name, &keys).await {
             Ok(l) => l,
             Err(e) => {
-                self.retry_all_after_db_error(&e, fresh, settled);
+                self.retry_all_after_db_error(&e, fresh, settled, unclaimed);
                 return Ok(());
             }
         };
@@ -1645,10 +1664,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     ) -> Result<(), Crash> {
         let s = &self.inner.settings;
         let names = self.inner.inbox.names();
-        let mut tx = match DB::begin_handler(&mut *conn).await {
+        let mut tx = match DB::begin_handler(&mut *conn, s.timeout).await {
             Ok(tx) => tx,
             Err(e) => {
-                self.retry_all_after_db_error(&e, fresh, settled);
+                self.retry_all_after_db_error(&e, fresh, settled, unclaimed);
                 return Ok(());
             }
         };
@@ -1661,7 +1680,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             Ok(taken) => taken,
             Err(e) => {
                 drop(tx);
-                self.retry_all_after_db_error(&e, fresh, settled);
+                self.retry_all_after_db_error(&e, fresh, settled, unclaimed);
                 return Ok(());
             }
         };
@@ -1774,7 +1793,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         message: H::Message,
     ) -> Result<Attempted, Crash> {
         let s = &self.inner.settings;
-        let mut tx = match DB::begin_handler(conn).await {
+        let mut tx = match DB::begin_handler(conn, s.timeout).await {
             Ok(tx) => tx,
             Err(e) => return Ok(Attempted::NotBegun(e)),
         };

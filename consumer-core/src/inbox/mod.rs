@@ -513,9 +513,17 @@ pub trait Backend: sqlx::Database + private::Sealed {
         log: &'a str,
     ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>>;
 
+    /// Begins the handler's transaction, bounded by the handler's `timeout`: when the handler
+    /// times out, its future is dropped, but a statement it had sent keeps running on the
+    /// server, and the rollback waits for it. PostgreSQL sets `statement_timeout` and
+    /// `lock_timeout` to `timeout` for the transaction, in the `BEGIN`'s own round trip, so
+    /// the server ends such a statement within one timeout. SQLite has no such setting: a
+    /// statement still running there delays the rollback until it ends (its waits for the
+    /// write lock are bounded by the connection's `busy_timeout`).
     #[doc(hidden)]
     fn begin_handler(
         conn: &mut Self::Connection,
+        timeout: Duration,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>>;
 
     /// Marks the key completed in the handler's transaction, if its row is still pending
@@ -898,14 +906,15 @@ mod tests {
         let inbox = Inbox::new(pool, InboxConfig::default()).await.unwrap();
         {
             let mut lease = inbox.lease("h", "k").await.unwrap();
-            let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn())
+            let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1))
                 .await
                 .unwrap();
             // The transaction's owner is gone without a rollback, as after that cancellation.
             std::mem::forget(tx);
         }
         let mut lease = inbox.lease("h", "k").await.unwrap();
-        let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn()).await;
+        let tx =
+            <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1)).await;
         assert!(tx.is_ok(), "{:?}", tx.err());
     }
 

@@ -352,8 +352,9 @@ impl Backend for Postgres {
 
     fn begin_handler(
         conn: &mut PgConnection,
+        timeout: Duration,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
-        conn.begin()
+        conn.begin_with(begin_with_timeouts(timeout))
     }
 
     fn claim_fresh<'a>(
@@ -598,6 +599,16 @@ impl Backend for Postgres {
             Ok(q.execute(conn).await?.rows_affected())
         })
     }
+}
+
+/// `BEGIN` and the handler's timeout as the transaction's `statement_timeout` and
+/// `lock_timeout` (see `Backend::begin_handler`): one simple query, so one round trip, as a
+/// bare `BEGIN` is. `SET LOCAL` ends with the transaction, so a pooled connection keeps its
+/// own settings. In whole milliseconds, at least 1 (0 would turn the timeouts off) and at
+/// most the settings' maximum.
+fn begin_with_timeouts(timeout: Duration) -> String {
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128);
+    format!("BEGIN; SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
 }
 
 /// An attempt number as the `INTEGER` columns hold it.

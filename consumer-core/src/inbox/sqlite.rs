@@ -189,6 +189,7 @@ impl Backend for Sqlite {
 
     fn begin_handler(
         conn: &mut SqliteConnection,
+        _timeout: Duration,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
         // A deferred transaction that reads, then writes, fails at once with SQLITE_BUSY when
         // another connection wrote in between; IMMEDIATE waits for the write lock instead.

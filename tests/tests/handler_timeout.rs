@@ -1,0 +1,106 @@
+//! A handler that times out while one of its statements runs on the server: the runtime drops
+//! the handler's future, but the connection still has that statement in flight, and the
+//! rollback waits for it. The handler's transaction carries a `statement_timeout` and a
+//! `lock_timeout` of the handler's timeout, so the server ends the statement and the attempt
+//! is failed, retried and settled within a few seconds, not when the statement would have
+//! finished.
+//!
+//! Against real PostgreSQL (a fresh schema per test), one transaction per delivery and in
+//! batched mode.
+
+// Test helpers may panic: a panic is how a test fails.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::PgEnv;
+use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::{handler, BatchConfig, Context, HandlerError, NoJitter, Worker, WorkerConfig};
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::Postgres;
+
+/// Far inside the 30 s the first attempt's statement would run for.
+const SETTLE_LIMIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Deserialize)]
+struct Job {
+    id: String,
+}
+
+/// The job `slow` sleeps 30 s in the database on its first attempt; every other run succeeds.
+#[handler(
+    name = "sleepy",
+    max_attempts = 3,
+    backoff = "5ms..20ms",
+    timeout = "1s"
+)]
+async fn sleepy(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
+    if job.id == "slow" && ctx.attempt() == 1 {
+        sqlx::query("SELECT pg_sleep(30)").execute(ctx.db()).await?;
+    }
+    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES ($1, $2)")
+        .bind(&job.id)
+        .bind(i32::try_from(ctx.attempt()).unwrap_or(i32::MAX))
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+async fn a_statement_past_the_handler_timeout_is_cancelled(batch: Option<BatchConfig>) {
+    let env = PgEnv::new().await;
+    let inbox = env.inbox().await;
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    // Two messages, so that batched mode batches them (a batch of one runs alone).
+    broker.publish(&queue, Message::json("slow", &json!({"id": "slow"})));
+    broker.publish(&queue, Message::json("quick", &json!({"id": "quick"})));
+    let config = WorkerConfig {
+        concurrency: 1,
+        retention_interval: None,
+        jitter: Some(Arc::new(NoJitter)),
+        batch,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::with_config(inbox.clone(), sleepy, config).unwrap();
+    let run = worker.run(broker.consume(&queue), broker.drained(&queue));
+    match tokio::time::timeout(SETTLE_LIMIT, run).await {
+        Ok(done) => done.unwrap(),
+        Err(_) => panic!(
+            "not settled within {SETTLE_LIMIT:?}: {:?}, {:?}",
+            broker.depth(&queue),
+            worker.snapshot()
+        ),
+    }
+    let s = worker.snapshot();
+    assert_eq!(
+        (s.completed, s.retries, s.dead_lettered),
+        (2, 1, 0),
+        "{s:?}"
+    );
+    for (id, attempt) in [("slow", 2), ("quick", 1)] {
+        let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempt FROM ledger WHERE job_id = $1")
+            .bind(id)
+            .fetch_all(inbox.pool())
+            .await
+            .unwrap();
+        assert_eq!(attempts, vec![attempt], "{id}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_timeout_cancels_its_statement_per_message() {
+    a_statement_past_the_handler_timeout_is_cancelled(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_timeout_cancels_its_statement_batched() {
+    a_statement_past_the_handler_timeout_is_cancelled(Some(BatchConfig {
+        max_messages: 16,
+        max_wait: Duration::from_millis(20),
+    }))
+    .await;
+}
