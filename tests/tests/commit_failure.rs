@@ -1,0 +1,157 @@
+//! A commit that fails for the database's own reason (a failover, a lost connection) is not
+//! a failed attempt: the handler's outcome is unknown, its attempt is given back, and the
+//! delivery is retried as after any database error. A message on its last attempt whose
+//! handler succeeded must never be dead-lettered because the commit failed.
+//!
+//! The failover is real: a deferred constraint trigger terminates the session's own backend
+//! at the first commit that inserts a ledger row (a sequence, which no rollback undoes,
+//! makes it trip once). Against real PostgreSQL, per message and batched, on the fresh path
+//! (a first delivery) and the counted one (a redelivery).
+
+// Test helpers may panic: a panic is how a test fails.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{wait_until, PgEnv};
+use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::{
+    handler, BatchConfig, Context, EntryStatus, HandlerError, NoJitter, Worker, WorkerConfig,
+};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::Postgres;
+
+#[derive(Debug, Deserialize)]
+struct Job {
+    id: String,
+}
+
+/// One attempt only: a failed commit counted as an attempt would dead-letter the job.
+#[handler(name = "commit", max_attempts = 1, backoff = "5ms..20ms")]
+async fn record_once(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES ($1, $2)")
+        .bind(&job.id)
+        .bind(i32::try_from(ctx.attempt()).unwrap_or(i32::MAX))
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+/// A fresh schema whose first commit of a ledger row loses its connection.
+async fn failing_over() -> PgEnv {
+    let env = PgEnv::new().await;
+    let s = &env.schema;
+    let inbox = env.inbox().await;
+    sqlx::raw_sql(&format!(
+        "CREATE SEQUENCE \"{s}\".trips;
+         CREATE FUNCTION \"{s}\".trip() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF nextval('\"{s}\".trips') = 1 THEN
+             PERFORM pg_terminate_backend(pg_backend_pid());
+           END IF;
+           RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER trip AFTER INSERT ON \"{s}\".ledger
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{s}\".trip();"
+    ))
+    .execute(inbox.pool())
+    .await
+    .expect("create the failover trigger");
+    env
+}
+
+async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, redelivered: bool) {
+    let env = failing_over().await;
+    let inbox = env.inbox().await;
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let ids = ["c1", "c2", "c3"];
+    for id in ids {
+        broker.publish(&queue, Message::json(id, &json!({ "id": id })));
+    }
+    let config = WorkerConfig {
+        concurrency: 4,
+        retention_interval: None,
+        jitter: Some(std::sync::Arc::new(NoJitter)),
+        batch,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::with_config(inbox.clone(), record_once, config).unwrap();
+    // The first deliveries as redeliveries: the counted path. The retries (attempt 2 and up)
+    // come as the broker sends them.
+    let deliveries = broker.consume(&queue).map(move |item| {
+        item.map(|mut incoming| {
+            if redelivered && incoming.delivery.attempt == 1 {
+                incoming.delivery.fresh = false;
+                incoming.delivery.redelivered = true;
+            }
+            incoming
+        })
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn({
+        let worker = worker.clone();
+        async move {
+            worker
+                .run(deliveries, async {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+    wait_until("every job completed or dead-lettered", || {
+        let s = worker.snapshot();
+        async move { s.completed + s.dead_lettered == 3 }
+    })
+    .await;
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+
+    let s = worker.snapshot();
+    assert_eq!((s.completed, s.dead_lettered), (3, 0), "{s:?}");
+    assert!(s.db_errors >= 1, "the commit failed: {s:?}");
+    assert!(broker.dead_letters(&queue).is_empty());
+    for id in ids {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = $1")
+            .bind(id)
+            .fetch_one(inbox.pool())
+            .await
+            .unwrap();
+        assert_eq!(rows, 1, "{id}");
+        let entry = inbox.entry("commit", id).await.unwrap().unwrap();
+        assert_eq!(entry.status, EntryStatus::Completed, "{id}: {entry:?}");
+        assert_eq!(
+            entry.attempts, 1,
+            "no attempt counted for the failed commit: {entry:?}"
+        );
+    }
+}
+
+const BATCHED: Option<BatchConfig> = Some(BatchConfig {
+    max_messages: 8,
+    max_wait: Duration::from_millis(50),
+});
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_is_not_a_failed_attempt_fresh() {
+    a_failed_commit_is_not_a_failed_attempt(None, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_is_not_a_failed_attempt_counted() {
+    a_failed_commit_is_not_a_failed_attempt(None, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_is_not_a_failed_attempt_fresh_batched() {
+    a_failed_commit_is_not_a_failed_attempt(BATCHED, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_is_not_a_failed_attempt_counted_batched() {
+    a_failed_commit_is_not_a_failed_attempt(BATCHED, true).await;
+}
