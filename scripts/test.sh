@@ -44,7 +44,7 @@ echo "== chaos suite, CI profile, Kafka"
 echo "== chaos suite, CI profile, Kafka, batched mode (64 per transaction)"
 "${chaos[@]}" --broker kafka --batch 64
 
-# Acceptance 3: the suite can fail. With the test-only ack-before-commit switch the runner
+# The suite can fail: with the test-only ack-before-commit switch the runner
 # must report a violation (exit status 3), not pass and not crash.
 echo "== chaos suite, deliberately broken build (ack before commit): must fail"
 rc=0
