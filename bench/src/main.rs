@@ -32,11 +32,14 @@
 //! per message at that rate (near 1, the arm is bound by the cores), p50/p99
 //! delivery-to-ack latency and the ratios, each the median over the repetitions.
 //!
-//! Options: `--messages N --reps N --size BYTES --batch N --concurrency N --prefetch N`; `--arms a,b` runs
+//! Options (`--help` lists them with their defaults): `--messages N --reps N --size BYTES
+//! --batch N --concurrency N --prefetch N`; `--arms a,b` runs
 //! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`,
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
 //! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`).
+//! The servers come from `DATABASE_URL`, `AMQP_URL` and `KAFKA_BROKERS` (or `--database-url`,
+//! `--amqp-url`, `--kafka-brokers`).
 
 // A benchmark report is this program's output.
 #![allow(clippy::print_stdout)]
@@ -48,7 +51,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Acknowledger, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox,
@@ -107,68 +110,53 @@ async fn record_each(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), Ha
 /// The batch window of the batched arms (framework and hand-written alike).
 const BATCH_WAIT: Duration = Duration::from_millis(5);
 
+/// The command line, parsed by clap (`--help` lists it).
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "bench",
+    about = "Throughput of the framework next to raw clients and the database floor, \
+             interleaved arms in one process (BENCHMARKS.md describes them)."
+)]
 struct Options {
+    /// Messages per arm and repetition.
+    #[arg(long, default_value_t = 10_000)]
     messages: usize,
+    /// Repetitions; every repetition runs every arm once, in turn, and the report shows
+    /// the medians.
+    #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Payload size in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 256)]
     size: usize,
+    /// Messages per transaction in the batched arms (framework and hand-written).
+    #[arg(long, default_value_t = 64)]
     batch: usize,
+    /// Handlers (or hand-written transactions) running at once.
+    #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// RabbitMQ prefetch (unacked deliveries the broker hands out at once).
+    #[arg(long, default_value_t = 256)]
     prefetch: u16,
-    /// Only the arms whose name contains one of these (all arms if empty).
+    /// Only the arms whose name contains one of these strings (e.g. `--arms 'memory: fw'`);
+    /// every arm if not given.
+    #[arg(long, value_name = "NAME[,NAME...]", value_delimiter = ',')]
     arms: Vec<String>,
     /// Print this process's RSS to stderr every this many milliseconds (0: never).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
     rss_every_ms: u64,
-}
-
-/// The flags, for `--help` and unknown flags.
-const USAGE: &str = "usage: bench [--messages N] [--reps N] [--size BYTES] [--batch N] \
-[--concurrency N] [--prefetch N] [--arms NAME[,NAME...]] (substrings of arm names) \
-[--rss-every-ms MS] [--latency 0|1]";
-
-impl Options {
-    fn parse() -> anyhow::Result<Self> {
-        let mut o = Options {
-            messages: 10_000,
-            reps: 3,
-            size: 256,
-            batch: 64,
-            concurrency: 8,
-            prefetch: 256,
-            arms: Vec::new(),
-            rss_every_ms: 0,
-        };
-        let mut args = std::env::args().skip(1);
-        while let Some(flag) = args.next() {
-            if flag == "--help" || flag == "-h" {
-                eprintln!("{USAGE}");
-                std::process::exit(0);
-            }
-            let value = args
-                .next()
-                .with_context(|| format!("{flag} needs a value"))?;
-            if flag == "--arms" {
-                o.arms = value.split(',').map(str::to_owned).collect();
-                continue;
-            }
-            let n: usize = value
-                .parse()
-                .with_context(|| format!("{flag} {value}: not a number"))?;
-            match flag.as_str() {
-                "--messages" => o.messages = n,
-                "--reps" => o.reps = n,
-                "--size" => o.size = n,
-                "--batch" => o.batch = n,
-                "--concurrency" => o.concurrency = n,
-                "--prefetch" => {
-                    o.prefetch = u16::try_from(n).context("--prefetch: at most 65535")?;
-                }
-                "--rss-every-ms" => o.rss_every_ms = n as u64,
-                "--latency" => RECORD_LATENCY.store(n != 0, std::sync::atomic::Ordering::Relaxed),
-                _ => bail!("unknown flag {flag}\n{USAGE}"),
-            }
-        }
-        Ok(o)
-    }
+    /// Record per-delivery latencies (1) or not (0, for long RSS runs).
+    #[arg(long, value_name = "0|1", default_value_t = 1,
+          value_parser = clap::value_parser!(u8).range(0..=1))]
+    latency: u8,
+    /// The PostgreSQL to measure (`eval "$(scripts/postgres.sh env)"` sets it).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// RabbitMQ for the `amqp:` arms; they are skipped without it.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: Option<String>,
+    /// Kafka bootstrap servers for the `kafka:` arms; they are skipped without it.
+    #[arg(long, env = "KAFKA_BROKERS")]
+    kafka_brokers: Option<String>,
 }
 
 /// One arm's figures from one repetition.
@@ -572,7 +560,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let o = Options::parse()?;
+    let o = <Options as clap::Parser>::parse();
+    RECORD_LATENCY.store(o.latency != 0, std::sync::atomic::Ordering::Relaxed);
     // Warnings of the runtime and the transports (a lost channel, a database error) explain
     // a failed arm; RUST_LOG=... for more.
     tracing_subscriber::fmt()
@@ -582,8 +571,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let url = std::env::var("DATABASE_URL")
-        .context("DATABASE_URL: run `eval \"$(scripts/postgres.sh env)\"` first")?;
+    let url = o.database_url.clone();
     let pool = PgPoolOptions::new()
         .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
         .connect(&url)
@@ -618,7 +606,7 @@ async fn main() -> anyhow::Result<()> {
         max_messages: o.batch,
         max_wait: BATCH_WAIT,
     });
-    let amqp_url = std::env::var("AMQP_URL").ok();
+    let amqp_url = o.amqp_url.clone();
     let mut arms = vec![
         "db floor, 1/tx",
         "db floor, N/tx",
@@ -640,7 +628,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         eprintln!("AMQP_URL is not set: skipping the RabbitMQ arms");
     }
-    let kafka_brokers = std::env::var("KAFKA_BROKERS").ok();
+    let kafka_brokers = o.kafka_brokers.clone();
     if kafka_brokers.is_some() {
         arms.extend([
             "kafka: raw consume+store",

@@ -44,9 +44,12 @@ use crate::workload::Workload;
 const VIOLATION: i32 = 3;
 
 /// Which broker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum BrokerKind {
+    /// RabbitMQ (AMQP_URL).
+    #[value(alias = "rabbitmq")]
     Amqp,
+    /// Kafka (KAFKA_BROKERS).
     Kafka,
 }
 
@@ -132,6 +135,82 @@ impl Profile {
     }
 }
 
+/// The command line, parsed by clap (`--help` lists it).
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "chaos",
+    about = "The chaos suite: runs the invoice example's workers against a real broker and \
+             PostgreSQL, kills and restarts them, then checks that every job's effects \
+             happened exactly once.",
+    after_help = "Exit status: 0 when the oracle passes, 3 on a violation, 1 when the run \
+                  could not be done. Needs DATABASE_URL and AMQP_URL or KAFKA_BROKERS \
+                  (eval \"$(scripts/servers.sh env)\")."
+)]
+struct Cli {
+    /// The broker to run against.
+    #[arg(long, value_enum, env = "CHAOS_BROKER")]
+    broker: BrokerKind,
+    /// How hard and how long (CHAOS.md describes both profiles).
+    #[arg(long, value_enum, default_value = "ci", env = "CHAOS_PROFILE")]
+    profile: ProfileName,
+    /// The seed of the fault schedule (default: random, printed); the same seed replays
+    /// the same schedule.
+    #[arg(long, env = "CHAOS_SEED")]
+    seed: Option<u64>,
+    /// Test-only: the workers ack every delivery before its handler runs, so the oracle
+    /// must report a violation.
+    #[arg(long)]
+    broken: bool,
+    /// Batched mode: deliveries per transaction (0: one per transaction).
+    #[arg(long, default_value_t = 0)]
+    batch: usize,
+    /// Worker processes at the start (at least 2: one of each worker).
+    #[arg(long, default_value_t = 4, value_parser = at_least_two)]
+    workers: usize,
+    /// Publish for this many seconds instead of the profile's time.
+    #[arg(long, value_name = "SECS")]
+    publish_secs: Option<u64>,
+    /// Kill a worker every this many milliseconds instead of the profile's period (0: never).
+    #[arg(long, value_name = "MS")]
+    kill_ms: Option<u64>,
+    /// Probability that each fault point aborts a worker, instead of the profile's rate.
+    #[arg(long, value_name = "P", value_parser = probability)]
+    fault_rate: Option<f64>,
+    /// Do not build the worker binaries first (they must exist next to this binary).
+    #[arg(long)]
+    no_build: bool,
+    /// Keep the run's schema, queues or topics and worker logs even when it passes.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// The profiles, by name.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ProfileName {
+    /// 2,000 jobs (and 20 poison ones) published over 60 s, one broker restart.
+    Ci,
+    /// 10,000 jobs (and 50 poison ones) published over 480 s, three broker restarts and
+    /// a PostgreSQL restart.
+    Full,
+}
+
+fn at_least_two(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    if n < 2 {
+        return Err("at least 2 (one of each worker)".to_owned());
+    }
+    Ok(n)
+}
+
+fn probability(s: &str) -> Result<f64, String> {
+    let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if !(0.0..=1.0).contains(&p) {
+        return Err("a probability between 0 and 1".to_owned());
+    }
+    Ok(p)
+}
+
+/// What a run uses: the command line with the profile's values resolved.
 #[derive(Debug)]
 struct Args {
     broker: BrokerKind,
@@ -145,98 +224,43 @@ struct Args {
     keep: bool,
 }
 
-const USAGE: &str = "usage: chaos --broker amqp|kafka --profile ci|full [--seed N] [--broken] \
-[--batch N] [--workers N] [--publish-secs N] [--kill-ms N (0: none)] [--fault-rate P] \
-[--no-build] [--keep]";
-
 impl Args {
     fn parse() -> anyhow::Result<Self> {
-        let mut broker = None;
-        let mut profile = None;
-        let mut seed = None;
-        let mut broken = false;
-        let mut workers = 4;
-        let mut publish_secs = None;
-        let mut kill_ms = None;
-        let mut fault_rate = None;
-        let mut batch = 0;
-        let mut build = true;
-        let mut keep = false;
-        let mut args = std::env::args().skip(1);
-        while let Some(arg) = args.next() {
-            let mut value = |name: &str| {
-                args.next()
-                    .with_context(|| format!("{name} needs a value; {USAGE}"))
-            };
-            match arg.as_str() {
-                "--broker" => {
-                    broker = Some(match value("--broker")?.as_str() {
-                        "amqp" | "rabbitmq" => BrokerKind::Amqp,
-                        "kafka" => BrokerKind::Kafka,
-                        other => bail!("--broker {other:?}: use amqp or kafka"),
-                    })
-                }
-                "--profile" => profile = Some(value("--profile")?),
-                "--seed" => seed = Some(u64::from_str(&value("--seed")?).context("--seed")?),
-                "--workers" => {
-                    workers = usize::from_str(&value("--workers")?).context("--workers")?
-                }
-                "--publish-secs" => {
-                    publish_secs =
-                        Some(u64::from_str(&value("--publish-secs")?).context("--publish-secs")?)
-                }
-                "--kill-ms" => {
-                    kill_ms = Some(u64::from_str(&value("--kill-ms")?).context("--kill-ms")?)
-                }
-                "--fault-rate" => {
-                    fault_rate =
-                        Some(f64::from_str(&value("--fault-rate")?).context("--fault-rate")?)
-                }
-                "--batch" => batch = usize::from_str(&value("--batch")?).context("--batch")?,
-                "--broken" => broken = true,
-                "--no-build" => build = false,
-                "--keep" => keep = true,
-                "-h" | "--help" => {
-                    println!("{USAGE}");
-                    std::process::exit(0);
-                }
-                other => bail!("unknown argument {other:?}; {USAGE}"),
-            }
-        }
-        let broker = broker.with_context(|| format!("--broker is required; {USAGE}"))?;
-        let mut profile = Profile::new(profile.as_deref().unwrap_or("ci"), broker)?;
-        if let Some(s) = publish_secs {
+        Self::from_cli(<Cli as clap::Parser>::parse())
+    }
+
+    fn from_cli(cli: Cli) -> anyhow::Result<Self> {
+        let name = match cli.profile {
+            ProfileName::Ci => "ci",
+            ProfileName::Full => "full",
+        };
+        let mut profile = Profile::new(name, cli.broker)?;
+        if let Some(s) = cli.publish_secs {
             profile.publish_for = Duration::from_secs(s);
         }
-        if let Some(r) = fault_rate {
-            if !(0.0..=1.0).contains(&r) {
-                bail!("--fault-rate {r}: use a probability between 0 and 1");
-            }
+        if let Some(r) = cli.fault_rate {
             profile.fault_rate = r;
         }
-        match kill_ms {
+        match cli.kill_ms {
             Some(0) => profile.kill_every = Duration::MAX,
             Some(ms) => profile.kill_every = Duration::from_millis(ms),
             None => {}
         }
-        if workers < 2 {
-            bail!("--workers must be at least 2 (one of each worker)");
-        }
-        let seed = seed.unwrap_or_else(|| {
+        let seed = cli.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs() % 100_000)
                 .unwrap_or(1)
         });
         Ok(Args {
-            broker,
+            broker: cli.broker,
             profile,
             seed,
-            broken,
-            workers,
-            batch,
-            build,
-            keep,
+            broken: cli.broken,
+            workers: cli.workers,
+            batch: cli.batch,
+            build: !cli.no_build,
+            keep: cli.keep,
         })
     }
 }
