@@ -40,7 +40,7 @@ pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
-pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxEntry};
+pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
 pub use retry::{ExponentialBackoff, Jitter, NoJitter, ThreadSafeRng};
 pub use stats::{Stats, StatsSnapshot};

@@ -1108,6 +1108,10 @@ async fn a_copy_that_can_no_longer_arrive_does_not_supersede<
         Some("transient failure on attempt 1"),
         "a pending key's error names no dead-letter reason: {entry:?}"
     );
+    // The stuck key is visible to an operator.
+    let counts = inbox.counts("record").await.unwrap();
+    assert_eq!((counts.pending, counts.completed), (1, 0), "{counts:?}");
+    assert!(counts.stalest_pending.is_some(), "{counts:?}");
 
     let second = MemoryBroker::new();
     second.publish(&queue, msg("gone", body));
@@ -1122,6 +1126,9 @@ async fn a_copy_that_can_no_longer_arrive_does_not_supersede<
         (EntryStatus::Completed, 2),
         "{entry:?}"
     );
+    let counts = inbox.counts("record").await.unwrap();
+    assert_eq!((counts.pending, counts.completed), (0, 1), "{counts:?}");
+    assert_eq!(counts.stalest_pending, None, "{counts:?}");
 }
 
 /// Finding: a copy that is overdue by more than the inbox's grace period is taken as lost

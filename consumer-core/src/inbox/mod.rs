@@ -139,6 +139,7 @@ pub struct Statements {
     pub(crate) record_retry: String,
     pub(crate) uncount_attempt: String,
     pub(crate) release_dead: String,
+    pub(crate) counts: String,
     pub(crate) purge_expired: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
@@ -268,6 +269,40 @@ impl InboxEntry {
             && self
                 .copy_due_in_ms
                 .is_some_and(|due| due > grace.saturating_neg())
+    }
+}
+
+/// A handler's keys by status (see [`Inbox::counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InboxCounts {
+    /// Seen, not completed.
+    pub pending: u64,
+    /// Completed, not yet expired.
+    pub completed: u64,
+    /// Dead-lettered, not yet expired or released.
+    pub dead: u64,
+    /// How long ago the stalest pending key last saw an attempt, by the database's clock.
+    pub stalest_pending: Option<Duration>,
+}
+
+impl InboxCounts {
+    /// From (status, count, idle milliseconds of the stalest row) rows.
+    fn from_rows(rows: impl IntoIterator<Item = (String, i64, Option<i64>)>) -> Self {
+        let mut counts = InboxCounts::default();
+        for (status, n, idle_ms) in rows {
+            let n = u64::try_from(n).unwrap_or(0);
+            match EntryStatus::parse(&status) {
+                EntryStatus::Pending => {
+                    counts.pending += n;
+                    counts.stalest_pending = idle_ms
+                        .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+                }
+                EntryStatus::Completed => counts.completed += n,
+                EntryStatus::Dead => counts.dead += n,
+            }
+        }
+        counts
     }
 }
 
@@ -610,6 +645,14 @@ pub trait Backend: sqlx::Database + private::Sealed {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>>;
 
+    /// The rows of `handler` by status, and the idle time of its stalest pending row.
+    #[doc(hidden)]
+    fn counts<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>>;
+
     #[doc(hidden)]
     fn purge_expired<'a>(
         pool: &'a Pool<Self>,
@@ -695,8 +738,17 @@ impl<DB: Backend> Inbox<DB> {
         Ok(DB::release_dead(&self.pool, &self.names, handler, key).await?)
     }
 
-    /// Deletes completed and dead rows whose retention has expired, `batch` rows per statement, until
-    /// none are left. Returns how many were deleted.
+    /// How many keys of `handler` are pending, completed and dead, and how long the stalest
+    /// pending key has seen no attempt. A pending key that stays idle long past its backoff
+    /// has lost its message (its copy never arrived, its delivery was acked elsewhere): look
+    /// at it (`Inbox::entry`) and replay or release it. Reads every row of the handler: an
+    /// operator's call, not one for a hot path.
+    pub async fn counts(&self, handler: &str) -> Result<InboxCounts, Error> {
+        Ok(DB::counts(&self.pool, &self.names, handler).await?)
+    }
+
+    /// Deletes completed and dead rows whose retention has expired, `batch` rows per
+    /// statement, until none are left. Returns how many were deleted.
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, Error> {
         let batch = batch.max(1);
         let mut total = 0;

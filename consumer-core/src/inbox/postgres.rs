@@ -5,7 +5,9 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
 
-use super::{AttemptItem, Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
+use super::{
+    AttemptItem, Backend, Claim, EntryStatus, InboxCounts, InboxEntry, Statements, TableNames,
+};
 use crate::guard::GuardValue;
 use crate::Error;
 
@@ -181,6 +183,11 @@ impl Backend for Postgres {
             record_failure: names.render(RECORD_FAILURE),
             record_retry: names.render(RECORD_RETRY),
             uncount_attempt: names.render(UNCOUNT_ATTEMPT),
+            counts: names.render(
+                "SELECT status, count(*), \
+                 (extract(epoch FROM now() - min(updated_at)) * 1000)::bigint \
+                 FROM {inbox} WHERE handler = $1 GROUP BY status",
+            ),
             release_dead: names.render(RELEASE_DEAD),
             purge_expired: names.render(PURGE_EXPIRED),
             claim_fresh: names.render(CLAIM_FRESH),
@@ -566,6 +573,20 @@ impl Backend for Postgres {
                 .fetch_optional(pool)
                 .await?;
             Ok(mark.flatten())
+        })
+    }
+
+    fn counts<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>> {
+        Box::pin(async move {
+            let rows: Vec<(String, i64, Option<i64>)> = sqlx::query_as(&names.sql.counts)
+                .bind(handler)
+                .fetch_all(pool)
+                .await?;
+            Ok(InboxCounts::from_rows(rows))
         })
     }
 

@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
 
-use super::{AttemptItem, Backend, Claim, EntryStatus, InboxEntry, Statements, TableNames};
+use super::{
+    AttemptItem, Backend, Claim, EntryStatus, InboxCounts, InboxEntry, Statements, TableNames,
+};
 use crate::guard::GuardValue;
 use crate::Error;
 
@@ -101,6 +103,10 @@ impl Backend for Sqlite {
             uncount_attempt: names.render(
                 "UPDATE {inbox} SET attempts = attempts - 1, updated_at = ?4 \
                  WHERE handler = ?1 AND key = ?2 AND status = 'pending' AND attempts = ?3",
+            ),
+            counts: names.render(
+                "SELECT status, count(*), ?2 - min(updated_at) FROM {inbox} \
+                 WHERE handler = ?1 GROUP BY status",
             ),
             release_dead: names.render(
                 "DELETE FROM {inbox} WHERE handler = ?1 AND key = ?2 AND status = 'dead'",
@@ -405,6 +411,21 @@ impl Backend for Sqlite {
                 .fetch_optional(pool)
                 .await?;
             Ok(mark.flatten())
+        })
+    }
+
+    fn counts<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>> {
+        Box::pin(async move {
+            let rows: Vec<(String, i64, Option<i64>)> = sqlx::query_as(&names.sql.counts)
+                .bind(handler)
+                .bind(now_ms())
+                .fetch_all(pool)
+                .await?;
+            Ok(InboxCounts::from_rows(rows))
         })
     }
 
