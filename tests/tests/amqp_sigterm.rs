@@ -133,12 +133,13 @@ fn named_database_url(application: &str) -> String {
 
 /// The transaction ids (as `xid8` text) of the transactions with writes that connections
 /// named `application` have open now. `pg_stat_activity` shows a 32-bit `xid`; the epoch is
-/// taken from the current snapshot (an id above the current one belongs to the previous
-/// epoch).
+/// taken from the current snapshot (an id far above the snapshot's, more than half the
+/// `xid` space, belongs to the previous epoch; one just above it was assigned after the
+/// snapshot was taken).
 async fn open_transactions(pool: &PgPool, application: &str) -> Vec<String> {
     sqlx::query_scalar(
         "WITH cur AS (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax)
-         SELECT (CASE WHEN f.x > cur.xmax THEN f.x - 4294967296 ELSE f.x END)::text
+         SELECT (CASE WHEN f.x > cur.xmax + 2147483648 THEN f.x - 4294967296 ELSE f.x END)::text
          FROM cur, LATERAL (
              SELECT ((cur.xmax >> 32) << 32) + a.backend_xid::text::bigint AS x
              FROM pg_stat_activity a
