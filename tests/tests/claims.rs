@@ -406,15 +406,25 @@ async fn every_delivery_runs_in_a_span_with_handler_source_key_attempt_and_outco
     let w = Worker::with_config(env.inbox.clone(), span_probe, config()).unwrap();
     drain(&w, &broker, &queue).await.unwrap();
 
-    // Other tests' deliveries run under other handler names.
-    let closed: Vec<Fields> = spans
-        .closed
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|f| f.get("handler").map(String::as_str) == Some("span_probe"))
-        .cloned()
-        .collect();
+    // A span closes when its last handle is dropped; the last delivery's span has been seen
+    // closing just after `run` returned, so the test waits for the five.
+    let probe = || -> Vec<Fields> {
+        // Other tests' deliveries run under other handler names.
+        spans
+            .closed
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|f| f.get("handler").map(String::as_str) == Some("span_probe"))
+            .cloned()
+            .collect()
+    };
+    common::wait_until("the five delivery spans closed", || {
+        let n = probe().len();
+        async move { n >= 5 }
+    })
+    .await;
+    let closed = probe();
     assert_eq!(closed.len(), 5, "one span per delivery: {closed:?}");
     let source = format!("memory:{queue}");
     for fields in &closed {
