@@ -2,6 +2,12 @@
 //! binary gracefully: the jobs in flight finish and are acked, the rest stays in the queue,
 //! and after a restart every job has run exactly once.
 //!
+//! "Finish" is checked in the database, not inferred from counts (a job dropped mid-flight
+//! rolls back and is redelivered, which counts cannot tell from a job that never started):
+//! the worker's connections carry an `application_name`, the test reads the ids of the
+//! handler transactions they have open when it sends SIGTERM, and after the process exited
+//! PostgreSQL must report every one of them committed.
+//!
 //! The binary belongs to another package (`invoices`), so `CARGO_BIN_EXE_*` does not exist
 //! here and `cargo test` does not build it. The test builds it with
 //! `cargo build -p invoices --bin invoice_worker --message-format=json` and takes the
@@ -23,6 +29,7 @@ use consumer_amqp::AmqpPublisher;
 use futures::{StreamExt, TryStreamExt};
 use invoices::settings::Settings;
 use invoices::InvoiceJob;
+use sqlx::PgPool;
 
 const JOBS: i64 = 300;
 
@@ -116,6 +123,46 @@ impl Drop for Process {
     }
 }
 
+/// `DATABASE_URL` with `application_name` set, so the worker's connections can be told
+/// from every other test's.
+fn named_database_url(application: &str) -> String {
+    let url = database_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={application}")
+}
+
+/// The transaction ids (as `xid8` text) of the transactions with writes that connections
+/// named `application` have open now. `pg_stat_activity` shows a 32-bit `xid`; the epoch is
+/// taken from the current snapshot (an id far above the snapshot's, more than half the
+/// `xid` space, belongs to the previous epoch; one just above it was assigned after the
+/// snapshot was taken).
+async fn open_transactions(pool: &PgPool, application: &str) -> Vec<String> {
+    sqlx::query_scalar(
+        "WITH cur AS (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax)
+         SELECT (CASE WHEN f.x > cur.xmax + 2147483648 THEN f.x - 4294967296 ELSE f.x END)::text
+         FROM cur, LATERAL (
+             SELECT ((cur.xmax >> 32) << 32) + a.backend_xid::text::bigint AS x
+             FROM pg_stat_activity a
+             WHERE a.application_name = $1 AND a.backend_xid IS NOT NULL
+         ) f",
+    )
+    .bind(application)
+    .fetch_all(pool)
+    .await
+    .expect("read pg_stat_activity")
+}
+
+/// `pg_xact_status` of a transaction id from [`open_transactions`]: `committed`,
+/// `aborted` or `in progress`.
+async fn transaction_status(pool: &PgPool, xid: &str) -> String {
+    sqlx::query_scalar::<_, Option<String>>("SELECT pg_xact_status($1::text::xid8)")
+        .bind(xid)
+        .fetch_one(pool)
+        .await
+        .expect("pg_xact_status")
+        .unwrap_or_else(|| format!("unknown (transaction {xid} is too old)"))
+}
+
 fn strip_ansi(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     let mut chars = s.chars();
@@ -141,13 +188,14 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     let queue = amqp_support::unique_name("sigterm");
     let vars: HashMap<&'static str, String> = HashMap::from([
         ("AMQP_URL", amqp_url()),
-        ("DATABASE_URL", database_url()),
+        ("DATABASE_URL", named_database_url(&queue)),
         ("DB_SCHEMA", db.schema.clone()),
         ("QUEUE", queue.clone()),
         ("EXCHANGE", amqp_support::unique_name("jobs")),
         ("CONCURRENCY", "4".to_owned()),
         ("PREFETCH", "8".to_owned()),
-        ("WORK_MS", "40".to_owned()),
+        // Long enough that SIGTERM lands while handler transactions are open.
+        ("WORK_MS", "150".to_owned()),
     ]);
     // The worker's own settings give the publisher the same topology.
     let settings = Settings::from_lookup("invoices", |k| vars.get(k).cloned()).unwrap();
@@ -183,9 +231,33 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
         invoices().await >= 40
     })
     .await;
+    // Handler transactions under way (each has written its inbox row): in flight.
+    let start = tokio::time::Instant::now();
+    let in_flight = loop {
+        let open = open_transactions(&db.pool, &queue).await;
+        if !open.is_empty() {
+            break open;
+        }
+        assert!(
+            start.elapsed() < LONG,
+            "no handler transaction open in {LONG:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
     first.sigterm();
     let (status, log) = first.exit().await;
     assert!(status.success(), "{status}\n{log}");
+    for xid in &in_flight {
+        assert_eq!(
+            transaction_status(&db.pool, xid).await,
+            "committed",
+            "transaction {xid}, open at SIGTERM, finished before the worker exited"
+        );
+    }
+    println!(
+        "{} handler transactions in flight at SIGTERM all committed",
+        in_flight.len()
+    );
     assert!(log.contains("SIGTERM: finishing in-flight jobs"), "{log}");
     assert!(log.contains("consumer dropped"), "{log}");
     // A broker restart by a parallel test during this run would make the broker forget
