@@ -1259,15 +1259,19 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 let error = format!(
                     "key {key:?} was first seen with a different payload (that one is {status:?})"
                 );
-                Stats::bump(&self.inner.stats.conflicts);
                 Err(match s.on_conflict {
-                    ConflictPolicy::DeadLetter => self.dead_letter(
-                        delivery,
-                        DeadLetterReason::KeyConflict,
-                        Some(key),
-                        0,
-                        error,
-                    ),
+                    // Counted here: its outcome is a dead letter. A skipped conflict is
+                    // counted by its outcome (see `Worker::count`).
+                    ConflictPolicy::DeadLetter => {
+                        Stats::bump(&self.inner.stats.conflicts);
+                        self.dead_letter(
+                            delivery,
+                            DeadLetterReason::KeyConflict,
+                            Some(key),
+                            0,
+                            error,
+                        )
+                    }
                     ConflictPolicy::Skip => {
                         tracing::warn!(%error, "key conflict skipped by policy");
                         (Settlement::Ack, Outcome::ConflictSkipped)

@@ -222,7 +222,6 @@ async fn on_conflict_skip_acks_a_reused_key_without_running_it() {
 }
 
 #[tokio::test]
-#[ignore = "bug: a skipped conflict bumps `Stats::conflicts` twice (in `check_claim` and again in `count(Outcome::ConflictSkipped)`)"]
 async fn a_skipped_conflict_is_counted_once() {
     let env = SqliteEnv::new().await;
     let broker = MemoryBroker::new();
