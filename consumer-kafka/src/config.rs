@@ -573,6 +573,15 @@ pub(crate) fn validate_brokers(brokers: &str) -> Result<(), Error> {
         ));
     }
     for b in brokers.split(',').map(str::trim) {
+        // librdkafka takes credentials only as properties; an entry with user info is a
+        // credential pasted in the wrong place, and is never quoted back.
+        if b.contains('@') {
+            return Err(Error::config(
+                "brokers",
+                "an entry holds user info (`…@host`): give credentials as `sasl.username` and \
+                 `sasl.password` properties, not in the broker list",
+            ));
+        }
         // Accept an optional scheme prefix as librdkafka does (e.g. `PLAINTEXT://host:9092`).
         let hostport = b.rsplit("://").next().unwrap_or(b);
         let ok = hostport.rsplit_once(':').is_some_and(|(host, port)| {
@@ -768,6 +777,54 @@ mod tests {
         );
         let reason = redacted_reason("sasl.password", "hunter2", &e);
         assert!(!reason.contains("hunter2"), "{reason}");
+    }
+
+    /// `sasl.password` values with the characters that end a URL's parts, raw and
+    /// percent-escaped: never in `Debug`, `Display` or an error, wherever they are put.
+    #[test]
+    fn credentials_never_appear_in_url_errors_or_display() {
+        for password in ["s3c/ret", "s3c?r#et", "s3c@ret", "s3c:ret", "s3c%2Fr%40et"] {
+            let mut c = valid();
+            c.properties
+                .set("security.protocol", "SASL_SSL")
+                .set("sasl.mechanism", "PLAIN")
+                .set("sasl.username", "svc")
+                .set("sasl.password", password);
+            c.producer_properties.set("sasl.password", password);
+            c.validate().unwrap();
+            let shown = format!("{c:?} {:?}", c.properties);
+            assert!(!shown.contains("s3c"), "{shown}");
+
+            // Credentials pasted into the broker list are refused without being quoted.
+            for brokers in [
+                format!("SASL_SSL://svc:{password}@kafka:9092"),
+                format!("svc:{password}@kafka"),
+                format!("kafka:9092,svc:{password}@other"),
+            ] {
+                let mut c = valid();
+                c.brokers = brokers.clone();
+                let e = c.validate().unwrap_err();
+                let text = format!("{e} {e:?}");
+                assert!(text.contains("brokers"), "{text}");
+                assert!(
+                    !text.contains("s3c") && !text.contains("svc"),
+                    "{brokers}: {text}"
+                );
+            }
+
+            // A credential librdkafka rejects is redacted from its message.
+            let e = KafkaError::ClientConfig(
+                rdkafka::types::RDKafkaConfRes::RD_KAFKA_CONF_INVALID,
+                format!(
+                    "Invalid value \"{password}\" for configuration property \"sasl.password\""
+                ),
+                "sasl.password".into(),
+                password.into(),
+            );
+            let e = crate::producer::client_error("creating the producer", e);
+            let text = format!("{e} {e:?}");
+            assert!(!text.contains("s3c"), "{text}");
+        }
     }
 
     #[test]
