@@ -199,6 +199,12 @@ pub struct AmqpConfig {
     /// How long [`crate::AmqpPublisher::publish`] keeps retrying over connection failures
     /// (default 30s).
     pub publish_timeout: Duration,
+    /// Longest wait for the broker's confirm of one publish: a retry or dead-letter copy,
+    /// or one try of [`crate::AmqpPublisher::publish`] (default 30s). A confirm that does
+    /// not come in time is a transient publish error: the copy's original is returned to
+    /// its queue and the connection replaced, as for a lost connection, since the copy may
+    /// or may not have arrived (the inbox deduplicates either way).
+    pub confirm_timeout: Duration,
     /// A connection name shown in the management UI; `None` uses `consumer-amqp`.
     pub connection_name: Option<String>,
 }
@@ -221,6 +227,7 @@ impl fmt::Debug for AmqpConfig {
             .field("reconnect_min", &self.reconnect_min)
             .field("reconnect_max", &self.reconnect_max)
             .field("publish_timeout", &self.publish_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
             .field("connection_name", &self.connection_name)
             .finish()
     }
@@ -249,6 +256,7 @@ impl AmqpConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(30),
+            confirm_timeout: Duration::from_secs(30),
             connection_name: None,
         }
     }
@@ -332,6 +340,7 @@ impl AmqpConfig {
         positive("amqp.connect_timeout", self.connect_timeout)?;
         positive("amqp.reconnect_min", self.reconnect_min)?;
         positive("amqp.publish_timeout", self.publish_timeout)?;
+        positive("amqp.confirm_timeout", self.confirm_timeout)?;
         if self.reconnect_max < self.reconnect_min {
             return Err(Error::config(
                 "amqp.reconnect_max",
