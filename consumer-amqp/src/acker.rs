@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
@@ -386,9 +386,27 @@ impl AmqpAcker {
 
     /// The original headers plus what every copy carries: where the message was first
     /// published, and when it first failed.
+    ///
+    /// Those (and the dead-letter headers) belong to the framework: they are kept only from
+    /// our own retry copy ([`AmqpAcker::is_own_retry_copy`]), which wrote them; a producer's
+    /// values of them are replaced, so a dead letter says where and when the framework saw
+    /// the message, not what its producer claimed.
     fn copy_headers(&self, now: SystemTime) -> FieldTable {
         let original = self.properties.headers().as_ref();
-        let mut table = original.cloned().unwrap_or_default();
+        let own = self.is_own_retry_copy();
+        let mut table: FieldTable = original
+            .map(|t| {
+                t.inner()
+                    .iter()
+                    .filter(|(k, _)| {
+                        let k = k.as_str();
+                        !headers::DEAD_LETTER.contains(&k) && (own || !headers::ORIGIN.contains(&k))
+                    })
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<BTreeMap<_, _>>()
+                    .into()
+            })
+            .unwrap_or_default();
         if !table.contains_key(headers::ORIGINAL_EXCHANGE) {
             headers::set_string(
                 &mut table,
@@ -407,6 +425,34 @@ impl AmqpAcker {
             headers::set_string(&mut table, headers::FIRST_FAILURE, &headers::rfc3339(now));
         }
         table
+    }
+
+    /// Whether this delivery is a retry copy this transport wrote: it carries an attempt
+    /// number and came back from one of this queue's retry queues, whose expiry the broker
+    /// records in `x-death`. (A producer could forge both; it then only misstates the origin
+    /// of its own message.)
+    fn is_own_retry_copy(&self) -> bool {
+        let table = self.properties.headers().as_ref();
+        if headers::attempt(table) < 2 {
+            return false;
+        }
+        let Some(AMQPValue::FieldArray(deaths)) = table.and_then(|t| t.inner().get("x-death"))
+        else {
+            return false;
+        };
+        let retry_queues = format!("{}.retry.", self.link.topology.queue);
+        let text = |t: &FieldTable, k: &str| match t.inner().get(k) {
+            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
+            _ => None,
+        };
+        deaths.as_slice().iter().any(|d| match d {
+            AMQPValue::FieldTable(t) => {
+                text(t, "reason").as_deref() == Some("expired")
+                    && text(t, "queue").is_some_and(|q| q.starts_with(&retry_queues))
+            }
+            _ => false,
+        })
     }
 
     fn retry_properties(&self, attempt: u32, now: SystemTime) -> BasicProperties {

@@ -82,6 +82,9 @@ struct Record {
     message_id: Option<String>,
     /// From the `x-attempt` header (1 without one).
     attempt: u32,
+    /// A retry copy this group wrote (on a retry topic, with this group's
+    /// [`headers::RETRY_GROUP`]): only then are its due time and origin headers its own.
+    own_copy: bool,
     /// Payload, key and header bytes: what it counts against the partition's byte limit.
     bytes: usize,
 }
@@ -347,9 +350,14 @@ impl Shared {
         let (text_headers, raw_headers, header_bytes) = read_headers(m.headers());
         let header = |name: &str| text_headers.get(name).map(String::as_str);
         let origin = s.retry_sources.get(&*topic).cloned();
+        let group = header(headers::RETRY_GROUP);
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
-        let foreign =
-            origin.is_some() && header(headers::RETRY_GROUP).is_some_and(|g| g != s.group_id);
+        let foreign = origin.is_some() && group.is_some_and(|g| g != s.group_id);
+        // A record on the retry topic without a group was not written by this transport
+        // (a producer wrote it there, or a tool): it runs, but as a record of its own, not
+        // as our copy: its due time does not hold the partition back, its origin headers
+        // are not trusted.
+        let own_copy = origin.is_some() && group == Some(s.group_id.as_str());
         if foreign {
             let mut state = self.lock();
             if let Some(p) = state
@@ -366,9 +374,9 @@ impl Shared {
             .filter(|&a| a >= 1)
             .unwrap_or(1);
         // Only our own copies on a retry topic wait for their due time.
-        let not_before = origin
-            .as_ref()
-            .and_then(|_| header(headers::DUE_AT))
+        let not_before = own_copy
+            .then(|| header(headers::DUE_AT))
+            .flatten()
             .and_then(|d| d.parse::<i64>().ok())
             .and_then(|due| {
                 let wait = due.saturating_sub(unix_millis());
@@ -396,6 +404,7 @@ impl Shared {
             raw_headers,
             message_id,
             attempt,
+            own_copy,
         });
         let mut state = self.lock();
         let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
@@ -907,11 +916,18 @@ impl KafkaAcker {
     }
 }
 
-/// The original headers without those the transport manages.
+/// The original headers without those the transport manages, and without the origin
+/// headers unless the record is our own retry copy (see [`headers::ORIGIN`]).
 fn carried_headers(record: &Record) -> RawHeaders {
     let mut hs = record.original_headers();
-    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()));
+    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()) && trusted_origin(record, k));
     hs
+}
+
+/// Whether header `name` may be carried into a copy of `record` as far as origin headers
+/// go: anything else, and origin headers of our own copies.
+fn trusted_origin(record: &Record, name: &str) -> bool {
+    record.own_copy || !headers::ORIGIN.contains(&name)
 }
 
 fn text(k: &str, v: impl ToString) -> (String, Option<Vec<u8>>) {
@@ -953,7 +969,10 @@ fn retry_copy(record: &Record, s: &Settings, delay: Duration, attempt: u32) -> O
 
 fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingRecord {
     let mut hs = record.original_headers();
-    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT);
+    hs.retain(|(k, _)| {
+        (!headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT)
+            && trusted_origin(record, k)
+    });
     hs.push(text(headers::DEAD_LETTER_REASON, dl.reason.as_str()));
     hs.push(text(headers::HANDLER, &dl.handler));
     if let Some(key) = &dl.key {

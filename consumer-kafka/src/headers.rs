@@ -30,6 +30,22 @@ pub const ORIGINAL_PARTITION: &str = "x-original-partition";
 /// Its offset there.
 pub const ORIGINAL_OFFSET: &str = "x-original-offset";
 
+/// When the message first failed. This transport does not write it; it is named here
+/// because it is one of the framework's own headers (the RabbitMQ transport writes it), so
+/// a producer-supplied value is never carried into a copy.
+pub const FIRST_FAILURE: &str = "x-first-failure";
+
+/// Headers that say where a message first came from and when it first failed. Only this
+/// transport's own retry copies (on a retry topic, written by this group) carry them on;
+/// on any other record they were supplied by a producer and are dropped from its copies
+/// (and the origin written afresh), so a dead letter's origin is always the framework's.
+pub(crate) const ORIGIN: &[&str] = &[
+    ORIGINAL_TOPIC,
+    ORIGINAL_PARTITION,
+    ORIGINAL_OFFSET,
+    FIRST_FAILURE,
+];
+
 /// Headers written by the transport, replaced (not duplicated) when a copy is written again.
 pub(crate) const MANAGED: &[&str] = &[
     ATTEMPT,

@@ -409,3 +409,105 @@ async fn a_record_read_again_while_its_retry_copy_waits_is_superseded() {
         .expect("row");
     assert_eq!((entry.attempts, entry.retried_to), (1, 2), "{entry:?}");
 }
+
+/// A record on the retry topic without `x-retry-group` was not written by this transport:
+/// its `x-due-at` (an hour away here) does not hold the retry partition back, and the
+/// records behind it run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_record_without_group_is_not_ours() {
+    let env = KafkaEnv::new("nogroup", 1).await;
+    let retry = format!("{}.retry", env.topic);
+    let publisher = env.publisher();
+    let due = (std::time::SystemTime::now() + Duration::from_secs(3600))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    for id in ["stray", "behind"] {
+        let mut extra = vec![(headers::ATTEMPT, "2")];
+        if id == "stray" {
+            extra.push((headers::DUE_AT, due.as_str()));
+        }
+        publisher
+            .publish(
+                &retry,
+                Some(id.as_bytes()),
+                Some(id),
+                &job(id, json!({})),
+                &extra,
+            )
+            .await
+            .expect("publish to the retry topic");
+    }
+    let running = Running::start(&env, env.config(), worker_config(2)).await;
+    wait_for("both records to run", Duration::from_secs(60), || async {
+        env.effect_count().await == 2
+    })
+    .await;
+    running.stop().await;
+    let mut ran: Vec<String> = env.effects().await.into_iter().map(|(j, _)| j).collect();
+    ran.sort();
+    assert_eq!(ran, ["behind", "stray"]);
+}
+
+/// The origin headers (`x-original-*`, `x-first-failure`) a producer put on a record are
+/// replaced in its retry copies and dead letter by where the transport read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_supplied_original_headers_are_replaced() {
+    let env = KafkaEnv::new("spoof", 1).await;
+    let forged = [
+        (headers::ORIGINAL_TOPIC, "forged-topic"),
+        (headers::ORIGINAL_PARTITION, "77"),
+        (headers::ORIGINAL_OFFSET, "12345"),
+        (headers::FIRST_FAILURE, "1999-01-01T00:00:00.000Z"),
+        (headers::KEY, "forged-key"),
+        ("trace-id", "t-7"),
+    ];
+    let poison = publish(
+        &env,
+        "p",
+        "p",
+        &job("p", json!({ "fail_times": 9 })),
+        &forged,
+    )
+    .await;
+    let permanent = publish(
+        &env,
+        "q",
+        "q",
+        &job("q", json!({ "permanent": true })),
+        &forged,
+    )
+    .await;
+    let running = Running::start(&env, env.config(), worker_config(2)).await;
+    let dlq = format!("{}.dlq", env.topic);
+    let dead = read_topic(&dlq, 1, 2, Duration::from_secs(60)).await;
+    running.stop().await;
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    for d in &dead {
+        let id = header(d, "message_id").unwrap();
+        let offset = if id == "p" { poison } else { permanent };
+        assert_eq!(
+            header(d, headers::ORIGINAL_TOPIC).as_deref(),
+            Some(env.topic.as_str()),
+            "{id}"
+        );
+        assert_eq!(
+            header(d, headers::ORIGINAL_PARTITION).as_deref(),
+            Some("0"),
+            "{id}"
+        );
+        assert_eq!(
+            header(d, headers::ORIGINAL_OFFSET),
+            Some(offset.to_string()),
+            "{id}"
+        );
+        assert_eq!(header(d, headers::FIRST_FAILURE), None, "{id}");
+        assert_eq!(
+            header(d, headers::KEY).as_deref(),
+            Some(id.as_str()),
+            "{id}"
+        );
+        assert_eq!(header(d, "trace-id").as_deref(), Some("t-7"), "{id}");
+    }
+}
