@@ -555,8 +555,23 @@ pub(crate) fn producer_client_config(
     common.apply(&mut c);
     producer.apply(&mut c);
     c.set("enable.idempotence", "true");
+    if c.get("message.max.bytes").is_none() {
+        c.set("message.max.bytes", COPY_MAX_BYTES.to_string());
+    }
     c
 }
+
+/// The producer's `message.max.bytes` unless set in the properties: the largest payload
+/// the worker accepts by default (`WorkerConfig::max_payload_bytes`, 1 MiB) plus room for
+/// the key and the headers a copy adds, so that every record the worker runs can be
+/// copied to a retry or dead-letter topic. librdkafka's own default (1,000,000 bytes) is
+/// below that: a record of 1 MiB could be run but never copied. Raise both together (and
+/// the topics' `max.message.bytes` on the broker). A copy larger still is dead-lettered
+/// with a reference to the original instead of its body (reason `copy_too_large`).
+pub const COPY_MAX_BYTES: usize = 1024 * 1024 + COPY_HEADER_ROOM;
+
+/// Room for the key and headers in [`COPY_MAX_BYTES`].
+pub const COPY_HEADER_ROOM: usize = 64 * 1024;
 
 fn millis(name: &str, value: &str) -> Result<Duration, Error> {
     value
@@ -825,6 +840,25 @@ mod tests {
             let text = format!("{e} {e:?}");
             assert!(!text.contains("s3c"), "{text}");
         }
+    }
+
+    #[test]
+    fn copies_fit_what_the_worker_accepts() {
+        let accepted = consumer_core::WorkerConfig::default().max_payload_bytes;
+        assert!(COPY_MAX_BYTES >= accepted + COPY_HEADER_ROOM);
+        let limit = |c: &KafkaConfig| {
+            c.producer_client_config()
+                .get("message.max.bytes")
+                .map(str::to_owned)
+        };
+        assert_eq!(limit(&valid()), Some(COPY_MAX_BYTES.to_string()));
+        let mut c = valid();
+        c.producer_properties.set("message.max.bytes", "16777216");
+        assert_eq!(
+            limit(&c).as_deref(),
+            Some("16777216"),
+            "a set value is kept"
+        );
     }
 
     #[test]

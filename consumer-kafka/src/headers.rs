@@ -21,8 +21,12 @@ pub const HANDLER: &str = "x-handler";
 pub const KEY: &str = "x-key";
 /// Attempts counted by the inbox (0 when the handler never ran).
 pub const ATTEMPTS: &str = "x-attempts";
-/// The error text.
+/// The error text (at most [`MAX_ERROR_LEN`] bytes).
 pub const ERROR: &str = "x-error";
+
+/// Longest error text put in a header; longer texts are cut at a character boundary and
+/// end in `…`. An error can be as long as a handler makes it; its copy must still fit.
+pub const MAX_ERROR_LEN: usize = 4096;
 /// The topic the record was first consumed from (not the retry topic).
 pub const ORIGINAL_TOPIC: &str = "x-original-topic";
 /// Its partition there.
@@ -57,3 +61,31 @@ pub(crate) const MANAGED: &[&str] = &[
     ATTEMPTS,
     ERROR,
 ];
+
+/// `s` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
+pub(crate) fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_texts_are_cut_at_a_char_boundary() {
+        assert_eq!(truncate("short", 10), "short");
+        let cut = truncate(&"é".repeat(5000), MAX_ERROR_LEN);
+        assert!(
+            cut.len() <= MAX_ERROR_LEN && cut.ends_with('…'),
+            "{}",
+            cut.len()
+        );
+    }
+}
