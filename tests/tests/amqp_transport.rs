@@ -244,8 +244,10 @@ struct FreezableRelay {
 
 impl FreezableRelay {
     async fn start(upstream: String) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the relay");
+        let addr = listener.local_addr().expect("the relay address");
         let (frozen, _) = tokio::sync::watch::channel(false);
         let watch = frozen.clone();
         tokio::spawn(async move {
