@@ -287,8 +287,9 @@ impl AmqpAcker {
     /// usual; if none is taken, the original goes back to its queue once the delay has
     /// passed, so the next attempt still runs no earlier than its backoff. Nothing is lost
     /// (the broker keeps the unacked original, and redelivers it if the connection drops),
-    /// and a held delivery occupies its worker slot and prefetch slot: a retry queue that
-    /// refuses copies slows the consumer down rather than failing messages.
+    /// and a held delivery occupies its worker slot and prefetch slot (a graceful stop waits
+    /// for it, at most the delay): a retry queue that refuses copies slows the consumer down
+    /// rather than failing messages.
     ///
     /// Any other failure (channel closed, no confirm in time) requeues at once: the
     /// connection is replaced, and its unacked deliveries return to the queue with it.
