@@ -20,8 +20,10 @@ use crate::fleet::Role;
 use crate::workload::{label, Outgoing};
 use crate::{DeadSeen, Names};
 
-/// Large enough for the several-MiB bad input and its dead-letter copy.
-const MAX_MESSAGE_BYTES: &str = "16777216";
+/// The suite's own producer's `message.max.bytes`: large enough to write the several-MiB
+/// bad input. The workers keep their default, so they meet that input as a user's would
+/// (it is dead-lettered as a reference, `copy_too_large`).
+const PUBLISHER_MAX_MESSAGE_BYTES: &str = "16777216";
 /// The workers' `max.poll.interval.ms`: librdkafka wants it at least `session.timeout.ms`,
 /// whose broker-side minimum is usually 6s.
 const MAX_POLL_INTERVAL_MS: u64 = 7_000;
@@ -66,12 +68,13 @@ impl Kafka {
             ("EXCHANGE", names.exchange.clone()),
         ]);
         let settings = Settings::from_lookup("unused", |k| vars.get(k).cloned())?;
-        let mut config = invoices::transport::kafka_config(&settings, &names.queue(Role::Invoice))?;
-        config
-            .producer_properties
-            .set("message.max.bytes", MAX_MESSAGE_BYTES);
+        let config = invoices::transport::kafka_config(&settings, &names.queue(Role::Invoice))?;
         consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
-        let publisher = KafkaPublisher::new(&config)?;
+        let mut publishing = config.clone();
+        publishing
+            .producer_properties
+            .set("message.max.bytes", PUBLISHER_MAX_MESSAGE_BYTES);
+        let publisher = KafkaPublisher::new(&publishing)?;
         Ok(Kafka {
             scripts,
             brokers,
@@ -89,10 +92,6 @@ impl Kafka {
         [
             ("TRANSPORT", "kafka".to_owned()),
             ("KAFKA_BROKERS", self.brokers.clone()),
-            (
-                "KAFKA_PRODUCER_PROPERTY_MESSAGE_MAX_BYTES",
-                MAX_MESSAGE_BYTES.to_owned(),
-            ),
             (
                 "KAFKA_CONSUMER_PROPERTY_SESSION_TIMEOUT_MS",
                 "6000".to_owned(),

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
@@ -101,6 +101,10 @@ pub(crate) struct AckBook<A = lapin::Acker> {
 /// on its own (see [`AckBook`]): long enough for the batch ahead of it to commit, short
 /// enough that one slow handler does not hold the acks behind it for long.
 const ACK_WAIT_FOR_OLDER: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// How often a retry copy the broker refused is offered again while its original is held
+/// for the retry's delay (see [`AmqpAcker::forward_retry`]).
+const REFUSED_COPY_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl<A> Default for AckBook<A> {
     fn default() -> Self {
@@ -248,7 +252,7 @@ impl AmqpAcker {
                     queue = %bucket.queue,
                     "retry copy"
                 );
-                self.forward(&bucket.queue, properties).await
+                self.forward_retry(&bucket.queue, properties, delay).await
             }
             Settlement::DeadLetter(dead) => {
                 let properties = self.dead_letter_properties(&dead, now);
@@ -270,28 +274,80 @@ impl AmqpAcker {
             .await;
         match published {
             Ok(()) => self.ack().await,
-            Err(e) => {
-                // A negative confirm is the broker's answer, not a broken channel; anything
-                // else (channel closed, queue missing) calls for a fresh connection and
-                // topology.
-                if !matches!(e, Error::Nacked { .. }) {
-                    self.link.request_reset();
-                }
-                let requeue = BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                };
-                let book = &self.link.acks;
-                {
-                    let _sending = book.sending.lock().await;
-                    if let Err(nack) = self.acker.nack(requeue).await {
-                        tracing::debug!(error = %nack, "could not requeue after a failed publish");
-                    }
-                    book.settled(self.delivery_tag);
-                }
-                Err(e)
-            }
+            Err(e) => self.requeue(e).await,
         }
+    }
+
+    /// [`AmqpAcker::forward`] for a retry copy, which the broker may refuse (a negative
+    /// confirm: a `max-length` policy with `overflow: reject-publish` on the retry queue, a
+    /// disk alarm). The failed attempt is already counted, so returning the original to its
+    /// queue at once would run the next attempt at once: a full retry queue would burn the
+    /// whole attempt budget in milliseconds, below the backoff floor. Instead the original
+    /// is held, unacked, for the retry's `delay`, and the copy is offered again every
+    /// [`REFUSED_COPY_RETRY`] meanwhile: the first copy the broker takes settles it as
+    /// usual; if none is taken, the original goes back to its queue once the delay has
+    /// passed, so the next attempt still runs no earlier than its backoff. Nothing is lost
+    /// (the broker keeps the unacked original, and redelivers it if the connection drops),
+    /// and a held delivery occupies its worker slot and prefetch slot (a graceful stop waits
+    /// for it, at most the delay): a retry queue that refuses copies slows the consumer down
+    /// rather than failing messages.
+    ///
+    /// Any other failure (channel closed, no confirm in time) requeues at once: the
+    /// connection is replaced, and its unacked deliveries return to the queue with it.
+    async fn forward_retry(
+        self,
+        queue: &str,
+        properties: BasicProperties,
+        delay: std::time::Duration,
+    ) -> Result<(), Error> {
+        let until = tokio::time::Instant::now() + delay;
+        loop {
+            let published = self
+                .link
+                .publisher
+                .publish("", queue, &self.payload, properties.clone())
+                .await;
+            let refused = match published {
+                Ok(()) => return self.ack().await,
+                Err(e @ Error::Nacked { .. }) => e,
+                Err(e) => return self.requeue(e).await,
+            };
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return self.requeue(refused).await;
+            }
+            tracing::warn!(
+                tag = self.delivery_tag,
+                queue,
+                error = %refused,
+                held_for = ?(until - now),
+                "the broker refused a retry copy; holding the message for its backoff"
+            );
+            tokio::time::sleep_until(until.min(now + REFUSED_COPY_RETRY)).await;
+        }
+    }
+
+    /// Returns the original to its queue after its copy failed with `e` (a nack with
+    /// requeue), and reports `e`. A negative confirm is the broker's answer, not a broken
+    /// channel; anything else (channel closed, queue missing, no confirm) calls for a
+    /// fresh connection and topology.
+    async fn requeue(self, e: Error) -> Result<(), Error> {
+        if !matches!(e, Error::Nacked { .. }) {
+            self.link.request_reset();
+        }
+        let requeue = BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        };
+        let book = &self.link.acks;
+        {
+            let _sending = book.sending.lock().await;
+            if let Err(nack) = self.acker.nack(requeue).await {
+                tracing::debug!(error = %nack, "could not requeue after a failed publish");
+            }
+            book.settled(self.delivery_tag);
+        }
+        Err(e)
     }
 
     async fn ack(&self) -> Result<(), Error> {
@@ -332,9 +388,27 @@ impl AmqpAcker {
 
     /// The original headers plus what every copy carries: where the message was first
     /// published, and when it first failed.
+    ///
+    /// Those (and the dead-letter headers) belong to the framework: they are kept only from
+    /// our own retry copy ([`AmqpAcker::is_own_retry_copy`]), which wrote them; a producer's
+    /// values of them are replaced, so a dead letter says where and when the framework saw
+    /// the message, not what its producer claimed.
     fn copy_headers(&self, now: SystemTime) -> FieldTable {
         let original = self.properties.headers().as_ref();
-        let mut table = original.cloned().unwrap_or_default();
+        let own = self.is_own_retry_copy();
+        let mut table: FieldTable = original
+            .map(|t| {
+                t.inner()
+                    .iter()
+                    .filter(|(k, _)| {
+                        let k = k.as_str();
+                        !headers::DEAD_LETTER.contains(&k) && (own || !headers::ORIGIN.contains(&k))
+                    })
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<BTreeMap<_, _>>()
+                    .into()
+            })
+            .unwrap_or_default();
         if !table.contains_key(headers::ORIGINAL_EXCHANGE) {
             headers::set_string(
                 &mut table,
@@ -353,6 +427,34 @@ impl AmqpAcker {
             headers::set_string(&mut table, headers::FIRST_FAILURE, &headers::rfc3339(now));
         }
         table
+    }
+
+    /// Whether this delivery is a retry copy this transport wrote: it carries an attempt
+    /// number and came back from one of this queue's retry queues, whose expiry the broker
+    /// records in `x-death`. (A producer could forge both; it then only misstates the origin
+    /// of its own message.)
+    fn is_own_retry_copy(&self) -> bool {
+        let table = self.properties.headers().as_ref();
+        if headers::attempt(table) < 2 {
+            return false;
+        }
+        let Some(AMQPValue::FieldArray(deaths)) = table.and_then(|t| t.inner().get("x-death"))
+        else {
+            return false;
+        };
+        let retry_queues = format!("{}.retry.", self.link.topology.queue);
+        let text = |t: &FieldTable, k: &str| match t.inner().get(k) {
+            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
+            _ => None,
+        };
+        deaths.as_slice().iter().any(|d| match d {
+            AMQPValue::FieldTable(t) => {
+                text(t, "reason").as_deref() == Some("expired")
+                    && text(t, "queue").is_some_and(|q| q.starts_with(&retry_queues))
+            }
+            _ => false,
+        })
     }
 
     fn retry_properties(&self, attempt: u32, now: SystemTime) -> BasicProperties {

@@ -47,6 +47,12 @@ impl fmt::Debug for RedactedUrl {
 
 /// `scheme://user:pass@host/...` → `scheme://***@host/...`. Anything that does not look
 /// like a URL with an authority is hidden entirely rather than guessed at.
+///
+/// The user info ends at the *last* `@` of the URL. RFC 3986 lets the user info hold `/`,
+/// `?`, `#` and `@` only percent-escaped, but passwords are often pasted raw: taking the
+/// host part to end at the first `/`, `?` or `#` would print the tail of such a password.
+/// An `@` in the path or query (rare in broker and database URLs) then hides everything up
+/// to it too: the redaction may hide more than the credentials, never less.
 fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return "<redacted url>".to_owned();
@@ -58,13 +64,9 @@ fn redact(url: &str) -> String {
     {
         return "<redacted url>".to_owned();
     }
-    // The authority ends at the first '/', '?' or '#'. An '@' in it separates the user
-    // info; the *last* one counts, since a careless password may contain a raw '@'.
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    match authority.rfind('@') {
-        Some(at) => format!("{scheme}://***@{}{tail}", &authority[at + 1..]),
-        None => format!("{scheme}://{authority}{tail}"),
+    match rest.rfind('@') {
+        Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
+        None => format!("{scheme}://{rest}"),
     }
 }
 
@@ -197,6 +199,12 @@ pub struct AmqpConfig {
     /// How long [`crate::AmqpPublisher::publish`] keeps retrying over connection failures
     /// (default 30s).
     pub publish_timeout: Duration,
+    /// Longest wait for the broker's confirm of one publish: a retry or dead-letter copy,
+    /// or one try of [`crate::AmqpPublisher::publish`] (default 30s). A confirm that does
+    /// not come in time is a transient publish error: the copy's original is returned to
+    /// its queue and the connection replaced, as for a lost connection, since the copy may
+    /// or may not have arrived (the inbox deduplicates either way).
+    pub confirm_timeout: Duration,
     /// A connection name shown in the management UI; `None` uses `consumer-amqp`.
     pub connection_name: Option<String>,
 }
@@ -219,6 +227,7 @@ impl fmt::Debug for AmqpConfig {
             .field("reconnect_min", &self.reconnect_min)
             .field("reconnect_max", &self.reconnect_max)
             .field("publish_timeout", &self.publish_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
             .field("connection_name", &self.connection_name)
             .finish()
     }
@@ -247,6 +256,7 @@ impl AmqpConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(30),
+            confirm_timeout: Duration::from_secs(30),
             connection_name: None,
         }
     }
@@ -330,6 +340,7 @@ impl AmqpConfig {
         positive("amqp.connect_timeout", self.connect_timeout)?;
         positive("amqp.reconnect_min", self.reconnect_min)?;
         positive("amqp.publish_timeout", self.publish_timeout)?;
+        positive("amqp.confirm_timeout", self.confirm_timeout)?;
         if self.reconnect_max < self.reconnect_min {
             return Err(Error::config(
                 "amqp.reconnect_max",
@@ -369,8 +380,10 @@ fn validate_url(url: &str) -> Result<(), Error> {
         ));
     }
     if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
-        // The parser's message may quote the URL; only a message that does not is shown.
-        let detail = if e.contains(url) || e.contains('@') {
+        // The parser's message may quote any part of the URL (a port that is really the
+        // start of a password holding a raw `/`, say): it is shown only for a URL without
+        // user info, and never when it quotes an `@`.
+        let detail = if url.contains('@') || e.contains('@') {
             String::new()
         } else {
             format!(" ({e})")
@@ -453,6 +466,78 @@ mod tests {
             assert!(!format!("{r:?}").contains("s3cret"));
         }
         assert_eq!(RedactedUrl::new(URL).expose(), URL);
+    }
+
+    /// Passwords with the characters that end a URL's parts (`/ ? # @ :`), raw or
+    /// percent-escaped, for AMQP and PostgreSQL URLs.
+    #[test]
+    fn credentials_never_appear_in_url_errors_or_display() {
+        let passwords = [
+            "s3c/ret",
+            "s3c?ret",
+            "s3c#ret",
+            "s3c@ret",
+            "s3c:ret",
+            "s3c/r?e#t@x:y",
+            "s3c%2Fret",
+            "s3c%40ret",
+            "s3c%23r%3Fet",
+        ];
+        for password in passwords {
+            for (url, host) in [
+                (
+                    format!("amqp://app:{password}@rabbit:5672/%2f"),
+                    "rabbit:5672/%2f",
+                ),
+                (
+                    format!("amqps://app:{password}@rabbit/v?heartbeat=5"),
+                    "rabbit/v?heartbeat=5",
+                ),
+                (
+                    format!("postgres://app:{password}@db:5432/orders"),
+                    "db:5432/orders",
+                ),
+                (
+                    format!("postgresql://app:{password}@db/orders?sslmode=require"),
+                    "db/orders?sslmode=require",
+                ),
+            ] {
+                let r = RedactedUrl::new(url.as_str());
+                let (shown, debug) = (r.to_string(), format!("{r:?}"));
+                for text in [&shown, &debug] {
+                    assert!(
+                        !text.contains("s3c") && !text.contains("ret") && !text.contains("app"),
+                        "{url} shown as {text}"
+                    );
+                }
+                assert!(
+                    shown.ends_with(&format!("***@{host}")),
+                    "{url} shown as {shown}"
+                );
+                assert_eq!(r.expose(), url);
+                if url.starts_with("amqp") {
+                    // Valid or not, an AMQP URL's error names the field and only the
+                    // redacted URL.
+                    let errors = [
+                        AmqpConfig::new(url.as_str(), "q").validate().err(),
+                        AmqpConfig::new(url.replace(":5672", ":99999"), "q")
+                            .validate()
+                            .err(),
+                        AmqpConfig::new(url.replace("amqp", "http"), "q")
+                            .validate()
+                            .err(),
+                    ];
+                    for e in errors.into_iter().flatten() {
+                        let text = format!("{e} {e:?}");
+                        assert!(text.contains("amqp.url"), "{text}");
+                        assert!(
+                            !text.contains("s3c") && !text.contains("ret") && !text.contains("app"),
+                            "{url}: {text}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

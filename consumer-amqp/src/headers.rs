@@ -32,6 +32,20 @@ pub const ORIGINAL_EXCHANGE: &str = "x-original-exchange";
 /// The routing key the message was first published with.
 pub const ORIGINAL_ROUTING_KEY: &str = "x-original-routing-key";
 
+/// Where and when a message first came in: written by the framework on the first copy
+/// and kept only from its own retry copies (a producer's values are replaced).
+pub(crate) const ORIGIN: &[&str] = &[ORIGINAL_EXCHANGE, ORIGINAL_ROUTING_KEY, FIRST_FAILURE];
+
+/// The headers of a dead letter: written by the framework, never carried from the message.
+pub(crate) const DEAD_LETTER: &[&str] = &[
+    DEAD_LETTER_REASON,
+    HANDLER,
+    KEY,
+    ATTEMPTS,
+    ERROR,
+    LAST_FAILURE,
+];
+
 /// Longest error text put in a header; longer texts are cut at a character boundary.
 pub const MAX_ERROR_LEN: usize = 4096;
 

@@ -120,6 +120,8 @@ pub(crate) struct ConfirmChannel {
     /// queues its frames, so two tasks publishing at once could swap sequence numbers and
     /// one could be told about the other's confirm or return.
     sending: Mutex<()>,
+    /// Longest wait for one confirm ([`AmqpConfig::confirm_timeout`]).
+    confirm_timeout: Duration,
 }
 
 impl ConfirmChannel {
@@ -137,6 +139,7 @@ impl ConfirmChannel {
         Ok(ConfirmChannel {
             channel,
             sending: Mutex::new(()),
+            confirm_timeout: config.confirm_timeout,
         })
     }
 
@@ -151,7 +154,10 @@ impl ConfirmChannel {
     }
 
     /// Publishes with the mandatory flag and waits for the confirm. An unroutable message
-    /// (returned by the broker) and a negative confirm are errors.
+    /// (returned by the broker) and a negative confirm are errors, and so is a confirm that
+    /// does not come within the confirm timeout: lapin waits for it as long as the
+    /// connection lives, and a broker that stopped answering on a connection whose
+    /// heartbeats still flow (or with heartbeats off) would hold the caller for good.
     pub(crate) async fn publish(
         &self,
         exchange: &str,
@@ -163,24 +169,36 @@ impl ConfirmChannel {
             .map_err(|e| Error::InvalidMessage(format!("exchange: {e}")))?;
         let key = lapin::types::ShortString::try_new(routing_key)
             .map_err(|e| Error::InvalidMessage(format!("routing key: {e}")))?;
+        let deadline = Instant::now() + self.confirm_timeout;
+        let timed_out = || {
+            Error::publish(
+                exchange,
+                routing_key,
+                format!("no publisher confirm within {:?}", self.confirm_timeout),
+            )
+        };
         let confirm = {
-            let _sending = self.sending.lock().await;
-            self.channel
-                .basic_publish(
-                    exchange_name,
-                    key,
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    payload,
-                    properties,
-                )
+            let _sending = tokio::time::timeout_at(deadline, self.sending.lock())
                 .await
+                .map_err(|_| timed_out())?;
+            let publishing = self.channel.basic_publish(
+                exchange_name,
+                key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                payload,
+                properties,
+            );
+            tokio::time::timeout_at(deadline, publishing)
+                .await
+                .map_err(|_| timed_out())?
                 .map_err(|e| Error::publish(exchange, routing_key, e))?
         };
-        let confirmation = confirm
+        let confirmation = tokio::time::timeout_at(deadline, confirm)
             .await
+            .map_err(|_| timed_out())?
             .map_err(|e| Error::publish(exchange, routing_key, e))?;
         match confirmation {
             Confirmation::Ack(None) => Ok(()),

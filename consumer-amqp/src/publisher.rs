@@ -134,6 +134,11 @@ impl AmqpPublisher {
                 Ok(()) => return Ok(()),
                 Err(e) if e.is_transient() && Instant::now() + delay < deadline => {
                     tracing::warn!(url = %self.config.url, error = %e.chain(), retry_in = ?delay, "publish failed; reconnecting and publishing again");
+                    // The channel may still look open (a confirm that never came): the next
+                    // try goes through a new connection either way.
+                    if let Some(link) = self.link.lock().await.take() {
+                        link::close(&link.connection, "publish failed").await;
+                    }
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(self.config.reconnect_max);
                 }

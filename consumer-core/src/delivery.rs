@@ -149,6 +149,10 @@ pub enum DeadLetterReason {
     /// The attempt count was used up by attempts that never reported back (crashes): the
     /// message is not run again.
     Quarantined,
+    /// The transport could not write the message's copy (it is larger than the broker or
+    /// its producer accepts): the dead letter carries a reference to the original (where it
+    /// still is) instead of its body, and the first reason in its error text.
+    CopyTooLarge,
 }
 
 impl DeadLetterReason {
@@ -163,6 +167,7 @@ impl DeadLetterReason {
             DeadLetterReason::PermanentError => "permanent_error",
             DeadLetterReason::MaxAttemptsExceeded => "max_attempts_exceeded",
             DeadLetterReason::Quarantined => "quarantined",
+            DeadLetterReason::CopyTooLarge => "copy_too_large",
         }
     }
 
@@ -177,6 +182,7 @@ impl DeadLetterReason {
             DeadLetterReason::PermanentError,
             DeadLetterReason::MaxAttemptsExceeded,
             DeadLetterReason::Quarantined,
+            DeadLetterReason::CopyTooLarge,
         ]
         .into_iter()
         .find(|r| r.as_str() == s)

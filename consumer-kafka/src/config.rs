@@ -555,8 +555,23 @@ pub(crate) fn producer_client_config(
     common.apply(&mut c);
     producer.apply(&mut c);
     c.set("enable.idempotence", "true");
+    if c.get("message.max.bytes").is_none() {
+        c.set("message.max.bytes", COPY_MAX_BYTES.to_string());
+    }
     c
 }
+
+/// The producer's `message.max.bytes` unless set in the properties: the largest payload
+/// the worker accepts by default (`WorkerConfig::max_payload_bytes`, 1 MiB) plus room for
+/// the key and the headers a copy adds, so that every record the worker runs can be
+/// copied to a retry or dead-letter topic. librdkafka's own default (1,000,000 bytes) is
+/// below that: a record of 1 MiB could be run but never copied. Raise both together (and
+/// the topics' `max.message.bytes` on the broker). A copy larger still is dead-lettered
+/// with a reference to the original instead of its body (reason `copy_too_large`).
+pub const COPY_MAX_BYTES: usize = 1024 * 1024 + COPY_HEADER_ROOM;
+
+/// Room for the key and headers in [`COPY_MAX_BYTES`].
+pub const COPY_HEADER_ROOM: usize = 64 * 1024;
 
 fn millis(name: &str, value: &str) -> Result<Duration, Error> {
     value
@@ -573,6 +588,15 @@ pub(crate) fn validate_brokers(brokers: &str) -> Result<(), Error> {
         ));
     }
     for b in brokers.split(',').map(str::trim) {
+        // librdkafka takes credentials only as properties; an entry with user info is a
+        // credential pasted in the wrong place, and is never quoted back.
+        if b.contains('@') {
+            return Err(Error::config(
+                "brokers",
+                "an entry holds user info (`…@host`): give credentials as `sasl.username` and \
+                 `sasl.password` properties, not in the broker list",
+            ));
+        }
         // Accept an optional scheme prefix as librdkafka does (e.g. `PLAINTEXT://host:9092`).
         let hostport = b.rsplit("://").next().unwrap_or(b);
         let ok = hostport.rsplit_once(':').is_some_and(|(host, port)| {
@@ -768,6 +792,73 @@ mod tests {
         );
         let reason = redacted_reason("sasl.password", "hunter2", &e);
         assert!(!reason.contains("hunter2"), "{reason}");
+    }
+
+    /// `sasl.password` values with the characters that end a URL's parts, raw and
+    /// percent-escaped: never in `Debug`, `Display` or an error, wherever they are put.
+    #[test]
+    fn credentials_never_appear_in_url_errors_or_display() {
+        for password in ["s3c/ret", "s3c?r#et", "s3c@ret", "s3c:ret", "s3c%2Fr%40et"] {
+            let mut c = valid();
+            c.properties
+                .set("security.protocol", "SASL_SSL")
+                .set("sasl.mechanism", "PLAIN")
+                .set("sasl.username", "svc")
+                .set("sasl.password", password);
+            c.producer_properties.set("sasl.password", password);
+            c.validate().unwrap();
+            let shown = format!("{c:?} {:?}", c.properties);
+            assert!(!shown.contains("s3c"), "{shown}");
+
+            // Credentials pasted into the broker list are refused without being quoted.
+            for brokers in [
+                format!("SASL_SSL://svc:{password}@kafka:9092"),
+                format!("svc:{password}@kafka"),
+                format!("kafka:9092,svc:{password}@other"),
+            ] {
+                let mut c = valid();
+                c.brokers = brokers.clone();
+                let e = c.validate().unwrap_err();
+                let text = format!("{e} {e:?}");
+                assert!(text.contains("brokers"), "{text}");
+                assert!(
+                    !text.contains("s3c") && !text.contains("svc"),
+                    "{brokers}: {text}"
+                );
+            }
+
+            // A credential librdkafka rejects is redacted from its message.
+            let e = KafkaError::ClientConfig(
+                rdkafka::types::RDKafkaConfRes::RD_KAFKA_CONF_INVALID,
+                format!(
+                    "Invalid value \"{password}\" for configuration property \"sasl.password\""
+                ),
+                "sasl.password".into(),
+                password.into(),
+            );
+            let e = crate::producer::client_error("creating the producer", e);
+            let text = format!("{e} {e:?}");
+            assert!(!text.contains("s3c"), "{text}");
+        }
+    }
+
+    #[test]
+    fn copies_fit_what_the_worker_accepts() {
+        let accepted = consumer_core::WorkerConfig::default().max_payload_bytes;
+        assert!(COPY_MAX_BYTES >= accepted + COPY_HEADER_ROOM);
+        let limit = |c: &KafkaConfig| {
+            c.producer_client_config()
+                .get("message.max.bytes")
+                .map(str::to_owned)
+        };
+        assert_eq!(limit(&valid()), Some(COPY_MAX_BYTES.to_string()));
+        let mut c = valid();
+        c.producer_properties.set("message.max.bytes", "16777216");
+        assert_eq!(
+            limit(&c).as_deref(),
+            Some("16777216"),
+            "a set value is kept"
+        );
     }
 
     #[test]

@@ -22,16 +22,18 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use consumer_core::{
-    Acknowledger, DeadLetter, Delivery, Incoming, LogPosition, Settlement, Source, TransportError,
+    Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Settlement,
+    Source, TransportError,
 };
 use futures::future::BoxFuture;
 use futures::Stream;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode as RdCommitMode, Consumer, ConsumerContext, Rebalance,
 };
-use rdkafka::error::KafkaResult;
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::FutureProducer;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::watch;
 
@@ -82,6 +84,9 @@ struct Record {
     message_id: Option<String>,
     /// From the `x-attempt` header (1 without one).
     attempt: u32,
+    /// A retry copy this group wrote (on a retry topic, with this group's
+    /// [`headers::RETRY_GROUP`]): only then are its due time and origin headers its own.
+    own_copy: bool,
     /// Payload, key and header bytes: what it counts against the partition's byte limit.
     bytes: usize,
 }
@@ -350,9 +355,14 @@ impl Shared {
         let (text_headers, raw_headers, header_bytes) = read_headers(m.headers());
         let header = |name: &str| text_headers.get(name).map(String::as_str);
         let origin = s.retry_sources.get(&*topic).cloned();
+        let group = header(headers::RETRY_GROUP);
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
-        let foreign =
-            origin.is_some() && header(headers::RETRY_GROUP).is_some_and(|g| g != s.group_id);
+        let foreign = origin.is_some() && group.is_some_and(|g| g != s.group_id);
+        // A record on the retry topic without a group was not written by this transport
+        // (a producer wrote it there, or a tool): it runs, but as a record of its own, not
+        // as our copy: its due time does not hold the partition back, its origin headers
+        // are not trusted.
+        let own_copy = origin.is_some() && group == Some(s.group_id.as_str());
         if foreign {
             let mut state = self.lock();
             if let Some(p) = state
@@ -369,9 +379,9 @@ impl Shared {
             .filter(|&a| a >= 1)
             .unwrap_or(1);
         // Only our own copies on a retry topic wait for their due time.
-        let not_before = origin
-            .as_ref()
-            .and_then(|_| header(headers::DUE_AT))
+        let not_before = own_copy
+            .then(|| header(headers::DUE_AT))
+            .flatten()
             .and_then(|d| d.parse::<i64>().ok())
             .and_then(|due| {
                 let wait = due.saturating_sub(unix_millis());
@@ -399,6 +409,7 @@ impl Shared {
             raw_headers,
             message_id,
             attempt,
+            own_copy,
         });
         let mut state = self.lock();
         let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
@@ -894,14 +905,21 @@ impl KafkaAcker {
                 }
                 let topic = format!("{}{}", record.origin, shared.settings.dead_letter_suffix);
                 let out = dead_letter_copy(record, &dl);
-                match producer::send(
-                    &shared.producer,
-                    &topic,
-                    &out,
-                    shared.settings.produce_timeout,
-                )
-                .await
-                {
+                let timeout = shared.settings.produce_timeout;
+                let mut written = producer::send(&shared.producer, &topic, &out, timeout).await;
+                if written.as_ref().is_err_and(is_too_large) {
+                    // A copy that can never be written would be retried for good, holding
+                    // the partition: a dead letter pointing at the original (which stays
+                    // where it is until this one is written) takes its place.
+                    tracing::warn!(
+                        record = %record.location(),
+                        bytes = record.bytes,
+                        "the dead letter is too large to write; writing a reference to the record instead"
+                    );
+                    let out = reference_letter(record, &dl, &shared.settings);
+                    written = producer::send(&shared.producer, &topic, &out, timeout).await;
+                }
+                match written {
                     Ok(_) => shared.mark_settled(tp, generation, record),
                     Err(e) => {
                         // The redelivery is dead-lettered again (the inbox remembers why).
@@ -914,11 +932,18 @@ impl KafkaAcker {
     }
 }
 
-/// The original headers without those the transport manages.
+/// The original headers without those the transport manages, and without the origin
+/// headers unless the record is our own retry copy (see [`headers::ORIGIN`]).
 fn carried_headers(record: &Record) -> RawHeaders {
     let mut hs = record.original_headers();
-    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()));
+    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()) && trusted_origin(record, k));
     hs
+}
+
+/// Whether header `name` may be carried into a copy of `record` as far as origin headers
+/// go: anything else, and origin headers of our own copies.
+fn trusted_origin(record: &Record, name: &str) -> bool {
+    record.own_copy || !headers::ORIGIN.contains(&name)
 }
 
 fn text(k: &str, v: impl ToString) -> (String, Option<Vec<u8>>) {
@@ -960,18 +985,93 @@ fn retry_copy(record: &Record, s: &Settings, delay: Duration, attempt: u32) -> O
 
 fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingRecord {
     let mut hs = record.original_headers();
-    hs.retain(|(k, _)| !headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT);
+    hs.retain(|(k, _)| {
+        (!headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT)
+            && trusted_origin(record, k)
+    });
     hs.push(text(headers::DEAD_LETTER_REASON, dl.reason.as_str()));
     hs.push(text(headers::HANDLER, &dl.handler));
     if let Some(key) = &dl.key {
         hs.push(text(headers::KEY, key));
     }
     hs.push(text(headers::ATTEMPTS, dl.attempts));
-    hs.push(text(headers::ERROR, &dl.error));
+    hs.push(text(
+        headers::ERROR,
+        headers::truncate(&dl.error, headers::MAX_ERROR_LEN),
+    ));
     add_origin(&mut hs, record);
     OutgoingRecord {
         key: record.key.clone(),
         payload: (!record.null_payload).then(|| record.payload.to_vec()),
+        headers: hs,
+    }
+}
+
+/// Whether a write failed because the record is larger than the producer or the broker
+/// accepts: writing it again can never succeed.
+fn is_too_large(e: &Error) -> bool {
+    let Error::Produce { source, .. } = e else {
+        return false;
+    };
+    matches!(
+        source.downcast_ref::<KafkaError>(),
+        Some(KafkaError::MessageProduction(
+            RDKafkaErrorCode::MessageSizeTooLarge
+        ))
+    )
+}
+
+/// The dead letter written when [`dead_letter_copy`] is too large: reason `copy_too_large`,
+/// the first reason and error in its error text, the origin and the message id in its
+/// headers, and as its body a JSON reference to the record (`topic`, `partition`,
+/// `offset`) instead of the record's own key, body and headers.
+fn reference_letter(record: &Record, dl: &DeadLetter, s: &Settings) -> OutgoingRecord {
+    let mut hs = Vec::new();
+    if let Some(id) = &record.message_id {
+        hs.push(text(&s.message_id_header, headers::truncate(id, 1024)));
+    }
+    hs.push(text(
+        headers::DEAD_LETTER_REASON,
+        DeadLetterReason::CopyTooLarge.as_str(),
+    ));
+    hs.push(text(headers::HANDLER, &dl.handler));
+    if let Some(key) = &dl.key {
+        hs.push(text(headers::KEY, headers::truncate(key, 1024)));
+    }
+    hs.push(text(headers::ATTEMPTS, dl.attempts));
+    let error = format!(
+        "{}: {} (the record, {} bytes with key and headers, is too large to copy; it is still at {})",
+        dl.reason.as_str(),
+        dl.error,
+        record.bytes,
+        record.location()
+    );
+    hs.push(text(
+        headers::ERROR,
+        headers::truncate(&error, headers::MAX_ERROR_LEN),
+    ));
+    if record.own_copy {
+        // A retry copy says where the message first came from; the reference is to the
+        // copy itself, the record that exists.
+        for name in [
+            headers::ORIGINAL_TOPIC,
+            headers::ORIGINAL_PARTITION,
+            headers::ORIGINAL_OFFSET,
+        ] {
+            if let Some(v) = record.headers.get(name) {
+                hs.push(text(name, v));
+            }
+        }
+    }
+    add_origin(&mut hs, record);
+    // Topic names are `[A-Za-z0-9._-]`: nothing to escape.
+    let reference = format!(
+        r#"{{"topic":"{}","partition":{},"offset":{}}}"#,
+        record.topic, record.partition, record.offset
+    );
+    OutgoingRecord {
+        key: None,
+        payload: Some(reference.into_bytes()),
         headers: hs,
     }
 }

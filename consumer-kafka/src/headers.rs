@@ -21,14 +21,34 @@ pub const HANDLER: &str = "x-handler";
 pub const KEY: &str = "x-key";
 /// Attempts counted by the inbox (0 when the handler never ran).
 pub const ATTEMPTS: &str = "x-attempts";
-/// The error text.
+/// The error text (at most [`MAX_ERROR_LEN`] bytes).
 pub const ERROR: &str = "x-error";
+
+/// Longest error text put in a header; longer texts are cut at a character boundary and
+/// end in `…`. An error can be as long as a handler makes it; its copy must still fit.
+pub const MAX_ERROR_LEN: usize = 4096;
 /// The topic the record was first consumed from (not the retry topic).
 pub const ORIGINAL_TOPIC: &str = "x-original-topic";
 /// Its partition there.
 pub const ORIGINAL_PARTITION: &str = "x-original-partition";
 /// Its offset there.
 pub const ORIGINAL_OFFSET: &str = "x-original-offset";
+
+/// When the message first failed. This transport does not write it; it is named here
+/// because it is one of the framework's own headers (the RabbitMQ transport writes it), so
+/// a producer-supplied value is never carried into a copy.
+pub const FIRST_FAILURE: &str = "x-first-failure";
+
+/// Headers that say where a message first came from and when it first failed. Only this
+/// transport's own retry copies (on a retry topic, written by this group) carry them on;
+/// on any other record they were supplied by a producer and are dropped from its copies
+/// (and the origin written afresh), so a dead letter's origin is always the framework's.
+pub(crate) const ORIGIN: &[&str] = &[
+    ORIGINAL_TOPIC,
+    ORIGINAL_PARTITION,
+    ORIGINAL_OFFSET,
+    FIRST_FAILURE,
+];
 
 /// Headers written by the transport, replaced (not duplicated) when a copy is written again.
 pub(crate) const MANAGED: &[&str] = &[
@@ -41,3 +61,31 @@ pub(crate) const MANAGED: &[&str] = &[
     ATTEMPTS,
     ERROR,
 ];
+
+/// `s` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
+pub(crate) fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_texts_are_cut_at_a_char_boundary() {
+        assert_eq!(truncate("short", 10), "short");
+        let cut = truncate(&"é".repeat(5000), MAX_ERROR_LEN);
+        assert!(
+            cut.len() <= MAX_ERROR_LEN && cut.ends_with('…'),
+            "{}",
+            cut.len()
+        );
+    }
+}

@@ -51,7 +51,10 @@ mod observer;
 mod producer;
 mod tracker;
 
-pub use config::{ClientProperties, CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
+pub use config::{
+    ClientProperties, CommitMode, KafkaConfig, ProcessingOrder, RetryMode, COPY_HEADER_ROOM,
+    COPY_MAX_BYTES,
+};
 pub use consumer::KafkaConsumer;
 pub use error::Error;
 pub use observer::{KafkaObserver, OffsetEvent};

@@ -62,6 +62,16 @@ pub(crate) fn create(
     timeout: Duration,
 ) -> Result<FutureProducer<LogContext>, Error> {
     let mut config = config.clone();
+    for name in ["message.timeout.ms", "delivery.timeout.ms"] {
+        if config.get(name).is_some_and(|v| v.trim() == "0") {
+            // Every write waits for its delivery report: it must come.
+            return Err(Error::config(
+                format!("producer_properties.{name}"),
+                "0 (no limit) would let a write wait for its delivery report for good, \
+                 holding its record; leave it unset (the produce timeout) or give a limit",
+            ));
+        }
+    }
     if config.get("message.timeout.ms").is_none() && config.get("delivery.timeout.ms").is_none() {
         // A delivery report arrives within the produce timeout, success or not.
         config.set("message.timeout.ms", timeout.as_millis().max(1).to_string());
@@ -278,4 +288,25 @@ pub async fn create_topics(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_delivery_report_wait_is_bounded() {
+        let base = producer_client_config(
+            "127.0.0.1:9092",
+            &ClientProperties::new(),
+            &ClientProperties::new(),
+        );
+        let _producer = create(&base, Duration::from_secs(7)).expect("the default is bounded");
+        for name in ["message.timeout.ms", "delivery.timeout.ms"] {
+            let mut c = base.clone();
+            c.set(name, "0");
+            let e = create(&c, Duration::from_secs(7)).err().expect("refused");
+            assert!(e.to_string().contains(name), "{e}");
+        }
+    }
 }

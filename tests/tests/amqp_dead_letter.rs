@@ -186,3 +186,89 @@ async fn poison_and_undecodable_messages_are_dead_lettered_with_their_story() {
     }
     Rabbit::delete_topology(&cfg).await;
 }
+
+/// The framework's headers (`x-original-*`, `x-first-failure` and the dead-letter ones) in
+/// a message as its producer sent it are replaced in its copies: a dead letter, first
+/// copied directly or after retries, carries only what the framework wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn producer_supplied_original_headers_are_replaced() {
+    init_tracing();
+    let pg = PgEnv::new().await;
+    let mut cfg = config(&amqp_support::unique_name("spoof"));
+    cfg.exchange = amqp_support::unique_name("x");
+    cfg.binding_keys = vec![ROUTING_KEY.to_owned()];
+    let inbox = pg.inbox().await;
+    let worker = Worker::with_config(inbox.clone(), picky, worker_config(2)).unwrap();
+    let running = Running::start(worker, cfg.clone()).await;
+
+    const FORGED: &str = "1999-01-01T00:00:00.000Z";
+    let forged = BTreeMap::from(
+        [
+            (headers::ORIGINAL_EXCHANGE, "forged-exchange"),
+            (headers::ORIGINAL_ROUTING_KEY, "forged.key"),
+            (headers::FIRST_FAILURE, FORGED),
+            (headers::LAST_FAILURE, FORGED),
+            (headers::KEY, "forged-key"),
+            (headers::DEAD_LETTER_REASON, "forged"),
+            ("trace-id", "t-7"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    let id = |name: &str| format!("{}-{name}", cfg.queue);
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    for (name, body) in [
+        (
+            "permanent",
+            json!({"id": id("permanent"), "permanent": true}),
+        ),
+        ("poison", json!({"id": id("poison"), "poison": true})),
+    ] {
+        publisher
+            .publish(ROUTING_KEY, &id(name), body.to_string().as_bytes(), &forged)
+            .await
+            .unwrap();
+    }
+    publisher
+        .publish(ROUTING_KEY, &id("garbage"), b"{not json", &forged)
+        .await
+        .unwrap();
+    publisher.close().await;
+
+    let dlq = cfg.dead_letter_queue_name();
+    wait_for("3 dead letters", LONG, || async {
+        Rabbit::ready(&dlq).await >= 3
+    })
+    .await;
+    running.stop().await;
+    let dead: BTreeMap<String, Got> = Rabbit::take_all(&dlq)
+        .await
+        .into_iter()
+        .map(|g| (g.message_id.clone().unwrap_or_default(), g))
+        .collect();
+    for (name, reason) in [
+        ("permanent", "permanent_error"),
+        ("poison", "max_attempts_exceeded"),
+        ("garbage", "undecodable"),
+    ] {
+        let h = &dead[&id(name)].headers;
+        println!("dead letter {name}: {h:?}");
+        assert_eq!(h[headers::ORIGINAL_EXCHANGE], cfg.exchange, "{h:?}");
+        assert_eq!(h[headers::ORIGINAL_ROUTING_KEY], ROUTING_KEY, "{h:?}");
+        assert_ne!(h[headers::FIRST_FAILURE], FORGED, "{h:?}");
+        assert_ne!(h[headers::LAST_FAILURE], FORGED, "{h:?}");
+        assert_eq!(h[headers::DEAD_LETTER_REASON], reason, "{h:?}");
+        assert_eq!(
+            h["trace-id"], "t-7",
+            "the producer's other headers are kept"
+        );
+    }
+    // Keys: the derived one where the handler ran, none where the payload did not decode.
+    assert_eq!(dead[&id("poison")].headers[headers::KEY], id("poison"));
+    assert!(
+        !dead[&id("garbage")].headers.contains_key(headers::KEY)
+            || dead[&id("garbage")].headers[headers::KEY] != "forged-key",
+        "{:?}",
+        dead[&id("garbage")].headers
+    );
+    Rabbit::delete_topology(&cfg).await;
+}

@@ -174,3 +174,114 @@ async fn failing_twice_comes_back_after_the_delays_while_others_flow() {
     }
     Rabbit::delete_topology(&cfg).await;
 }
+
+/// A retry copy the broker refuses (a `max-length` policy with `overflow: reject-publish`
+/// on the retry queues, set here for this test's queues only) does not cost an attempt
+/// without its delay: the original is held for the backoff before it runs again, so the
+/// attempts keep the backoff floor, and the message still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_retry_copy_waits_its_backoff() {
+    init_tracing();
+    let pg = PgEnv::new().await;
+    let mut cfg = config(&amqp_support::unique_name("refused"));
+    cfg.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
+    let policy = format!("{}-full", cfg.queue);
+    let pattern = format!("^{}\\.retry\\.", regex_escape(&cfg.queue));
+    amqp_support::rabbitmq_sh(&[
+        "ctl",
+        "set_policy",
+        "--apply-to",
+        "queues",
+        "--priority",
+        "100",
+        &policy,
+        &pattern,
+        r#"{"max-length":0,"overflow":"reject-publish"}"#,
+    ])
+    .await;
+    let inbox = pg.inbox().await;
+    let worker = Worker::with_config(inbox.clone(), flaky, worker_config(2)).unwrap();
+    let running = Running::start(worker, cfg.clone()).await;
+
+    // Quorum queues refuse a publish only once they are over the limit: one ready message
+    // in each retry queue keeps it there. Each filler expires after the queue's delay (and
+    // comes back to the work queue, where the worker dead-letters it as undecodable), so
+    // they are offered again and again; all but the one that fits are refused.
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    let (stop_filling, mut stopped) = tokio::sync::watch::channel(false);
+    let filling = {
+        let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+        let queues: Vec<String> = cfg
+            .retry_delays
+            .iter()
+            .map(|d| cfg.retry_queue_name(*d))
+            .collect();
+        tokio::spawn(async move {
+            let none = std::collections::BTreeMap::new();
+            while !*stopped.borrow() {
+                for q in &queues {
+                    let _ = publisher.publish(q, "", b"filler", &none).await;
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(20), stopped.changed()).await;
+            }
+            publisher.close().await;
+        })
+    };
+    let full = cfg.retry_queue_name(cfg.retry_delays[0]);
+    wait_for("the first retry queue to be full", LONG, || async {
+        Rabbit::ready(&full).await >= 1
+    })
+    .await;
+
+    let id = format!("{}-job", cfg.queue);
+    publisher
+        .publish_json(&cfg.queue, &id, &json!({"id": id, "fail_times": 2}))
+        .await
+        .unwrap();
+    publisher.close().await;
+
+    let pool = inbox.pool().clone();
+    wait_for("the job to commit", LONG, || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger WHERE job_id = $1")
+            .bind(&id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 1
+    })
+    .await;
+    stop_filling.send_replace(true);
+    filling.await.unwrap();
+    let reconnected = running.health.sessions() > 1;
+    let stats = running.stop().await;
+    amqp_support::rabbitmq_sh(&["ctl", "clear_policy", &policy]).await;
+
+    let runs: Vec<Run> = RUNS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.id == id)
+        .cloned()
+        .collect();
+    assert_eq!(
+        runs.iter().map(|r| r.attempt).collect::<Vec<_>>(),
+        vec![1, 2, 3],
+        "{runs:?}"
+    );
+    let (first_delay, second_delay) = (runs[1].at - runs[0].at, runs[2].at - runs[1].at);
+    println!("refused copies: attempt 2 after {first_delay:?}, attempt 3 after {second_delay:?}; {stats:?}");
+    if reconnected {
+        println!("the connection was lost during the test: timing assertions skipped");
+    } else {
+        assert!(first_delay >= Duration::from_secs(1), "{first_delay:?}");
+        assert!(second_delay >= Duration::from_secs(2), "{second_delay:?}");
+    }
+    let entry = inbox.entry("flaky", &id).await.unwrap().unwrap();
+    assert_eq!((entry.status, entry.attempts), (EntryStatus::Completed, 3));
+    Rabbit::delete_topology(&cfg).await;
+}
+
+/// `name` with the one regular expression metacharacter a queue name may hold escaped.
+fn regex_escape(name: &str) -> String {
+    name.replace('.', "\\.")
+}

@@ -234,3 +234,100 @@ async fn refused_credentials_fail_at_once_without_the_password() {
     let p = AmqpPublisher::connect(cfg).await.unwrap_err();
     assert!(!format!("{p:?}").contains("Wr0ng-s3cret"), "{p:?}");
 }
+
+/// A TCP relay to the broker that can be frozen: once frozen it stops passing bytes either
+/// way, keeping both connections open, as a broker that stopped answering does.
+struct FreezableRelay {
+    addr: std::net::SocketAddr,
+    frozen: tokio::sync::watch::Sender<bool>,
+}
+
+impl FreezableRelay {
+    async fn start(upstream: String) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the relay");
+        let addr = listener.local_addr().expect("the relay address");
+        let (frozen, _) = tokio::sync::watch::channel(false);
+        let watch = frozen.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(Self::pipe(cr, sw, watch.subscribe()));
+                tokio::spawn(Self::pipe(sr, cw, watch.subscribe()));
+            }
+        });
+        FreezableRelay { addr, frozen }
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut frozen: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let read = tokio::select! {
+                read = from.read(&mut buf) => read,
+                _ = frozen.wait_for(|f| *f) => break,
+            };
+            match read {
+                Ok(0) | Err(_) => return,
+                Ok(_) if *frozen.borrow() => break,
+                Ok(n) => {
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        // Frozen: hold both halves open and pass nothing, until the test ends.
+        let _ = frozen.wait_for(|f| !*f).await;
+        drop((from, to));
+    }
+
+    fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+}
+
+/// A publisher confirm that never comes (the broker stops answering, the connection stays
+/// up) ends the publish with an error after the confirm timeout, instead of holding the
+/// caller (and, for a retry copy, its delivery) for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_confirm_that_never_comes_times_out() {
+    init_tracing();
+    let mut cfg = config(&amqp_support::unique_name("noconfirm"));
+    let url = cfg.url.expose().to_owned();
+    let at = url.rfind('@').expect("the test URL has credentials") + 1;
+    let end = url[at..].find('/').map_or(url.len(), |e| at + e);
+    let relay = FreezableRelay::start(url[at..end].to_owned()).await;
+    cfg.url = RedactedUrl::new(format!("{}{}{}", &url[..at], relay.addr, &url[end..]));
+    cfg.confirm_timeout = Duration::from_secs(1);
+    cfg.publish_timeout = Duration::from_secs(2);
+    cfg.connect_timeout = Duration::from_secs(1);
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    publisher
+        .publish_json(&cfg.queue, "before", &json!({"n": 1}))
+        .await
+        .expect("a publish through the live relay is confirmed");
+
+    relay.freeze();
+    let started = Instant::now();
+    let published = tokio::time::timeout(
+        Duration::from_secs(20),
+        publisher.publish_json(&cfg.queue, "frozen", &json!({"n": 2})),
+    )
+    .await
+    .expect("the publish ends (with an error) instead of waiting for the confirm for good");
+    let e = published.expect_err("no confirm came");
+    println!("publish ended after {:?}: {}", started.elapsed(), e);
+    assert!(e.is_transient(), "{e}");
+    assert!(!e.to_string().contains(cfg.url.expose()), "{e}");
+    Rabbit::delete_topology(&cfg).await;
+}

@@ -413,3 +413,188 @@ async fn a_record_read_by_another_group_is_not_superseded_by_a_copy_it_never_rea
         "{entry:?}"
     );
 }
+
+/// A record on the retry topic without `x-retry-group` was not written by this transport:
+/// its `x-due-at` (an hour away here) does not hold the retry partition back, and the
+/// records behind it run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_record_without_group_is_not_ours() {
+    let env = KafkaEnv::new("nogroup", 1).await;
+    let retry = format!("{}.retry", env.topic);
+    let publisher = env.publisher();
+    let due = (std::time::SystemTime::now() + Duration::from_secs(3600))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    for id in ["stray", "behind"] {
+        let mut extra = vec![(headers::ATTEMPT, "2")];
+        if id == "stray" {
+            extra.push((headers::DUE_AT, due.as_str()));
+        }
+        publisher
+            .publish(
+                &retry,
+                Some(id.as_bytes()),
+                Some(id),
+                &job(id, json!({})),
+                &extra,
+            )
+            .await
+            .expect("publish to the retry topic");
+    }
+    let running = Running::start(&env, env.config(), worker_config(2)).await;
+    wait_for("both records to run", Duration::from_secs(60), || async {
+        env.effect_count().await == 2
+    })
+    .await;
+    running.stop().await;
+    let mut ran: Vec<String> = env.effects().await.into_iter().map(|(j, _)| j).collect();
+    ran.sort();
+    assert_eq!(ran, ["behind", "stray"]);
+}
+
+/// The origin headers (`x-original-*`, `x-first-failure`) a producer put on a record are
+/// replaced in its retry copies and dead letter by where the transport read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_supplied_original_headers_are_replaced() {
+    let env = KafkaEnv::new("spoof", 1).await;
+    let forged = [
+        (headers::ORIGINAL_TOPIC, "forged-topic"),
+        (headers::ORIGINAL_PARTITION, "77"),
+        (headers::ORIGINAL_OFFSET, "12345"),
+        (headers::FIRST_FAILURE, "1999-01-01T00:00:00.000Z"),
+        (headers::KEY, "forged-key"),
+        ("trace-id", "t-7"),
+    ];
+    let poison = publish(
+        &env,
+        "p",
+        "p",
+        &job("p", json!({ "fail_times": 9 })),
+        &forged,
+    )
+    .await;
+    let permanent = publish(
+        &env,
+        "q",
+        "q",
+        &job("q", json!({ "permanent": true })),
+        &forged,
+    )
+    .await;
+    let running = Running::start(&env, env.config(), worker_config(2)).await;
+    let dlq = format!("{}.dlq", env.topic);
+    let dead = read_topic(&dlq, 1, 2, Duration::from_secs(60)).await;
+    running.stop().await;
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    for d in &dead {
+        let id = header(d, "message_id").unwrap();
+        let offset = if id == "p" { poison } else { permanent };
+        assert_eq!(
+            header(d, headers::ORIGINAL_TOPIC).as_deref(),
+            Some(env.topic.as_str()),
+            "{id}"
+        );
+        assert_eq!(
+            header(d, headers::ORIGINAL_PARTITION).as_deref(),
+            Some("0"),
+            "{id}"
+        );
+        assert_eq!(
+            header(d, headers::ORIGINAL_OFFSET),
+            Some(offset.to_string()),
+            "{id}"
+        );
+        assert_eq!(header(d, headers::FIRST_FAILURE), None, "{id}");
+        assert_eq!(
+            header(d, headers::KEY).as_deref(),
+            Some(id.as_str()),
+            "{id}"
+        );
+        assert_eq!(header(d, "trace-id").as_deref(), Some("t-7"), "{id}");
+    }
+}
+
+/// Copies that are large, on default settings. A record of ~1,010,000 bytes (below the
+/// worker's 1 MiB payload limit, above librdkafka's default `message.max.bytes`) that fails
+/// is dead-lettered whole; one too large to copy at all (1,200,000 bytes, over the worker's
+/// limit too) is dead-lettered as a reference to where it is, with reason
+/// `copy_too_large`. Neither holds its partition: the record behind them runs and the
+/// offsets are committed past all three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_too_large_is_dead_lettered_with_a_reference() {
+    let env = KafkaEnv::new("toolarge", 1).await;
+    // Only the test's own producer is raised, to write the records in the first place.
+    let mut props = consumer_kafka::ClientProperties::new();
+    props.set("message.max.bytes", "4000000");
+    let publisher = consumer_kafka::KafkaPublisher::connect(&kafka_support::brokers(), &props)
+        .expect("publisher");
+    let padded = |id: &str, size: usize| {
+        let mut body = job(id, json!({ "permanent": true }));
+        let pad = size - body.len() - r#","pad":"""#.len();
+        body.pop();
+        body.extend_from_slice(format!(r#","pad":"{}"}}"#, "x".repeat(pad)).as_bytes());
+        assert_eq!(body.len(), size);
+        body
+    };
+    let mut offsets = HashMap::new();
+    for (id, body) in [
+        ("big", padded("big", 1_010_000)),
+        ("huge", padded("huge", 1_200_000)),
+        ("after", job("after", json!({}))),
+    ] {
+        let offset = publisher
+            .publish(&env.topic, Some(id.as_bytes()), Some(id), &body, &[])
+            .await
+            .expect("publish")
+            .offset;
+        offsets.insert(id, (offset, body));
+    }
+    let end = offsets["after"].0 + 1;
+
+    let running = Running::start(&env, env.config(), worker_config(2)).await;
+    wait_for(
+        "the record behind the large ones to run and all to be committed",
+        Duration::from_secs(60),
+        || async { env.effect_count().await == 1 && env.committed_up_to(&[end]).await },
+    )
+    .await;
+    let stats = running.stop().await;
+    let dead = read_topic(&format!("{}.dlq", env.topic), 1, 2, Duration::from_secs(30)).await;
+    println!("{stats:?}");
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let by_id: HashMap<String, &rdkafka::message::OwnedMessage> = dead
+        .iter()
+        .map(|m| (header(m, "message_id").unwrap_or_default(), m))
+        .collect();
+
+    let big = by_id["big"];
+    assert_eq!(
+        header(big, headers::DEAD_LETTER_REASON).as_deref(),
+        Some("permanent_error")
+    );
+    assert_eq!(
+        big.payload(),
+        Some(offsets["big"].1.as_slice()),
+        "the whole record"
+    );
+
+    let huge = by_id["huge"];
+    assert_eq!(
+        header(huge, headers::DEAD_LETTER_REASON).as_deref(),
+        Some("copy_too_large")
+    );
+    let reference: serde_json::Value =
+        serde_json::from_slice(huge.payload().expect("a reference")).expect("JSON");
+    assert_eq!(
+        reference,
+        json!({ "topic": env.topic, "partition": 0, "offset": offsets["huge"].0 })
+    );
+    let error = header(huge, headers::ERROR).unwrap();
+    assert!(error.starts_with("payload_too_large"), "{error}");
+    assert_eq!(
+        header(huge, headers::ORIGINAL_OFFSET),
+        Some(offsets["huge"].0.to_string())
+    );
+}

@@ -175,6 +175,35 @@ mod tests {
         assert_eq!((s.queue.as_str(), s.concurrency), ("q", 3));
     }
 
+    /// Passwords with the characters that end a URL's parts, raw and percent-escaped:
+    /// the settings' `Debug` and the database connection's errors show neither.
+    #[test]
+    fn credentials_never_appear_in_url_errors_or_display() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        for password in ["s3c/ret", "s3c?r#et", "s3c@ret:x", "s3c%2Fr%40et"] {
+            let amqp = format!("amqp://svcuser:{password}@rabbit/%2f");
+            let db = format!("postgres://svcuser:{password}@127.0.0.1:1/orders");
+            let s = settings(&[("AMQP_URL", &amqp), ("DATABASE_URL", &db)]).unwrap();
+            let shown = format!("{s:?}");
+            assert!(
+                !shown.contains("s3c") && !shown.contains("svcuser"),
+                "{shown}"
+            );
+            if !password.contains(['/', '?', '#']) {
+                // A valid URL: connecting to nothing would be retried for a minute.
+                continue;
+            }
+            let e = runtime
+                .block_on(crate::app::connect_db(&s))
+                .expect_err("a raw `/`, `?` or `#` makes the URL invalid");
+            let text = format!("{e:#} {e:?}");
+            assert!(!text.contains("s3c") && !text.contains("svcuser"), "{text}");
+        }
+    }
+
     #[test]
     fn bad_values_are_named() {
         let e = settings(&[BASE[0], BASE[1], ("PREFETCH", "lots")]).unwrap_err();
