@@ -26,6 +26,10 @@ use crate::retry::{ExponentialBackoff, Jitter};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::{Error, ErrorKind, HandlerError, TransportError};
 
+/// The default of [`WorkerConfig::max_payload_bytes`]: 1 MiB. Transports size what they
+/// must be able to copy (a retry or dead-letter copy of any payload the worker runs) from it.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
 /// Runtime settings of a worker (the handler's own settings come from `#[handler]`).
 #[derive(Clone)]
 pub struct WorkerConfig {
@@ -68,7 +72,7 @@ impl Default for WorkerConfig {
             retention_batch: 1000,
             jitter: None,
             faults: None,
-            max_payload_bytes: 1024 * 1024,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             batch: None,
             broken_ack_before_commit: false,
         }

@@ -295,8 +295,8 @@ impl InboxCounts {
             match EntryStatus::parse(&status) {
                 EntryStatus::Pending => {
                     counts.pending += n;
-                    counts.stalest_pending = idle_ms
-                        .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+                    counts.stalest_pending =
+                        idle_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
                 }
                 EntryStatus::Completed => counts.completed += n,
                 EntryStatus::Dead => counts.dead += n,
