@@ -339,9 +339,11 @@ fn unix_millis() -> i64 {
 }
 
 impl Shared {
-    /// Turns a fetched message into a tracked record of its partition (if still owned).
-    /// `topics` keeps one shared name per topic, so a record does not allocate its own.
-    fn ingest(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) {
+    /// Turns a fetched message into a tracked record of its partition (if still owned), and
+    /// returns whether that partition's buffer has reached a limit (the caller then pauses it
+    /// before taking more). `topics` keeps one shared name per topic, so a record does not
+    /// allocate its own.
+    fn ingest(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) -> bool {
         let s = &self.settings;
         let topic = match topics.iter().find(|t| ***t == *m.topic()) {
             Some(t) => t.clone(),
@@ -372,7 +374,7 @@ impl Shared {
             {
                 p.tracker.push_settled(offset);
             }
-            return;
+            return false;
         }
         let attempt = header(headers::ATTEMPT)
             .and_then(|a| a.parse::<u32>().ok())
@@ -414,10 +416,10 @@ impl Shared {
         let mut state = self.lock();
         let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
             // Fetched just before its partition was revoked: the new owner reads it.
-            return;
+            return false;
         };
         if p.revoking {
-            return;
+            return false;
         }
         let key = key_id(&self.key_seed, record.key.as_deref());
         let pushed = p.tracker.push(
@@ -430,6 +432,8 @@ impl Shared {
                 redelivered: false,
             },
         );
+        let full = p.tracker.len() >= self.settings.max_buffered
+            || p.tracker.bytes() >= self.settings.max_buffered_bytes;
         // A stream waiting for records gets this one now, not after the poll round.
         let waker = if pushed && not_before.is_none() {
             state.waker.take()
@@ -438,6 +442,7 @@ impl Shared {
         };
         drop(state);
         Shared::wake(waker);
+        full
     }
 
     /// Pauses partitions whose buffer is full or whose next retry is not due, resumes the
@@ -1263,8 +1268,12 @@ fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
             match consumer.poll(wait) {
                 None => break,
                 Some(Ok(m)) => {
-                    shared.ingest(&m, &mut topics);
                     wait = Duration::ZERO;
+                    // A partition that reached its limit is paused at once (housekeeping),
+                    // not after the rest of the round: the limits hold record by record.
+                    if shared.ingest(&m, &mut topics) {
+                        break;
+                    }
                 }
                 Some(Err(e)) => {
                     handle_poll_error(&shared, e);

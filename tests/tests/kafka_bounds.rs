@@ -221,7 +221,6 @@ async fn a_backed_up_partition_is_paused_and_holds_a_bounded_number_of_records()
 /// takes a whole round (up to 500 records, whatever their size: the byte limit is checked
 /// at the same moments) before it is paused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "bug: the buffer limits are checked once per poll round of up to 500 records, so a partition limited to 50 records holds 500 before it is paused"]
 async fn a_backed_up_partition_holds_no_more_than_its_limit() {
     const JOBS: usize = 600;
     const LIMIT: usize = 50;
