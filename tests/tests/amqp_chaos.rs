@@ -1,4 +1,4 @@
-//! RabbitMQ acceptance 4: the broker closes every connection (`rabbitmqctl
+//! RabbitMQ: the broker closes every connection (`rabbitmqctl
 //! close_all_connections`) and later restarts (`scripts/rabbitmq.sh restart`), both while a
 //! worker is busy with 1,000 invoice jobs: the worker reconnects by itself and every job's
 //! effect happens exactly once.

@@ -1,4 +1,4 @@
-//! RabbitMQ acceptance 3: a poison message ends in the dead-letter queue with the documented
+//! RabbitMQ: a poison message ends in the dead-letter queue with the documented
 //! headers after `max_attempts`; an undecodable payload ends there at once; a permanent
 //! error too; no valid message is dead-lettered.
 

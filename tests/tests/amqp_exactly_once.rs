@@ -1,4 +1,4 @@
-//! RabbitMQ acceptance 1: 1,000 invoice jobs plus 10% republished duplicates (same message
+//! RabbitMQ: 1,000 invoice jobs plus 10% republished duplicates (same message
 //! id) through a fanout exchange to the invoice and email workers of the example, on a real
 //! RabbitMQ and PostgreSQL, give exactly 1,000 invoices and 1,000 provider calls.
 

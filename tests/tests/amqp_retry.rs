@@ -1,4 +1,4 @@
-//! RabbitMQ acceptance 2: a handler that fails twice then succeeds gets its message back
+//! RabbitMQ: a handler that fails twice then succeeds gets its message back
 //! after the configured delays (1s, then 2s), through the broker's retry queues, while the
 //! other messages keep flowing; the test measures both.
 

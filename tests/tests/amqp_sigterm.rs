@@ -1,4 +1,4 @@
-//! RabbitMQ acceptance 5: SIGTERM in the middle of a stream stops the real `invoice_worker`
+//! RabbitMQ: SIGTERM in the middle of a stream stops the real `invoice_worker`
 //! binary gracefully: the jobs in flight finish and are acked, the rest stays in the queue,
 //! and after a restart every job has run exactly once.
 //!

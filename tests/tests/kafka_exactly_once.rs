@@ -1,4 +1,4 @@
-//! Acceptance 1 of the Kafka transport: 1,000 jobs over 3 partitions, 10 % of them published
+//! The Kafka transport: 1,000 jobs over 3 partitions, 10 % of them published
 //! twice (same message id, same payload), give exactly 1,000 effects; and every offset ends
 //! up committed. Against the real broker (`scripts/kafka.sh`) and PostgreSQL.
 

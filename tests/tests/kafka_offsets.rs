@@ -1,4 +1,4 @@
-//! Acceptance 2 of the Kafka transport: out-of-order completion. With key concurrency, a
+//! The Kafka transport: out-of-order completion. With key concurrency, a
 //! slow record is followed by fast ones (other keys) in the same partition; the fast ones
 //! finish first, but the group's committed offset never passes the slow record. The
 //! consumer is then killed with the slow record unsettled, and a new one loses nothing.

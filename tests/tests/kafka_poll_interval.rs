@@ -1,4 +1,4 @@
-//! Acceptance 4 of the Kafka transport: a handler slower than `max.poll.interval.ms` does
+//! The Kafka transport: a handler slower than `max.poll.interval.ms` does
 //! not get the member kicked out of the group. The poll thread keeps polling (and pauses
 //! full partitions) whatever the handlers do.
 

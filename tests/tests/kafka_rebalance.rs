@@ -1,4 +1,4 @@
-//! Acceptance 3 of the Kafka transport: two workers in a group, a third joins and one
+//! The Kafka transport: two workers in a group, a third joins and one
 //! leaves mid-stream. Every job takes effect exactly once, and no member commits for a
 //! partition it no longer owns: each member's log of assignments, revocations and commits
 //! is replayed, and settlements that arrived after their partition was revoked were dropped

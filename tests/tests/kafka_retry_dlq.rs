@@ -1,4 +1,4 @@
-//! Acceptance 5 of the Kafka transport: the retry-topic path (non-blocking) and the blocking
+//! The Kafka transport: the retry-topic path (non-blocking) and the blocking
 //! in-place path both work; poison and undecodable records end in the dead-letter topic
 //! with the documented headers; no valid record is dead-lettered.
 

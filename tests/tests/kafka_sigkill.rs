@@ -1,4 +1,4 @@
-//! Acceptance 6 of the Kafka transport: a worker process (`src/bin/kafka_worker.rs`) is
+//! The Kafka transport: a worker process (`src/bin/kafka_worker.rs`) is
 //! killed with SIGKILL mid-stream, twice, and restarted each time; every job takes effect
 //! exactly once and every offset ends up committed.
 
