@@ -1,9 +1,12 @@
 //! The inbox: durable memory of which (handler, key) pairs were processed.
 //!
 //! One row per (handler, key) holds the payload hash, status (`pending`, `completed`,
-//! `dead`), attempts, the newest retry copy's attempt number (`retried_to`: an older
-//! delivery of a pending key is superseded, see [`Claim::Superseded`]), first seen,
-//! completed at, expires at and the last error.
+//! `dead`), attempts, the newest retry copy's attempt number, scope and due time
+//! (`retried_to`, `retry_scope`, `retry_due_at`: an older delivery of a pending key through
+//! the same consumers is superseded while the copy can still arrive, see
+//! [`Claim::Superseded`]), first seen, completed at, expires at and the last error.
+//! Completed and dead rows expire after the handler's retention; [`Inbox::release`] deletes a
+//! dead key's row for a replay.
 //!
 //! A fresh delivery (see [`Delivery::fresh`](crate::Delivery::fresh)) takes one step, under
 //! the in-process key lock: [`Backend::claim_fresh`] inserts the key as completed in the
@@ -18,7 +21,9 @@
 //! 1. [`Backend::begin_attempt`] counts the attempt in its own small transaction and commits it
 //!    *before* the handler runs, so an attempt that kills the process is still counted.
 //! 2. The handler's transaction ends with [`Backend::complete`], which marks the key completed
-//!    in the same commit as the handler's writes. The same statement releases the database
+//!    in the same commit as the handler's writes — only if the row is still pending at this
+//!    attempt's count, so that no second run's effects commit even where the locks do not
+//!    hold (another inbox instance, a pooler that breaks session locks). The same statement releases the database
 //!    lock: from there the updated row's lock, held to the commit, keeps another worker's
 //!    attempt count on the key waiting, and that count then sees the key completed.
 
