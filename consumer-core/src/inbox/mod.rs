@@ -54,7 +54,7 @@ pub struct InboxConfig {
     pub table: String,
     /// How long past its due time a retry copy may still arrive (default 5 minutes). Until
     /// then an older delivery of the key that comes through the same consumers is superseded
-    /// by the copy (acked without running, see [`Claim::Superseded`]); after it, the copy is
+    /// by the copy (acked without running, counted as `superseded`); after it, the copy is
     /// taken as lost (a retry topic past its retention, a retry queue deleted) and such a
     /// delivery runs. Too short costs an attempt (the replay and the copy both run, one after
     /// the other, under the key's lock); too long delays a message whose copy was lost.
