@@ -15,7 +15,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{wait_until, PgEnv};
+use common::{run_until, PgEnv};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, BatchConfig, Context, EntryStatus, HandlerError, NoJitter, Worker, WorkerConfig,
@@ -92,24 +92,16 @@ async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, red
             incoming
         })
     });
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn({
-        let worker = worker.clone();
-        async move {
-            worker
-                .run(deliveries, async {
-                    let _ = stopped.await;
-                })
-                .await
-        }
-    });
-    wait_until("every job completed or dead-lettered", || {
-        let s = worker.snapshot();
-        async move { s.completed + s.dead_lettered == 3 }
-    })
+    run_until(
+        &worker,
+        deliveries,
+        "every job completed or dead-lettered",
+        || {
+            let s = worker.snapshot();
+            async move { s.completed + s.dead_lettered == 3 }
+        },
+    )
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
 
     let s = worker.snapshot();
     assert_eq!((s.completed, s.dead_lettered), (3, 0), "{s:?}");

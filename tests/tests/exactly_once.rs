@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{wait_until, PgEnv, SqliteEnv, DEADLINE};
+use common::{run_until, wait_until, PgEnv, SqliteEnv, DEADLINE};
 use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
@@ -1044,31 +1044,6 @@ fn holding_copies(
         };
         futures::future::ready(item)
     })
-}
-
-/// Runs `worker` on `deliveries` until `done` holds, then stops it gracefully.
-async fn run_until<DB, H, T, F, Fut>(worker: &Worker<DB, H>, deliveries: T, what: &str, done: F)
-where
-    DB: Backend,
-    H: Handler<DB>,
-    T: consumer_core::Transport,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn({
-        let worker = worker.clone();
-        async move {
-            worker
-                .run(deliveries, async {
-                    let _ = stopped.await;
-                })
-                .await
-        }
-    });
-    wait_until(what, done).await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
 }
 
 /// Finding: a retry copy that will never be consumed must not supersede the message. The

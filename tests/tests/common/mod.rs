@@ -58,6 +58,38 @@ where
     }
 }
 
+/// Runs `worker` on `deliveries` until `done` holds, then stops it gracefully.
+pub(crate) async fn run_until<DB, H, T, F, Fut>(
+    worker: &consumer_core::Worker<DB, H>,
+    deliveries: T,
+    what: &str,
+    done: F,
+) where
+    DB: consumer_core::Backend,
+    H: consumer_core::Handler<DB>,
+    T: consumer_core::Transport,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn({
+        let worker = worker.clone();
+        async move {
+            worker
+                .run(deliveries, async {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+    wait_until(what, done).await;
+    stop.send(()).expect("the worker is still running");
+    running
+        .await
+        .expect("the worker task")
+        .expect("the worker stopped cleanly");
+}
+
 /// A fresh PostgreSQL schema with the test tables; connections use it as `search_path`.
 pub(crate) struct PgEnv {
     pub(crate) schema: String,
