@@ -514,12 +514,10 @@ fn bench_worker<H: Handler<Postgres>>(
     Ok(Worker::with_config(
         inbox.clone(),
         handler,
-        WorkerConfig {
-            concurrency: o.concurrency,
-            retention_interval: None,
-            batch,
-            ..WorkerConfig::default()
-        },
+        WorkerConfig::default()
+            .with_concurrency(o.concurrency)
+            .with_retention_interval(None)
+            .with_batch(batch),
     )?)
 }
 
@@ -602,10 +600,7 @@ async fn main() -> anyhow::Result<()> {
         .fetch_one(&pool)
         .await?;
 
-    let batched = Some(BatchConfig {
-        max_messages: o.batch,
-        max_wait: BATCH_WAIT,
-    });
+    let batched = Some(BatchConfig::new(o.batch, BATCH_WAIT));
     let amqp_url = o.amqp_url.clone();
     let mut arms = vec![
         "db floor, 1/tx",

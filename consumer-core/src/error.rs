@@ -20,7 +20,9 @@ pub enum Error {
     /// A transport failed in a way the runtime cannot recover from.
     #[error("transport error")]
     Transport(#[source] TransportError),
-    /// A fault point stopped the worker on purpose (tests and the quickstart only).
+    /// A fault point stopped the worker on purpose (the `fault-injection` feature: tests,
+    /// the chaos suite and the quickstart).
+    #[cfg(feature = "fault-injection")]
     #[error("worker crashed at fault point `{0}`")]
     Crashed(&'static str),
 }
@@ -91,7 +93,8 @@ pub struct HandlerError {
     kind: ErrorKind,
     inner: Box<dyn std::error::Error + Send + Sync>,
     /// Set by a fault point inside the handler: the runtime stops as if the process died.
-    pub(crate) crash: Option<crate::fault::FaultPoint>,
+    #[cfg(feature = "fault-injection")]
+    crash: Option<crate::fault::point::FaultPoint>,
 }
 
 impl HandlerError {
@@ -100,6 +103,7 @@ impl HandlerError {
         HandlerError {
             kind: ErrorKind::Transient,
             inner: error.into(),
+            #[cfg(feature = "fault-injection")]
             crash: None,
         }
     }
@@ -109,15 +113,26 @@ impl HandlerError {
         HandlerError {
             kind: ErrorKind::Permanent,
             inner: error.into(),
+            #[cfg(feature = "fault-injection")]
             crash: None,
         }
     }
 
-    pub(crate) fn crash(point: crate::fault::FaultPoint) -> Self {
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn crash(point: crate::fault::point::FaultPoint) -> Self {
         HandlerError {
             crash: Some(point),
             ..HandlerError::transient(format!("simulated crash at {}", point.as_str()))
         }
+    }
+
+    /// The fault point that raised this error to stop the worker, if one did.
+    #[inline]
+    pub(crate) fn crashed(&self) -> Option<crate::fault::point::FaultPoint> {
+        #[cfg(feature = "fault-injection")]
+        return self.crash;
+        #[cfg(not(feature = "fault-injection"))]
+        None
     }
 
     /// Whether this failure may be retried.

@@ -233,6 +233,7 @@ pub struct Context<'c, DB: Backend> {
     pub(crate) key: &'c str,
     pub(crate) attempt: u32,
     pub(crate) delivery: &'c Delivery,
+    #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<&'c dyn crate::fault::FaultInjector>,
 }
 
@@ -266,7 +267,10 @@ impl<'c, DB: Backend> Context<'c, DB> {
     /// external effect, before its transaction records it ([`FaultPoint::InEffect`]). Does
     /// nothing unless the worker was configured with a fault injector.
     ///
+    /// Only with the `fault-injection` feature.
+    ///
     /// [`FaultPoint::InEffect`]: crate::fault::FaultPoint::InEffect
+    #[cfg(feature = "fault-injection")]
     pub fn fault_point(&self, point: crate::fault::FaultPoint) -> Result<(), HandlerError> {
         let Some(faults) = self.faults else {
             return Ok(());

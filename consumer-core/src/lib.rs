@@ -16,10 +16,47 @@
 //!   default.
 //!
 //! Transports for RabbitMQ and Kafka live in their own crates and depend on this one only.
+//!
+//! # Layout
+//!
+//! - `delivery`: what a transport hands the runtime ([`Delivery`], [`Incoming`]) and how
+//!   the runtime hands it back ([`Acknowledger`], [`Settlement`]).
+//! - `worker`: the runtime, one pipeline in four stages: `worker::job` prepares (decode and
+//!   key once), `worker::claim` decides what a claim means, `worker::execute` runs a group
+//!   of jobs in one transaction (and alone after a failure), `worker::settle` records the
+//!   outcome and settles; `worker::attempt` computes every attempt number, `worker::config`
+//!   holds [`WorkerConfig`] and [`BatchConfig`].
+//! - `inbox`: the table of (handler, key) rows in PostgreSQL or SQLite, its migrations and
+//!   statements, and the key locks; `log_marks`: the log marks that prove a Kafka record
+//!   fresh.
+//! - `handler`: the [`Handler`] trait, its options and the contexts a handler runs with;
+//!   `key`: key templates and the canonical payload hash; `retry`: the backoff policy;
+//!   `guard`: guards for effects outside the database; `stats`: the counters.
+//! - `memory`: the in-memory broker; `fault` (feature `fault-injection`): fault points for
+//!   the chaos suite and the tests.
+//!
+//! # Who owns what
+//!
+//! - **Freshness** (may a delivery skip counting its attempt ahead?): the inbox's
+//!   `log_marks::Freshness` alone decides, from what the transport reports (a first delivery
+//!   it vouches for, or a position in a log) and the inbox's log marks.
+//! - **The attempt number**: a transport reports the number it read; the inbox counts
+//!   attempts and its count is the number an attempt runs as ([`Context::attempt`]);
+//!   `worker::attempt` computes the rest (the bounded number of a delivery, the number of a
+//!   retry copy, retry or dead letter after a failure) and nothing else does.
+//!
+//! # Features
+//!
+//! - `fault-injection`: fault points (`fault`), `WorkerConfig::faults`, the deliberately
+//!   broken ack-before-commit switch and `Error::Crashed`. The chaos suite and the tests
+//!   enable it; a production build has none of them.
 
 mod delivery;
 mod error;
+#[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(not(feature = "fault-injection"))]
+mod fault;
 pub mod guard;
 mod handler;
 mod ident;
@@ -41,8 +78,8 @@ pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
-pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
-pub use retry::{ExponentialBackoff, Jitter, NoJitter, ThreadSafeRng};
+pub use key::{KeyTemplate, MAX_KEY_BYTES};
+pub use retry::{ExponentialBackoff, Jitter, NoJitter};
 pub use stats::{Stats, StatsSnapshot};
 pub use worker::{BatchConfig, Worker, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};
 

@@ -12,7 +12,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::delivery::LogPosition;
+use crate::delivery::{Delivery, LogPosition};
+use crate::inbox::{Backend, Inbox};
 
 /// How far past the record in hand the mark is raised: one database commit per this many
 /// offsets of a log. After a crash or a reassignment, up to this many records of a log take
@@ -84,6 +85,83 @@ impl LogWindows {
             },
         );
     }
+}
+
+/// Whether a delivery takes the fresh path (see [`Delivery::fresh`]): the one owner of that
+/// decision. The transport reports what it knows (a first delivery it can vouch for, or a
+/// position in a log); a delivery from a log is fresh when it is a first delivery at or
+/// past the log's mark as this process read it, the mark raised and committed past it
+/// first if need be. If the mark cannot be raised, the delivery is counted.
+pub(crate) struct Freshness<DB: Backend> {
+    inbox: Inbox<DB>,
+    handler: String,
+    windows: tokio::sync::Mutex<LogWindows>,
+}
+
+impl<DB: Backend> Freshness<DB> {
+    /// The judge for `handler`'s deliveries.
+    pub(crate) fn new(inbox: Inbox<DB>, handler: String) -> Self {
+        Freshness {
+            inbox,
+            handler,
+            windows: tokio::sync::Mutex::default(),
+        }
+    }
+
+    /// Sets each item's flag to whether its delivery is fresh, under one hold of the log
+    /// windows (a batch from a log usually needs no database visit at all).
+    pub(crate) async fn judge<T>(
+        &self,
+        items: &mut [T],
+        of: impl Fn(&mut T) -> (&Delivery, &mut bool),
+    ) {
+        let mut windows = None;
+        for item in items.iter_mut() {
+            let (delivery, fresh) = of(item);
+            *fresh = if may_be_proven_fresh(delivery) {
+                let windows = match &mut windows {
+                    Some(w) => w,
+                    None => windows.insert(self.windows.lock().await),
+                };
+                self.in_log(windows, delivery).await
+            } else {
+                delivery.fresh
+            };
+        }
+    }
+
+    /// Whether a first delivery with a position is fresh, with the log windows held.
+    async fn in_log(&self, windows: &mut LogWindows, delivery: &Delivery) -> bool {
+        let Some(pos) = &delivery.position else {
+            return false;
+        };
+        let to = match windows.check(pos) {
+            Check::Fresh => return true,
+            Check::Counted => return false,
+            Check::Advance { to } => to,
+        };
+        match self
+            .inbox
+            .advance_log_mark(&self.handler, &pos.log, to)
+            .await
+        {
+            Ok(before) => {
+                tracing::debug!(log = %pos.log, ?before, to, "log mark raised");
+                windows.advanced(pos, before, to);
+                windows.check(pos) == Check::Fresh
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, log = %pos.log, "raising the log mark failed; the delivery takes the counted path");
+                false
+            }
+        }
+    }
+}
+
+/// Whether the log mark may prove `delivery` fresh: a first delivery with a position that its
+/// transport did not already vouch for.
+fn may_be_proven_fresh(delivery: &Delivery) -> bool {
+    !delivery.fresh && delivery.position.is_some() && !delivery.redelivered && delivery.attempt == 1
 }
 
 #[cfg(test)]

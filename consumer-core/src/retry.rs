@@ -21,16 +21,16 @@ pub trait Jitter: Send + Sync + 'static {
 
 /// A small, fast, non-cryptographic generator (SplitMix64), seeded per process.
 #[derive(Debug)]
-pub struct ThreadSafeRng(AtomicU64);
+pub(crate) struct ThreadSafeRng(AtomicU64);
 
 impl ThreadSafeRng {
     /// A generator with a fixed seed (reproducible sequences).
-    pub fn seeded(seed: u64) -> Self {
+    pub(crate) fn seeded(seed: u64) -> Self {
         ThreadSafeRng(AtomicU64::new(seed))
     }
 
     /// A generator seeded from the process's random state.
-    pub fn from_entropy() -> Self {
+    pub(crate) fn from_entropy() -> Self {
         use std::hash::{BuildHasher, Hasher};
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u128(
@@ -43,7 +43,7 @@ impl ThreadSafeRng {
     }
 
     /// The next 64 random bits.
-    pub fn next_u64(&self) -> u64 {
+    pub(crate) fn next_u64(&self) -> u64 {
         let mut z = self
             .0
             .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)

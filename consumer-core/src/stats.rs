@@ -4,10 +4,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 macro_rules! counters {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
-        /// Live counters of one worker (shared, lock-free).
+        /// Live counters of one worker (shared, lock-free), read through
+        /// [`Stats::snapshot`]; only the worker moves them.
         #[derive(Debug, Default)]
         pub struct Stats {
-            $($(#[$doc])* pub $name: AtomicU64,)*
+            $($(#[$doc])* pub(crate) $name: AtomicU64,)*
         }
 
         /// A copy of [`Stats`] at one moment.
@@ -67,6 +68,11 @@ counters! {
 }
 
 impl Stats {
+    /// Adds `n` to `counter`.
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use amqp_support::{config, init_tracing, wait_for, worker_config, Db, Rabbit, Running, LONG};
 use consumer_amqp::{AmqpPublisher, ExchangeType, QueueType};
-use consumer_core::{BatchConfig, Worker, WorkerConfig};
+use consumer_core::{BatchConfig, Worker};
 use futures::{StreamExt, TryStreamExt};
 use invoices::{send_email, send_invoice, InvoiceJob};
 
@@ -53,19 +53,13 @@ async fn thousand_jobs(batch: Option<BatchConfig>) {
         .await
         .expect("place the orders");
 
-    let worker_config = || WorkerConfig {
-        batch,
-        ..worker_config(8)
-    };
+    let worker_config = || worker_config(8).with_batch(batch);
     // The emails retry until their invoice exists; more attempts than the default so none
     // runs out while the invoice worker works through a loaded machine's backlog.
     let email_worker = Worker::with_config(
         db.inbox(20).await,
         send_email,
-        WorkerConfig {
-            max_attempts: Some(30),
-            ..worker_config()
-        },
+        worker_config().with_max_attempts(30),
     )
     .unwrap();
     let emailing = Running::start(email_worker, email_config.clone()).await;

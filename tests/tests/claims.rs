@@ -103,12 +103,10 @@ async fn span_probe(ctx: &mut Context<'_, Sqlite>, job: Job) -> Result<(), Handl
 }
 
 fn config() -> WorkerConfig {
-    WorkerConfig {
-        concurrency: 1,
-        retention_interval: None,
-        jitter: Some(Arc::new(NoJitter)),
-        ..WorkerConfig::default()
-    }
+    WorkerConfig::default()
+        .with_concurrency(1)
+        .with_retention_interval(None)
+        .with_jitter(Arc::new(NoJitter))
 }
 
 fn with_id(id: &str, body: serde_json::Value) -> Message {

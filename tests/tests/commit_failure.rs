@@ -73,13 +73,11 @@ async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, red
     for id in ids {
         broker.publish(&queue, Message::json(id, &json!({ "id": id })));
     }
-    let config = WorkerConfig {
-        concurrency: 4,
-        retention_interval: None,
-        jitter: Some(std::sync::Arc::new(NoJitter)),
-        batch,
-        ..WorkerConfig::default()
-    };
+    let config = WorkerConfig::default()
+        .with_concurrency(4)
+        .with_retention_interval(None)
+        .with_jitter(std::sync::Arc::new(NoJitter))
+        .with_batch(batch);
     let worker = Worker::with_config(inbox.clone(), record_once, config).unwrap();
     // The first deliveries as redeliveries: the counted path. The retries (attempt 2 and up)
     // come as the broker sends them.
@@ -123,10 +121,7 @@ async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, red
     }
 }
 
-const BATCHED: Option<BatchConfig> = Some(BatchConfig {
-    max_messages: 8,
-    max_wait: Duration::from_millis(50),
-});
+const BATCHED: Option<BatchConfig> = Some(BatchConfig::new(8, Duration::from_millis(50)));
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_commit_is_not_a_failed_attempt_fresh() {

@@ -322,13 +322,11 @@ async fn sqlite_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> Harne
 
 impl<DB: Backend, H> Harness<DB, H> {
     fn config(&self) -> WorkerConfig {
-        WorkerConfig {
-            concurrency: 4,
-            retention_interval: None,
-            jitter: Some(Arc::new(NoJitter)),
-            batch: self.batch,
-            ..WorkerConfig::default()
-        }
+        WorkerConfig::default()
+            .with_concurrency(4)
+            .with_retention_interval(None)
+            .with_jitter(Arc::new(NoJitter))
+            .with_batch(self.batch)
     }
 }
 
@@ -458,10 +456,7 @@ async fn crash_after_commit_is_skipped_on_redelivery<DB: Backend, H: Handler<DB>
         [(FaultPoint::AfterCommit, "a".to_owned())],
     ));
     let inbox = (h.new_inbox)().await;
-    let cfg = WorkerConfig {
-        faults: Some(crash.clone()),
-        ..h.config()
-    };
+    let cfg = h.config().with_faults(crash.clone());
     let first = Worker::with_config(inbox.clone(), h.handler.clone(), cfg.clone()).unwrap();
     let r = run_until_drained(&first, &broker, &queue).await;
     assert!(matches!(r, Err(Error::Crashed("after_commit"))), "{r:?}");
@@ -489,10 +484,7 @@ async fn crash_before_commit_gives_one_effect<DB: Backend, H: Handler<DB> + Clon
         [(FaultPoint::BeforeCommit, "b".to_owned())],
     ));
     let inbox = (h.new_inbox)().await;
-    let cfg = WorkerConfig {
-        faults: Some(crash),
-        ..h.config()
-    };
+    let cfg = h.config().with_faults(crash);
     let first = Worker::with_config(inbox.clone(), h.handler.clone(), cfg.clone()).unwrap();
     let r = run_until_drained(&first, &broker, &queue).await;
     assert!(matches!(r, Err(Error::Crashed("before_commit"))), "{r:?}");
@@ -529,10 +521,7 @@ async fn key_reused_with_other_payload_is_a_conflict<DB: Backend, H: Handler<DB>
     let w = Worker::with_config(
         inbox.clone(),
         h.handler.clone(),
-        WorkerConfig {
-            concurrency: 1,
-            ..h.config()
-        },
+        h.config().with_concurrency(1),
     )
     .unwrap();
     run_until_drained(&w, &broker, &queue).await.unwrap();
@@ -596,14 +585,11 @@ async fn crash_loop<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>, log:
     let broker = MemoryBroker::new();
     let queue = common::unique("q");
     broker.publish(&queue, msg("k", json!({"id": "k"})));
-    let cfg = WorkerConfig {
-        faults: Some(Arc::new(CrashAlways {
-            point: FaultPoint::BeforeCommit,
-            key: "k".to_owned(),
-            action: FaultAction::StopWorker,
-        })),
-        ..h.config()
-    };
+    let cfg = h.config().with_faults(Arc::new(CrashAlways {
+        point: FaultPoint::BeforeCommit,
+        key: "k".to_owned(),
+        action: FaultAction::StopWorker,
+    }));
     let mut crashes = 0;
     let mut runs = 0;
     loop {
@@ -916,12 +902,10 @@ async fn expired_rows_are_purged<DB: Backend, H: Handler<DB> + Clone>(h: Harness
     let w = Worker::with_config(
         inbox.clone(),
         h.handler.clone(),
-        WorkerConfig {
-            retention: Some(Duration::from_millis(1)),
-            retention_interval: Some(Duration::from_millis(50)),
-            retention_batch: 2,
-            ..h.config()
-        },
+        h.config()
+            .with_retention(Duration::from_millis(1))
+            .with_retention_interval(Some(Duration::from_millis(50)))
+            .with_retention_batch(2),
     )
     .unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -965,10 +949,7 @@ async fn expired_rows_are_purged<DB: Backend, H: Handler<DB> + Clone>(h: Harness
 }
 
 /// Batches big enough to hold several of a scenario's messages at once.
-const BATCHED: Option<BatchConfig> = Some(BatchConfig {
-    max_messages: 16,
-    max_wait: Duration::from_millis(20),
-});
+const BATCHED: Option<BatchConfig> = Some(BatchConfig::new(16, Duration::from_millis(20)));
 
 async fn many_distinct_jobs_each_once<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {
     let broker = MemoryBroker::new();
@@ -1210,10 +1191,7 @@ async fn a_released_dead_key_runs_again<DB: Backend, H: Handler<DB> + Clone>(h: 
     let queue = common::unique("q");
     let inbox = (h.new_inbox)().await;
     let body = json!({"id": "dead", "fail_times": 1});
-    let one_attempt = WorkerConfig {
-        max_attempts: Some(1),
-        ..h.config()
-    };
+    let one_attempt = h.config().with_max_attempts(1);
     let w1 = Worker::with_config(inbox.clone(), h.handler.clone(), one_attempt).unwrap();
     broker.publish(&queue, msg("dead", body.clone()));
     run_until_drained(&w1, &broker, &queue).await.unwrap();
@@ -1249,10 +1227,7 @@ async fn dead_rows_expire_after_retention<DB: Backend, H: Handler<DB> + Clone>(h
     let broker = MemoryBroker::new();
     let queue = common::unique("q");
     let inbox = (h.new_inbox)().await;
-    let config = WorkerConfig {
-        retention: Some(Duration::from_millis(1)),
-        ..h.config()
-    };
+    let config = h.config().with_retention(Duration::from_millis(1));
     let w = Worker::with_config(inbox.clone(), h.handler.clone(), config).unwrap();
     broker.publish(
         &queue,

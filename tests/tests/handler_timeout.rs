@@ -58,13 +58,11 @@ async fn a_statement_past_the_handler_timeout_is_cancelled(batch: Option<BatchCo
     // Two messages, so that batched mode batches them (a batch of one runs alone).
     broker.publish(&queue, Message::json("slow", &json!({"id": "slow"})));
     broker.publish(&queue, Message::json("quick", &json!({"id": "quick"})));
-    let config = WorkerConfig {
-        concurrency: 1,
-        retention_interval: None,
-        jitter: Some(Arc::new(NoJitter)),
-        batch,
-        ..WorkerConfig::default()
-    };
+    let config = WorkerConfig::default()
+        .with_concurrency(1)
+        .with_retention_interval(None)
+        .with_jitter(Arc::new(NoJitter))
+        .with_batch(batch);
     let worker = Worker::with_config(inbox.clone(), sleepy, config).unwrap();
     let run = worker.run(broker.consume(&queue), broker.drained(&queue));
     match tokio::time::timeout(SETTLE_LIMIT, run).await {
@@ -98,9 +96,9 @@ async fn a_handler_timeout_cancels_its_statement_per_message() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_timeout_cancels_its_statement_batched() {
-    a_statement_past_the_handler_timeout_is_cancelled(Some(BatchConfig {
-        max_messages: 16,
-        max_wait: Duration::from_millis(20),
-    }))
+    a_statement_past_the_handler_timeout_is_cancelled(Some(BatchConfig::new(
+        16,
+        Duration::from_millis(20),
+    )))
     .await;
 }

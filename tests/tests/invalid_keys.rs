@@ -72,19 +72,14 @@ handlers!(
 
 /// A batch window wide enough that the messages published before the worker starts share
 /// one batch.
-const BATCHED: Option<BatchConfig> = Some(BatchConfig {
-    max_messages: 16,
-    max_wait: Duration::from_millis(50),
-});
+const BATCHED: Option<BatchConfig> = Some(BatchConfig::new(16, Duration::from_millis(50)));
 
 fn config(batch: Option<BatchConfig>) -> WorkerConfig {
-    WorkerConfig {
-        concurrency: 2,
-        retention_interval: None,
-        jitter: Some(std::sync::Arc::new(NoJitter)),
-        batch,
-        ..WorkerConfig::default()
-    }
+    WorkerConfig::default()
+        .with_concurrency(2)
+        .with_retention_interval(None)
+        .with_jitter(std::sync::Arc::new(NoJitter))
+        .with_batch(batch)
 }
 
 /// `len` characters no compression shortens: an index entry holds them as they are.

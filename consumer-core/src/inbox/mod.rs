@@ -813,11 +813,6 @@ impl<DB: Backend> Inbox<DB> {
         &self.names
     }
 
-    /// Takes the per-key lock (in process, then in the database) on a pooled connection.
-    pub(crate) async fn lease(&self, handler: &str, key: &str) -> Result<Lease<DB>, sqlx::Error> {
-        self.lease_many(handler, std::slice::from_ref(&key)).await
-    }
-
     /// Takes the in-process locks of several keys, always in ascending lock id order so that
     /// two batches sharing keys cannot deadlock, and a connection. The database locks are
     /// taken by the first statement on it ([`Lease::locking`]).
@@ -962,14 +957,14 @@ mod tests {
             .unwrap();
         let inbox = Inbox::new(pool, InboxConfig::default()).await.unwrap();
         {
-            let mut lease = inbox.lease("h", "k").await.unwrap();
+            let mut lease = inbox.lease_many("h", &["k"]).await.unwrap();
             let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1))
                 .await
                 .unwrap();
             // The transaction's owner is gone without a rollback, as after that cancellation.
             std::mem::forget(tx);
         }
-        let mut lease = inbox.lease("h", "k").await.unwrap();
+        let mut lease = inbox.lease_many("h", &["k"]).await.unwrap();
         let tx =
             <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1)).await;
         assert!(tx.is_ok(), "{:?}", tx.err());

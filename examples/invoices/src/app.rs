@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use consumer_core::fault::{FaultInjector, RandomFaults};
 use consumer_core::{Handler, Inbox, InboxConfig, Stats, Worker, WorkerConfig};
 use futures::StreamExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -97,6 +96,37 @@ fn not_reachable_yet(e: &sqlx::Error) -> bool {
     }
 }
 
+/// The chaos suite's switches from the environment (`CONSUMER_FAULTS`,
+/// `CONSUMER_BROKEN_ACK_BEFORE_COMMIT`), with the `chaos` feature.
+#[cfg(feature = "chaos")]
+fn chaos_switches(settings: &Settings, config: WorkerConfig) -> anyhow::Result<WorkerConfig> {
+    use consumer_core::fault::{FaultInjector, RandomFaults};
+    let mut config = config.with_broken_ack_before_commit(settings.broken_ack_before_commit);
+    if let Some(faults) = RandomFaults::from_env()? {
+        tracing::warn!("fault points are on (CONSUMER_FAULTS): this process will abort at random");
+        config = config.with_faults(Arc::new(faults) as Arc<dyn FaultInjector>);
+    }
+    if settings.broken_ack_before_commit {
+        tracing::error!(
+            "CONSUMER_BROKEN_ACK_BEFORE_COMMIT=1: acking before the handler runs; \
+             effects WILL be lost (test-only switch, never in production)"
+        );
+    }
+    Ok(config)
+}
+
+/// Without the `chaos` feature, the chaos suite's switches are refused, not ignored.
+#[cfg(not(feature = "chaos"))]
+fn chaos_switches(settings: &Settings, config: WorkerConfig) -> anyhow::Result<WorkerConfig> {
+    let faults = std::env::var_os("CONSUMER_FAULTS").is_some_and(|v| !v.is_empty());
+    if faults || settings.broken_ack_before_commit {
+        anyhow::bail!(
+            "CONSUMER_FAULTS and CONSUMER_BROKEN_ACK_BEFORE_COMMIT need a build with the `chaos` feature"
+        );
+    }
+    Ok(config)
+}
+
 /// Runs `handler` on the queue from the settings (`default_queue` unless `QUEUE` is set)
 /// until SIGTERM or Ctrl-C, then lets in-flight jobs finish and settle before returning.
 pub async fn run_worker<H: Handler<Postgres>>(
@@ -114,23 +144,12 @@ pub async fn run_worker<H: Handler<Postgres>>(
         InboxConfig::in_schema(settings.schema.clone()),
     )
     .await?;
-    let faults = RandomFaults::from_env()?.map(|f| Arc::new(f) as Arc<dyn FaultInjector>);
-    if faults.is_some() {
-        tracing::warn!("fault points are on (CONSUMER_FAULTS): this process will abort at random");
-    }
-    if settings.broken_ack_before_commit {
-        tracing::error!(
-            "CONSUMER_BROKEN_ACK_BEFORE_COMMIT=1: acking before the handler runs; \
-             effects WILL be lost (test-only switch, never in production)"
-        );
-    }
-    let config = WorkerConfig {
-        concurrency: settings.concurrency,
-        faults,
-        batch: settings.batch,
-        broken_ack_before_commit: settings.broken_ack_before_commit,
-        ..WorkerConfig::default()
-    };
+    let config = chaos_switches(
+        &settings,
+        WorkerConfig::default()
+            .with_concurrency(settings.concurrency)
+            .with_batch(settings.batch),
+    )?;
     let worker = Worker::with_config(inbox, handler, config)?;
     let (transport, closed) = transport::consumer(&settings).await?;
     // Counts deliveries the broker flags as delivered before (after a crash or a lost

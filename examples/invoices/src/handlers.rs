@@ -4,7 +4,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use consumer_core::fault::FaultPoint;
 use consumer_core::{handler, Context, FlagGuard, HandlerError};
 use sqlx::Postgres;
 
@@ -184,6 +183,7 @@ pub async fn send_email(
         provider.send(&email).await?;
     }
     // Chaos tests crash here: the provider has the email, the transaction does not.
-    ctx.fault_point(FaultPoint::InEffect)?;
+    #[cfg(feature = "chaos")]
+    ctx.fault_point(consumer_core::fault::FaultPoint::InEffect)?;
     Ok(())
 }

@@ -113,10 +113,10 @@ impl Settings {
             .context("KAFKA_PARTITIONS must be between 1 and 2^31-1")?;
         let batch = match number("BATCH_SIZE", 0)? {
             0 => None,
-            n => Some(BatchConfig {
-                max_messages: usize::try_from(n).context("BATCH_SIZE is too large")?,
-                max_wait: Duration::from_millis(number("BATCH_WAIT_MS", 5)?),
-            }),
+            n => Some(BatchConfig::new(
+                usize::try_from(n).context("BATCH_SIZE is too large")?,
+                Duration::from_millis(number("BATCH_WAIT_MS", 5)?),
+            )),
         };
         Ok(Settings {
             transport,

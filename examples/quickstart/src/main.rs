@@ -146,11 +146,9 @@ async fn main() -> anyhow::Result<()> {
             (FaultPoint::BeforeCommit, "invoice-7".to_owned()),
         ],
     ));
-    let config = WorkerConfig {
-        concurrency: 4,
-        faults: Some(crashes.clone()),
-        ..WorkerConfig::default()
-    };
+    let config = WorkerConfig::default()
+        .with_concurrency(4)
+        .with_faults(crashes.clone());
 
     let mut total = StatsSnapshot::default();
     let mut restarts = 0;

@@ -62,11 +62,9 @@ async fn main() -> anyhow::Result<()> {
     let worker = Worker::with_config(
         inbox,
         kafka_record,
-        WorkerConfig {
-            concurrency,
-            retention_interval: None,
-            ..WorkerConfig::default()
-        },
+        WorkerConfig::default()
+            .with_concurrency(concurrency)
+            .with_retention_interval(None),
     )?;
     let transport = KafkaConsumer::new(KafkaConfig::from_env()?)?;
     worker

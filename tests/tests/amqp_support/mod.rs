@@ -75,12 +75,10 @@ pub(crate) fn config(queue: &str) -> AmqpConfig {
 
 /// Worker settings for tests: no jitter (delays are the backoff's ceilings), no purge task.
 pub(crate) fn worker_config(concurrency: usize) -> WorkerConfig {
-    WorkerConfig {
-        concurrency,
-        retention_interval: None,
-        jitter: Some(std::sync::Arc::new(NoJitter)),
-        ..WorkerConfig::default()
-    }
+    WorkerConfig::default()
+        .with_concurrency(concurrency)
+        .with_retention_interval(None)
+        .with_jitter(std::sync::Arc::new(NoJitter))
 }
 
 /// A PostgreSQL schema of its own with the invoice example's tables, its inbox, and the

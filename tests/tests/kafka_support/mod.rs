@@ -211,12 +211,10 @@ impl KafkaEnv {
 }
 
 pub(crate) fn worker_config(concurrency: usize) -> WorkerConfig {
-    WorkerConfig {
-        concurrency,
-        retention_interval: None,
-        jitter: Some(Arc::new(NoJitter)),
-        ..WorkerConfig::default()
-    }
+    WorkerConfig::default()
+        .with_concurrency(concurrency)
+        .with_retention_interval(None)
+        .with_jitter(Arc::new(NoJitter))
 }
 
 fn plain_client(group: Option<&str>) -> ClientConfig {

@@ -1,51 +1,12 @@
-//! Named fault points: crash the worker at an exact moment, to prove that no moment loses or
-//! duplicates an effect. Off unless a [`FaultInjector`] is configured; when off, each point
-//! costs one branch on an `Option`.
+//! The fault injectors: what decides that a fault point fires, and what it then does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use super::point::FaultPoint;
+use crate::delivery::{Acknowledger, Settlement};
 use crate::retry::{Jitter, ThreadSafeRng};
-use crate::Error;
-
-/// A moment in the processing of one delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum FaultPoint {
-    /// The handler ran; its transaction is not committed.
-    BeforeCommit,
-    /// The transaction committed; the delivery is not settled (acked).
-    AfterCommit,
-    /// The delivery was settled.
-    AfterAck,
-    /// Inside an external effect, after the provider was called but before the handler's
-    /// transaction recorded it. Reached only where a handler calls [`crate::Context::fault_point`].
-    InEffect,
-}
-
-impl FaultPoint {
-    /// A stable name for configuration and reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FaultPoint::BeforeCommit => "before_commit",
-            FaultPoint::AfterCommit => "after_commit",
-            FaultPoint::AfterAck => "after_ack",
-            FaultPoint::InEffect => "in_effect",
-        }
-    }
-
-    /// Parses [`FaultPoint::as_str`].
-    pub fn parse(s: &str) -> Option<Self> {
-        [
-            FaultPoint::BeforeCommit,
-            FaultPoint::AfterCommit,
-            FaultPoint::AfterAck,
-            FaultPoint::InEffect,
-        ]
-        .into_iter()
-        .find(|p| p.as_str() == s)
-    }
-}
+use crate::{Error, TransportError};
 
 /// What a triggered fault point does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,6 +159,19 @@ impl FaultInjector for RandomFaults {
         } else {
             None
         }
+    }
+}
+
+/// The acknowledger left to a delivery that was already acked (the deliberately broken
+/// ack-before-commit mode): it settles nothing.
+pub(crate) struct Settled;
+
+impl Acknowledger for Settled {
+    fn settle(
+        self: Box<Self>,
+        _settlement: Settlement,
+    ) -> futures::future::BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
     }
 }
 

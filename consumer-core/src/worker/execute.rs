@@ -1,0 +1,418 @@
+//! The execute stage: a group of claimed jobs runs in one transaction with the inbox's
+//! claim (fresh) or completion (counted), and commits once. If a handler fails in a group
+//! of several, the transaction rolls back and each job runs again alone, through the same
+//! code, so one failure never sinks or half-commits the others.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures::FutureExt;
+
+use super::job::Job;
+use super::settle::Settled;
+use super::{Crash, Inner};
+use crate::fault::point::FaultPoint;
+use crate::handler::{BatchContext, BatchMember, Context, Handler};
+use crate::inbox::{Backend, Lease};
+use crate::stats::Stats;
+use crate::HandlerError;
+
+/// How one job's attempt in a transaction ended.
+#[derive(Debug)]
+pub(super) enum Attempted {
+    /// The handler's writes and the key's claim or completion committed.
+    Committed,
+    /// The handler failed (or its writes were refused at the commit): rolled back; a
+    /// failed attempt.
+    Failed(HandlerError),
+    /// The key's row was no longer this attempt's at the completion (another worker
+    /// completed it or counted a newer attempt on it): rolled back, and the delivery is a
+    /// duplicate of the one that holds the key now.
+    Overtaken,
+    /// The completion or the commit failed for a reason of the database's own (a
+    /// failover, a lost connection): the outcome is unknown, and it is no failed attempt.
+    CommitFailed(Arc<sqlx::Error>),
+}
+
+impl Attempted {
+    /// A failed completion or commit: the database's fault unless it refused the handler's
+    /// own writes (an integrity violation found at the commit, such as a deferred
+    /// constraint), which is the handler's failed attempt.
+    fn commit_failed(e: Arc<sqlx::Error>) -> Self {
+        if refused_writes(&e) {
+            Attempted::Failed(HandlerError::transient(CommitFailed(e)))
+        } else {
+            Attempted::CommitFailed(e)
+        }
+    }
+}
+
+/// Whether a failed commit refused the handler's own writes: an integrity constraint
+/// violation (SQLSTATE class 23) found at the commit, such as a deferred constraint's.
+fn refused_writes(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code.starts_with("23"))
+}
+
+/// The commit of a handler's transaction failed: the outcome is unknown, so retry; if it did
+/// commit, the redelivery is recognised as a duplicate.
+#[derive(Debug, thiserror::Error)]
+#[error("commit failed")]
+struct CommitFailed(#[source] Arc<sqlx::Error>);
+
+/// How a group's transaction ended.
+enum Ended {
+    /// Every fresh key had a row already: nothing left to run.
+    Nothing,
+    /// No transaction could begin, or the fresh claim failed: no handler ran.
+    NotRun(sqlx::Error),
+    /// A handler failed: rolled back.
+    Failed(HandlerError),
+    /// A key was overtaken at the completion: rolled back.
+    Overtaken,
+    Committed,
+    CommitFailed(sqlx::Error),
+}
+
+impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
+    /// Runs the claimed `jobs` (all fresh or all counted, as `fresh` says) on the lease's
+    /// connection and pushes each verdict to `settled`; a fresh job whose key has a row
+    /// already, or a job of a group whose statement the inbox refused, goes to `alone`, to
+    /// take the counted path by itself after the batch.
+    pub(super) async fn execute(
+        &self,
+        lease: &mut Lease<DB>,
+        jobs: Vec<Job<H::Message>>,
+        fresh: bool,
+        settled: &mut Vec<Settled>,
+        alone: &mut Vec<Job<H::Message>>,
+    ) -> Result<(), Crash> {
+        self.execute_on(lease, jobs, fresh, true, settled, alone)
+            .await
+    }
+
+    /// [`Inner::execute`]; `first`: the group's first transaction, whose completion releases
+    /// the lease's database locks. The one-by-one reruns keep them until the lease is
+    /// released, so that no other worker counts an attempt on their keys meanwhile.
+    async fn execute_on(
+        &self,
+        lease: &mut Lease<DB>,
+        mut jobs: Vec<Job<H::Message>>,
+        fresh: bool,
+        first: bool,
+        settled: &mut Vec<Settled>,
+        alone: &mut Vec<Job<H::Message>>,
+    ) -> Result<(), Crash> {
+        let together = jobs.len() > 1;
+        let (conn, held) = lease.held();
+        let held = if first { held } else { &[] };
+        let mut unlocked = false;
+        let ended = self
+            .transaction(conn, held, &mut unlocked, &mut jobs, fresh, alone)
+            .await;
+        if unlocked {
+            lease.released_in_db();
+        }
+        let attempted = match ended? {
+            Ended::Nothing => return Ok(()),
+            Ended::NotRun(e) => {
+                self.retry_all_after_db_error(&e, jobs, settled, alone);
+                return Ok(());
+            }
+            Ended::Committed => {
+                if together {
+                    Stats::bump(&self.stats.batches);
+                }
+                None
+            }
+            Ended::CommitFailed(e) => {
+                if together {
+                    tracing::warn!(error = %e, "batch commit failed");
+                }
+                Some(Arc::new(e))
+            }
+            Ended::Failed(failure) if !together => {
+                let mut job = jobs.pop().expect("a group of one");
+                let verdict = self
+                    .conclude(lease.conn(), &mut job, Attempted::Failed(failure))
+                    .await;
+                settled.push(self.settled(job, verdict));
+                return Ok(());
+            }
+            Ended::Overtaken if !together => {
+                let mut job = jobs.pop().expect("a group of one");
+                let verdict = self
+                    .conclude(lease.conn(), &mut job, Attempted::Overtaken)
+                    .await;
+                settled.push(self.settled(job, verdict));
+                return Ok(());
+            }
+            Ended::Failed(_) | Ended::Overtaken => {
+                // One by one, each in its own transaction; the locks and the counted claims
+                // are still held, so no attempt is counted twice.
+                for job in jobs {
+                    let one = vec![job];
+                    Box::pin(self.execute_on(lease, one, fresh, false, settled, alone)).await?;
+                }
+                return Ok(());
+            }
+        };
+        for mut job in jobs {
+            let attempted = match &attempted {
+                None => Attempted::Committed,
+                Some(e) => Attempted::commit_failed(e.clone()),
+            };
+            let verdict = self.conclude(lease.conn(), &mut job, attempted).await;
+            settled.push(self.settled(job, verdict));
+        }
+        Ok(())
+    }
+
+    /// One transaction over `jobs`: claim the fresh keys (those that have a row already move
+    /// to `alone`), run the handlers, complete the counted keys (releasing the database locks
+    /// `unlock` in that statement, then setting `unlocked`), commit.
+    async fn transaction(
+        &self,
+        conn: &mut DB::Connection,
+        unlock: &[i64],
+        unlocked: &mut bool,
+        jobs: &mut Vec<Job<H::Message>>,
+        fresh: bool,
+        alone: &mut Vec<Job<H::Message>>,
+    ) -> Result<Ended, Crash> {
+        let s = &self.settings;
+        let names = self.inbox.names();
+        let mut tx = match DB::begin_handler(conn, s.timeout).await {
+            Ok(tx) => tx,
+            Err(e) => return Ok(Ended::NotRun(e)),
+        };
+        if fresh {
+            let claimed = if jobs.len() == 1 {
+                let (key, hash) = (&jobs[0].key, &jobs[0].hash);
+                DB::claim_fresh(&mut tx, names, &self.name, key, hash, s.retention)
+                    .await
+                    .map(|claimed| {
+                        if claimed {
+                            Vec::new()
+                        } else {
+                            vec![key.clone()]
+                        }
+                    })
+            } else {
+                let items: Vec<(&str, &str)> = jobs
+                    .iter()
+                    .map(|j| (j.key.as_str(), j.hash.as_str()))
+                    .collect();
+                DB::claim_fresh_many(&mut tx, names, &self.name, &items, s.retention).await
+            };
+            match claimed {
+                Ok(taken) if taken.is_empty() => {}
+                Ok(taken) => {
+                    let (rest, had_rows) = std::mem::take(jobs)
+                        .into_iter()
+                        .partition(|j| !taken.contains(&j.key));
+                    *jobs = rest;
+                    alone.extend(had_rows);
+                }
+                Err(e) => return Ok(Ended::NotRun(e)),
+            }
+            if jobs.is_empty() {
+                if let Err(e) = tx.rollback().await {
+                    tracing::debug!(error = %e, "rollback failed");
+                }
+                return Ok(Ended::Nothing);
+            }
+        }
+        if let Err(failure) = self.run_handlers(&mut tx, jobs).await? {
+            if let Err(rb) = tx.rollback().await {
+                tracing::warn!(error = %rb, "rollback failed");
+            }
+            return Ok(Ended::Failed(failure));
+        }
+        for job in jobs.iter() {
+            self.fault(FaultPoint::BeforeCommit, &job.key)?;
+        }
+        if !fresh {
+            let completed = if jobs.len() == 1 {
+                let (key, n) = (&jobs[0].key, jobs[0].attempt);
+                DB::complete(&mut tx, names, &self.name, key, n, s.retention, unlock)
+                    .await
+                    .map(u64::from)
+            } else {
+                let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+                let attempts: Vec<u32> = jobs.iter().map(|j| j.attempt).collect();
+                let (name, retention) = (&self.name, s.retention);
+                DB::complete_many(&mut tx, names, name, &keys, &attempts, retention, unlock).await
+            };
+            match completed {
+                Ok(n) => {
+                    *unlocked = !unlock.is_empty();
+                    if n != jobs.len() as u64 {
+                        // A key was overtaken by another worker: its handler's writes must
+                        // not commit.
+                        if let Err(rb) = tx.rollback().await {
+                            tracing::warn!(error = %rb, "rollback failed");
+                        }
+                        return Ok(Ended::Overtaken);
+                    }
+                }
+                Err(e) => return Ok(Ended::CommitFailed(e)),
+            }
+        }
+        Ok(match tx.commit().await {
+            Ok(()) => Ended::Committed,
+            Err(e) => Ended::CommitFailed(e),
+        })
+    }
+
+    /// Runs the handlers of `jobs` in the open transaction `tx`: for a group of several,
+    /// the handler's batch function if it has one, else the handler once per message,
+    /// stopping at the first failure. The runs of a group are tentative: if one fails, they
+    /// are counted as reruns and every job runs again alone.
+    async fn run_handlers(
+        &self,
+        tx: &mut DB::Connection,
+        jobs: &mut [Job<H::Message>],
+    ) -> Result<Result<(), HandlerError>, Crash> {
+        let tentative = jobs.len() > 1;
+        // Runs made, to count as reruns if the group fails.
+        let mut runs = 0;
+        let result = if tentative && self.handler.handles_batches() {
+            let mut messages = Vec::with_capacity(jobs.len());
+            for job in jobs.iter_mut() {
+                match job.take_message() {
+                    Ok(m) => messages.push(m),
+                    Err(e) => return Ok(Err(no_longer_decodes(e))),
+                }
+            }
+            let members: Vec<BatchMember<'_>> = jobs
+                .iter()
+                .map(|job| BatchMember {
+                    key: &job.key,
+                    attempt: job.attempt,
+                    delivery: &job.delivery,
+                })
+                .collect();
+            let mut ctx = BatchContext {
+                conn: &mut *tx,
+                handler: &self.name,
+                members: &members,
+            };
+            runs = messages.len() as u64;
+            Stats::add(&self.stats.handler_runs, runs);
+            self.invoke_batch(&mut ctx, messages).await
+        } else {
+            let mut result = Ok(());
+            for job in jobs.iter_mut() {
+                let message = match job.take_message() {
+                    Ok(m) => m,
+                    Err(e) => {
+                        result = Err(no_longer_decodes(e));
+                        break;
+                    }
+                };
+                let mut ctx = Context {
+                    conn: &mut *tx,
+                    handler: &self.name,
+                    key: &job.key,
+                    attempt: job.attempt,
+                    delivery: &job.delivery,
+                    #[cfg(feature = "fault-injection")]
+                    faults: self.faults.as_deref(),
+                };
+                runs += 1;
+                result = self.invoke(&mut ctx, message, tentative).await;
+                if result.is_err() {
+                    break;
+                }
+            }
+            result
+        };
+        match result {
+            Err(e) => {
+                if let Some(point) = e.crashed() {
+                    return Err(Crash(point));
+                }
+                if tentative {
+                    tracing::debug!(error = %e, "a handler of the batch failed: the batch runs again one by one");
+                    Stats::add(&self.stats.batch_reruns, runs);
+                }
+                Ok(Err(e))
+            }
+            Ok(()) => Ok(Ok(())),
+        }
+    }
+
+    /// Runs the handler in `ctx`, turning a panic or a timeout into a transient failure.
+    /// `tentative`: a batch's run, which is repeated alone if the batch fails, so its panics
+    /// and timeouts are counted then, once.
+    async fn invoke(
+        &self,
+        ctx: &mut Context<'_, DB>,
+        message: H::Message,
+        tentative: bool,
+    ) -> Result<(), HandlerError> {
+        let timeout = self.settings.timeout;
+        Stats::bump(&self.stats.handler_runs);
+        let run = AssertUnwindSafe(self.handler.handle(ctx, message)).catch_unwind();
+        match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => {
+                if !tentative {
+                    Stats::bump(&self.stats.panics);
+                }
+                Err(HandlerError::transient(format!(
+                    "handler panicked: {}",
+                    panic_message(&*panic)
+                )))
+            }
+            Err(_) => {
+                if !tentative {
+                    Stats::bump(&self.stats.timeouts);
+                }
+                Err(HandlerError::transient(format!(
+                    "handler timed out after {timeout:?}"
+                )))
+            }
+        }
+    }
+
+    /// Runs the handler's batch function in `ctx`, turning a panic or a timeout (the
+    /// handler's, for the whole batch) into a failure. Always tentative: a failed batch runs
+    /// again one message at a time, where panics and timeouts are counted.
+    async fn invoke_batch(
+        &self,
+        ctx: &mut BatchContext<'_, DB>,
+        messages: Vec<H::Message>,
+    ) -> Result<(), HandlerError> {
+        let timeout = self.settings.timeout;
+        let run = AssertUnwindSafe(self.handler.handle_batch(ctx, messages)).catch_unwind();
+        match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => Err(HandlerError::transient(format!(
+                "batch function panicked: {}",
+                panic_message(&*panic)
+            ))),
+            Err(_) => Err(HandlerError::transient(format!(
+                "batch function timed out after {timeout:?}"
+            ))),
+        }
+    }
+}
+
+/// A payload that decoded when the job was prepared and no longer does: cannot happen with a
+/// deterministic decoder, and no retry would help.
+fn no_longer_decodes(e: serde_json::Error) -> HandlerError {
+    HandlerError::permanent(format!("the payload no longer decodes: {e}"))
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}

@@ -1,0 +1,529 @@
+//! The runtime: takes deliveries from a transport, runs the handler exactly once per key, and
+//! settles each delivery only after its outcome is durable.
+//!
+//! Every delivery goes through one pipeline, in batches (a batch of one in the per-message
+//! mode):
+//!
+//! 1. **prepare** ([`job`]): decode the payload and derive the key, once; a message that
+//!    cannot run gets its verdict here. The inbox then judges which jobs are fresh
+//!    ([`Freshness`]).
+//! 2. **claim** ([`claim`]): fresh jobs claim their keys in the handler's transaction;
+//!    the others count their attempt first, with one statement for the group, and the
+//!    claim decides: run as attempt n, or settle (duplicate, conflict, dead, quarantined).
+//! 3. **execute** ([`execute`]): one transaction for the group, one commit; if a handler
+//!    fails in a group of several, each job runs again alone.
+//! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers.
+//!
+//! [`attempt`] computes every attempt number.
+
+mod attempt;
+mod claim;
+mod config;
+mod execute;
+mod job;
+mod settle;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::Arc;
+
+use futures::{FutureExt, StreamExt};
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+use tracing::{field, Instrument};
+
+pub use config::{BatchConfig, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};
+
+use self::claim::Decision;
+use self::config::Settings;
+use self::job::{Job, Verdict};
+use self::settle::{settle_all, Settled};
+use crate::delivery::{DeadLetterReason, Incoming, Transport};
+use crate::fault::point::FaultPoint;
+use crate::handler::Handler;
+use crate::inbox::{AttemptItem, Backend, Inbox};
+use crate::log_marks::Freshness;
+use crate::stats::{Stats, StatsSnapshot};
+use crate::Error;
+
+/// Runs one handler over one transport. Cheap to clone; clones share counters.
+pub struct Worker<DB: Backend, H: Handler<DB>> {
+    inner: Arc<Inner<DB, H>>,
+}
+
+impl<DB: Backend, H: Handler<DB>> Clone for Worker<DB, H> {
+    fn clone(&self) -> Self {
+        Worker {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// What the pipeline's stages share.
+struct Inner<DB: Backend, H: Handler<DB>> {
+    inbox: Inbox<DB>,
+    handler: H,
+    settings: Settings,
+    /// The handler's name, shared with the acknowledgers that record retries.
+    name: Arc<str>,
+    concurrency: usize,
+    batch: Option<BatchConfig>,
+    retention_interval: Option<std::time::Duration>,
+    retention_batch: u32,
+    stats: Arc<Stats>,
+    freshness: Freshness<DB>,
+    #[cfg(feature = "fault-injection")]
+    faults: Option<Arc<dyn crate::fault::FaultInjector>>,
+    #[cfg(feature = "fault-injection")]
+    broken_ack_before_commit: bool,
+}
+
+/// Why a delivery's processing stopped without settling: a fault point simulated a crash.
+/// Without the `fault-injection` feature nothing constructs it.
+#[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+struct Crash(FaultPoint);
+
+impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
+    /// A worker with the default [`WorkerConfig`]. Fails at once, naming the option, if the
+    /// handler's settings are invalid.
+    pub fn new(inbox: Inbox<DB>, handler: H) -> Result<Self, Error> {
+        Self::with_config(inbox, handler, WorkerConfig::default())
+    }
+
+    /// A worker with `config`. Fails at once, naming the option, on an invalid setting.
+    pub fn with_config(inbox: Inbox<DB>, handler: H, config: WorkerConfig) -> Result<Self, Error> {
+        let settings = Settings::validate(handler.options(), &config)?;
+        let name: Arc<str> = Arc::from(settings.name.as_str());
+        Ok(Worker {
+            inner: Arc::new(Inner {
+                freshness: Freshness::new(inbox.clone(), settings.name.clone()),
+                inbox,
+                handler,
+                settings,
+                name,
+                concurrency: config.concurrency,
+                batch: config.batch,
+                retention_interval: config.retention_interval,
+                retention_batch: config.retention_batch,
+                stats: Arc::new(Stats::default()),
+                #[cfg(feature = "fault-injection")]
+                faults: config.faults,
+                #[cfg(feature = "fault-injection")]
+                broken_ack_before_commit: config.broken_ack_before_commit,
+            }),
+        })
+    }
+
+    /// The counters now (a consistent copy of each; the counters keep moving).
+    pub fn snapshot(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+
+    /// A handle on the live counters, for a task that reports them while the worker runs.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.inner.stats.clone()
+    }
+
+    /// The handler's stable name.
+    pub fn handler_name(&self) -> &str {
+        &self.inner.settings.name
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &Inbox<DB> {
+        &self.inner.inbox
+    }
+
+    /// Consumes `transport` until it ends or `shutdown` completes.
+    ///
+    /// On shutdown it stops taking deliveries, lets those in flight finish and settle, then
+    /// drops the transport and returns `Ok`. With the `fault-injection` feature, a fault
+    /// point with `FaultAction::StopWorker` drops everything in flight unsettled, as a crash
+    /// would, and returns `Error::Crashed`.
+    pub async fn run<T: Transport>(
+        &self,
+        mut transport: T,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), Error> {
+        let permits = Arc::new(Semaphore::new(self.inner.concurrency));
+        let (crash_tx, mut crash_rx) = watch::channel(None::<FaultPoint>);
+        let mut tasks = JoinSet::new();
+        let retention = self.spawn_retention();
+        let shutdown = shutdown.fuse();
+        futures::pin_mut!(shutdown);
+
+        let crashed = loop {
+            let permit = tokio::select! {
+                biased;
+                _ = crash_rx.changed() => break *crash_rx.borrow(),
+                _ = &mut shutdown => break None,
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break None,
+                },
+            };
+            let next = tokio::select! {
+                biased;
+                _ = crash_rx.changed() => break *crash_rx.borrow(),
+                _ = &mut shutdown => break None,
+                next = transport.next() => next,
+            };
+            let mut ended = false;
+            match next {
+                None => break None,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "transport error while receiving");
+                }
+                Some(Ok(incoming)) => {
+                    let batching = self.inner.batch.as_ref();
+                    let mut batch = Vec::with_capacity(batching.map_or(1, |b| b.max_messages));
+                    batch.push(incoming);
+                    if let Some(b) = batching {
+                        ended = gather(&mut transport, &mut batch, b).await;
+                    }
+                    let worker = self.clone();
+                    let crash_tx = crash_tx.clone();
+                    tasks.spawn(async move {
+                        if let Err(Crash(point)) = worker.inner.process(batch).await {
+                            let _ = crash_tx.send(Some(point));
+                        }
+                        drop(permit);
+                    });
+                }
+            }
+            if ended {
+                break None;
+            }
+            while let Some(done) = tasks.try_join_next() {
+                log_join(done);
+            }
+        };
+
+        let crashed = match crashed {
+            Some(point) => Some(point),
+            None => {
+                // Graceful: finish and settle what is in flight, unless one of them crashes.
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = crash_rx.changed() => break *crash_rx.borrow(),
+                        done = tasks.join_next() => match done {
+                            Some(done) => log_join(done),
+                            None => break None,
+                        },
+                    }
+                }
+            }
+        };
+        if let Some(r) = retention {
+            r.abort();
+        }
+        if let Some(point) = crashed {
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+            drop(transport);
+            tracing::error!(fault_point = point.as_str(), "worker crashed (simulated)");
+            return Err(crashed_at(point));
+        }
+        drop(transport);
+        Ok(())
+    }
+
+    fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let interval = self.inner.retention_interval?;
+        let inbox = self.inner.inbox.clone();
+        let batch = self.inner.retention_batch;
+        Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match inbox.purge_expired(batch).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(deleted = n, "purged expired inbox rows"),
+                    Err(e) => tracing::warn!(error = %e, "inbox retention purge failed"),
+                }
+            }
+        }))
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+fn crashed_at(point: FaultPoint) -> Error {
+    Error::Crashed(point.as_str())
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn crashed_at(point: FaultPoint) -> Error {
+    unreachable!("no fault point fires without fault injection ({point:?})")
+}
+
+/// Adds what arrives within the batch window to `batch`; `true` if the transport ended.
+async fn gather<T: Transport>(
+    transport: &mut T,
+    batch: &mut Vec<Incoming>,
+    config: &BatchConfig,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + config.max_wait;
+    while batch.len() < config.max_messages {
+        // What is ready now is taken without arming the window's timer.
+        let next = match transport.next().now_or_never() {
+            Some(next) => Ok(next),
+            None => tokio::time::timeout_at(deadline, transport.next()).await,
+        };
+        match next {
+            Ok(Some(Ok(incoming))) => batch.push(incoming),
+            Ok(Some(Err(e))) => tracing::warn!(error = %e, "transport error while receiving"),
+            Ok(None) => return true,
+            Err(_) => break,
+        }
+    }
+    false
+}
+
+impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
+    /// The pipeline over one batch (one delivery in the per-message mode): prepare, claim,
+    /// execute, settle. `Err` is a simulated crash: nothing of the batch was settled.
+    async fn process(&self, batch: Vec<Incoming>) -> Result<(), Crash> {
+        let span = if batch.len() == 1 {
+            tracing::info_span!(
+                "delivery",
+                handler = %self.name,
+                source = %batch[0].delivery.source,
+                key = field::Empty,
+                attempt = field::Empty,
+                outcome = field::Empty,
+            )
+        } else {
+            tracing::info_span!("batch", handler = %self.name, size = batch.len())
+        };
+        self.stages(batch).instrument(span).await
+    }
+
+    async fn stages(&self, batch: Vec<Incoming>) -> Result<(), Crash> {
+        let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
+        let mut jobs: Vec<Job<H::Message>> = Vec::with_capacity(batch.len());
+        // A key twice in one batch: the second copy goes through the pipeline (and is
+        // counted as received) after the batch, and is then seen as a duplicate.
+        let mut repeats = Vec::new();
+        let check_repeats = batch.len() > 1;
+        let mut seen = HashSet::new();
+        for incoming in batch {
+            #[cfg(feature = "fault-injection")]
+            let incoming = self.broken_early_ack(incoming).await;
+            match job::prepare::<H::Message>(&self.settings, incoming) {
+                Err((incoming, verdict)) => {
+                    Stats::bump(&self.stats.received);
+                    settled.push(Settled {
+                        acker: incoming.acker,
+                        verdict,
+                    });
+                }
+                Ok(job) if check_repeats && !seen.insert(job.key.clone()) => repeats.push(job),
+                Ok(job) => {
+                    Stats::bump(&self.stats.received);
+                    jobs.push(job);
+                }
+            }
+        }
+        if let [job] = jobs.as_slice() {
+            tracing::Span::current().record("key", job.key.as_str());
+        }
+        self.freshness
+            .judge(&mut jobs, |j| (&j.delivery, &mut j.fresh))
+            .await;
+        // Only fault injection needs the keys once the jobs have moved on.
+        let fault_keys = self.fault_keys(&jobs);
+        let (fresh, counted): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|j| j.fresh);
+        let mut alone = Vec::new();
+        self.run_group(fresh, true, &mut settled, &mut alone)
+            .await?;
+        self.run_group(counted, false, &mut settled, &mut alone)
+            .await?;
+        // Fresh jobs whose keys had rows (a republished duplicate, say), and the jobs of a
+        // statement the inbox refused, now that this batch's locks are released.
+        for mut job in alone {
+            job.fresh = false;
+            job.attempt = job.delivery.attempt;
+            self.run_group(vec![job], false, &mut settled, &mut Vec::new())
+                .await?;
+        }
+        if let [one] = settled.as_slice() {
+            tracing::Span::current().record("outcome", one.verdict.outcome.as_str());
+        }
+        // A fault point fires for the batch if it fires for any of its keys.
+        for key in &fault_keys {
+            self.fault(FaultPoint::AfterCommit, key)?;
+        }
+        for (outcome, result) in settle_all(settled).await {
+            self.count(outcome);
+            if let Err(e) = result {
+                Stats::bump(&self.stats.settle_errors);
+                tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
+            }
+        }
+        for key in &fault_keys {
+            self.fault(FaultPoint::AfterAck, key)?;
+        }
+        for job in repeats {
+            Box::pin(self.stages(vec![job.into_incoming()])).await?;
+        }
+        Ok(())
+    }
+
+    /// Claims and executes a group of jobs that are all fresh or all counted, under one
+    /// lease of their keys.
+    async fn run_group(
+        &self,
+        mut jobs: Vec<Job<H::Message>>,
+        fresh: bool,
+        settled: &mut Vec<Settled>,
+        alone: &mut Vec<Job<H::Message>>,
+    ) -> Result<(), Crash> {
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+        let mut lease = match self.inbox.lease_many(&self.name, &keys).await {
+            Ok(l) => l,
+            Err(e) => {
+                self.retry_all_after_db_error(&e, jobs, settled, alone);
+                return Ok(());
+            }
+        };
+        if !fresh {
+            let claims = {
+                let items: Vec<AttemptItem<'_>> = jobs
+                    .iter()
+                    .map(|j| AttemptItem {
+                        key: &j.key,
+                        hash: &j.hash,
+                        attempt: j.attempt,
+                        scope: j.acker.copy_scope(),
+                    })
+                    .collect();
+                let (conn, lock_ids) = lease.locking();
+                let (names, name, max) =
+                    (self.inbox.names(), &self.name, self.settings.max_attempts);
+                match items.as_slice() {
+                    [item] => DB::begin_attempt(conn, names, name, item, max, lock_ids)
+                        .await
+                        .map(|c| vec![c]),
+                    _ => DB::begin_attempts(conn, names, name, &items, max, lock_ids).await,
+                }
+            };
+            let claims = match claims {
+                Ok(c) => c,
+                Err(e) => {
+                    lease.release().await;
+                    self.retry_all_after_db_error(&e, jobs, settled, alone);
+                    return Ok(());
+                }
+            };
+            let mut to_run = Vec::with_capacity(jobs.len());
+            for (mut job, claim) in jobs.into_iter().zip(claims) {
+                let on_conflict = self.settings.on_conflict;
+                match claim::decide(&self.name, &job.delivery, &job.key, claim, on_conflict) {
+                    Decision::Run { attempt } => {
+                        job.attempt = attempt;
+                        to_run.push(job);
+                    }
+                    Decision::Settle(verdict) => settled.push(self.settled(job, verdict)),
+                    Decision::Conflict(verdict) => {
+                        // Counted here: its outcome is a dead letter. A skipped conflict is
+                        // counted by its outcome.
+                        Stats::bump(&self.stats.conflicts);
+                        settled.push(self.settled(job, verdict));
+                    }
+                    Decision::Quarantine { attempts, error } => {
+                        let reason = DeadLetterReason::Quarantined;
+                        self.record_failure(lease.conn(), &job.key, Some(reason), &error)
+                            .await;
+                        Stats::bump(&self.stats.quarantined);
+                        let verdict = Verdict::dead_letter(
+                            &self.name,
+                            &job.delivery,
+                            reason,
+                            Some(&job.key),
+                            attempts,
+                            error,
+                        );
+                        settled.push(self.settled(job, verdict));
+                    }
+                }
+            }
+            jobs = to_run;
+        }
+        if !jobs.is_empty() {
+            if fresh {
+                for job in &mut jobs {
+                    job.attempt = 1;
+                }
+            }
+            self.execute(&mut lease, jobs, fresh, settled, alone)
+                .await?;
+        }
+        lease.release().await;
+        Ok(())
+    }
+
+    /// The keys fault points are checked for, if fault injection is on.
+    fn fault_keys(&self, jobs: &[Job<H::Message>]) -> Vec<String> {
+        #[cfg(feature = "fault-injection")]
+        if self.faults.is_some() {
+            return jobs.iter().map(|j| j.key.clone()).collect();
+        }
+        let _ = jobs;
+        Vec::new()
+    }
+
+    /// Checks the fault point `point` for `key`: `Err` stops the worker, or the process is
+    /// aborted. Without the `fault-injection` feature, nothing.
+    #[inline]
+    fn fault(&self, point: FaultPoint, key: &str) -> Result<(), Crash> {
+        #[cfg(feature = "fault-injection")]
+        if let Some(faults) = &self.faults {
+            match faults.check(point, &self.name, key) {
+                None => {}
+                Some(crate::fault::FaultAction::Abort) => {
+                    tracing::error!(
+                        fault_point = point.as_str(),
+                        key,
+                        "fault point: aborting the process"
+                    );
+                    std::process::abort()
+                }
+                Some(crate::fault::FaultAction::StopWorker) => return Err(Crash(point)),
+            }
+        }
+        let _ = (point, key);
+        Ok(())
+    }
+
+    /// DELIBERATELY BROKEN (see `WorkerConfig::broken_ack_before_commit`): acks the
+    /// delivery before anything runs, and hands on an acker that settles nothing.
+    #[cfg(feature = "fault-injection")]
+    async fn broken_early_ack(&self, incoming: Incoming) -> Incoming {
+        if !self.broken_ack_before_commit {
+            return incoming;
+        }
+        let _ = incoming
+            .acker
+            .settle(crate::delivery::Settlement::Ack)
+            .await;
+        Incoming {
+            delivery: incoming.delivery,
+            acker: Box::new(crate::fault::Settled),
+        }
+    }
+}
+
+fn log_join(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        if e.is_panic() {
+            tracing::error!(error = %e, "delivery task panicked outside the handler");
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! The settle stage: how an attempt ended becomes a verdict (recording failures in the
+//! inbox), and verdicts become settlements applied through the transport's acknowledgers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+
+use super::attempt::{self, AfterFailure};
+use super::claim::dead_text;
+use super::execute::Attempted;
+use super::job::{Job, Outcome, Verdict};
+use super::Inner;
+use crate::delivery::{Acknowledger, DeadLetterReason, Delivery, Settlement};
+use crate::handler::Handler;
+use crate::inbox::{Backend, Inbox};
+use crate::key::refused_by_database;
+use crate::stats::Stats;
+use crate::{HandlerError, TransportError};
+
+/// A verdict waiting to be applied, with its acknowledger.
+pub(super) struct Settled {
+    pub(super) acker: Box<dyn Acknowledger>,
+    pub(super) verdict: Verdict,
+}
+
+/// Applies a batch's settlements, all under way at once, and returns each outcome with its
+/// result, in order. Most settle at their first poll (a Kafka ack marks an offset): those
+/// are polled in place, and only the rest are joined, so a batch does not pay a task and a
+/// wake-up per delivery.
+pub(super) async fn settle_all(
+    settled: Vec<Settled>,
+) -> Vec<(Outcome, Result<(), TransportError>)> {
+    let mut done = Vec::with_capacity(settled.len());
+    let mut waiting = Vec::new();
+    for (i, Settled { acker, verdict }) in settled.into_iter().enumerate() {
+        let mut settling = acker.settle(verdict.settlement);
+        match futures::poll!(settling.as_mut()) {
+            std::task::Poll::Ready(result) => done.push((verdict.outcome, result)),
+            std::task::Poll::Pending => {
+                done.push((verdict.outcome, Ok(())));
+                waiting.push(settling.map(move |result| (i, result)));
+            }
+        }
+    }
+    for (i, result) in futures::future::join_all(waiting).await {
+        done[i].1 = result;
+    }
+    done
+}
+
+/// Settles a retry through the transport's acker, then records in the inbox that the copy
+/// (carrying `attempt`, due after `delay`) is with the broker, on its way to the acker's
+/// [`Acknowledger::copy_scope`] (see [`Backend::record_retry`]). If the record cannot be
+/// written, a redelivery of this delivery runs once more, as it would without it.
+pub(super) struct RecordRetry<DB: Backend> {
+    acker: Box<dyn Acknowledger>,
+    inbox: Inbox<DB>,
+    handler: Arc<str>,
+    key: String,
+    attempt: u32,
+    scope: String,
+    delay: Duration,
+}
+
+impl<DB: Backend> Acknowledger for RecordRetry<DB> {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let RecordRetry {
+                acker,
+                inbox,
+                handler,
+                key,
+                attempt,
+                scope,
+                delay,
+            } = *self;
+            acker.settle(settlement).await?;
+            if let Err(e) = inbox
+                .record_retry(&handler, &key, attempt, &scope, delay)
+                .await
+            {
+                tracing::debug!(error = %e, "could not record the retry copy in the inbox");
+            }
+            Ok(())
+        })
+    }
+
+    fn copy_scope(&self) -> Option<&str> {
+        Some(&self.scope)
+    }
+}
+
+impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
+    /// A job's verdict to apply. The retry of an attempt the inbox counted, when the
+    /// transport writes a copy (see [`Acknowledger::copy_scope`]), settles through a
+    /// [`RecordRetry`], so that a redelivery of this delivery is known to be superseded. A
+    /// retry after a database error is not recorded: the database is likely still
+    /// unreachable, and waiting for it would hold the settlement back.
+    pub(super) fn settled(&self, job: Job<H::Message>, verdict: Verdict) -> Settled {
+        let acker = match (&verdict.settlement, verdict.outcome) {
+            (Settlement::Retry { attempt, delay }, Outcome::Retry { counted: true }) => {
+                match job.acker.copy_scope().map(str::to_owned) {
+                    Some(scope) => Box::new(RecordRetry {
+                        acker: job.acker,
+                        inbox: self.inbox.clone(),
+                        handler: self.name.clone(),
+                        key: job.key,
+                        attempt: *attempt,
+                        scope,
+                        delay: *delay,
+                    }),
+                    None => job.acker,
+                }
+            }
+            _ => job.acker,
+        };
+        Settled { acker, verdict }
+    }
+
+    /// The verdict on an attempt that ran (or tried to) in a transaction, on the lease's
+    /// connection `conn`.
+    pub(super) async fn conclude(
+        &self,
+        conn: &mut DB::Connection,
+        job: &mut Job<H::Message>,
+        attempted: Attempted,
+    ) -> Verdict {
+        // A field of the per-delivery span (a batch's span has none).
+        tracing::Span::current().record("attempt", job.attempt);
+        match attempted {
+            Attempted::Committed => {
+                if job.fresh {
+                    Stats::bump(&self.stats.fresh_completed);
+                }
+                Verdict::ack(Outcome::Completed)
+            }
+            Attempted::Failed(failure) => {
+                if job.fresh {
+                    // The fresh claim rolled back with the failure: count the attempt now.
+                    if let Err(e) = DB::count_fresh_failure(
+                        conn,
+                        self.inbox.names(),
+                        &self.name,
+                        &job.key,
+                        &job.hash,
+                    )
+                    .await
+                    {
+                        Stats::bump(&self.stats.db_errors);
+                        tracing::warn!(key = job.key, error = %e, "could not count a failed attempt");
+                    }
+                }
+                self.fail(conn, job, &failure).await
+            }
+            Attempted::Overtaken => {
+                tracing::warn!(
+                    key = job.key,
+                    attempt = job.attempt,
+                    "the key was completed or counted again by another worker while this attempt ran: rolled back, settled as a duplicate"
+                );
+                Verdict::ack(Outcome::Duplicate)
+            }
+            Attempted::CommitFailed(e) => {
+                // A fresh claim rolled back with the commit: nothing was counted.
+                if !job.fresh {
+                    self.give_back(&job.key, job.attempt).await;
+                }
+                self.retry_after_db_error(&job.delivery, &e)
+            }
+        }
+    }
+
+    /// Records a failed attempt and decides: retry after backoff, or dead-letter.
+    async fn fail(
+        &self,
+        conn: &mut DB::Connection,
+        job: &mut Job<H::Message>,
+        failure: &HandlerError,
+    ) -> Verdict {
+        let s = &self.settings;
+        let error = failure.to_string();
+        let next = attempt::after_failure(
+            failure.kind(),
+            job.attempt,
+            job.delivery.attempt,
+            s.max_attempts,
+        );
+        let reason = match next {
+            AfterFailure::DeadLetter(reason) => Some(reason),
+            AfterFailure::Retry { .. } => None,
+        };
+        self.record_failure(conn, &job.key, reason, &error).await;
+        tracing::warn!(key = job.key, attempt = job.attempt, error = %error, "handler failed");
+        match next {
+            AfterFailure::DeadLetter(reason) => Verdict::dead_letter(
+                &s.name,
+                &job.delivery,
+                reason,
+                Some(&job.key),
+                job.attempt,
+                error,
+            ),
+            AfterFailure::Retry { ran, copy } => Verdict {
+                settlement: Settlement::Retry {
+                    delay: s.backoff.next_delay(ran),
+                    attempt: copy,
+                },
+                outcome: Outcome::Retry { counted: true },
+            },
+        }
+    }
+
+    /// Records a failed attempt's error in the key's row; with a `reason`, the key is dead.
+    pub(super) async fn record_failure(
+        &self,
+        conn: &mut DB::Connection,
+        key: &str,
+        reason: Option<DeadLetterReason>,
+        error: &str,
+    ) {
+        let text = dead_text(reason, error);
+        let names = self.inbox.names();
+        let (dead, retention) = (reason.is_some(), self.settings.retention);
+        if let Err(e) =
+            DB::record_failure(conn, names, &self.name, key, &text, dead, retention).await
+        {
+            Stats::bump(&self.stats.db_errors);
+            tracing::warn!(error = %e, "could not record the failure in the inbox");
+        }
+    }
+
+    /// Gives back the count of an attempt whose commit failed for the database's reason (see
+    /// [`Backend::uncount_attempt`]), so that a failover cannot use up a message's attempts.
+    /// If the database cannot be reached yet, the count stays: the message then has one
+    /// attempt fewer, as after a crash.
+    async fn give_back(&self, key: &str, attempt: u32) {
+        match self.inbox.uncount_attempt(&self.name, key, attempt).await {
+            Ok(given_back) => {
+                tracing::debug!(
+                    key,
+                    attempt,
+                    given_back,
+                    "commit failed: attempt given back"
+                )
+            }
+            Err(e) => {
+                Stats::bump(&self.stats.db_errors);
+                tracing::warn!(key, attempt, error = %e, "commit failed, and its attempt could not be given back");
+            }
+        }
+    }
+
+    /// A retry when the inbox itself failed: the handler did not run, so no attempt is
+    /// counted; the broker's attempt number paces the backoff. A refusal of the key (see
+    /// [`refused_by_database`]) would repeat on every retry: the message is dead-lettered
+    /// `invalid_key` instead.
+    pub(super) fn retry_after_db_error(&self, delivery: &Delivery, e: &sqlx::Error) -> Verdict {
+        Stats::bump(&self.stats.db_errors);
+        if let Some(reason) = refused_by_database(e) {
+            let (name, why) = (&self.settings.name, DeadLetterReason::InvalidKey);
+            return Verdict::dead_letter(name, delivery, why, None, 0, reason);
+        }
+        tracing::error!(error = %e, "inbox unavailable; delivery will be retried");
+        let AfterFailure::Retry { ran, copy } = attempt::after_database_error(delivery.attempt)
+        else {
+            unreachable!("a database error is always retried")
+        };
+        Verdict {
+            settlement: Settlement::Retry {
+                delay: self.settings.backoff.next_delay(ran),
+                attempt: copy,
+            },
+            outcome: Outcome::Retry { counted: false },
+        }
+    }
+
+    /// [`Inner::retry_after_db_error`] for every job of a group that could not run. If the
+    /// database refused the statement's input (see [`refused_by_database`]), the statement
+    /// does not say whose key it was: a group's jobs go to `alone`, to run one by one after
+    /// the batch, where only that one is dead-lettered.
+    pub(super) fn retry_all_after_db_error(
+        &self,
+        e: &sqlx::Error,
+        jobs: Vec<Job<H::Message>>,
+        settled: &mut Vec<Settled>,
+        alone: &mut Vec<Job<H::Message>>,
+    ) {
+        if jobs.len() > 1 && refused_by_database(e).is_some() {
+            tracing::warn!(error = %e, "the inbox refused a key of the batch; its members run one by one");
+            alone.extend(jobs);
+            return;
+        }
+        for job in jobs {
+            let verdict = self.retry_after_db_error(&job.delivery, e);
+            settled.push(self.settled(job, verdict));
+        }
+    }
+
+    /// Counts an outcome.
+    pub(super) fn count(&self, outcome: Outcome) {
+        let stats = &self.stats;
+        Stats::bump(match outcome {
+            Outcome::Completed => &stats.completed,
+            Outcome::Duplicate => &stats.duplicates,
+            Outcome::Superseded => &stats.superseded,
+            Outcome::ConflictSkipped => &stats.conflicts,
+            Outcome::Retry { .. } => &stats.retries,
+            Outcome::DeadLettered => &stats.dead_lettered,
+        });
+    }
+}

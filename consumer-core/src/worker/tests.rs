@@ -1,0 +1,277 @@
+//! Unit tests of the pipeline on an SQLite inbox and the in-memory broker: no server.
+//! The decisions of each stage have their own tests in [`super::attempt`] and
+//! [`super::claim`]; these run the stages together.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::Sqlite;
+
+use crate::memory::{MemoryBroker, Message};
+use crate::{
+    BatchConfig, BatchContext, Context, DeadLetterReason, Handler, HandlerError, HandlerOptions,
+    Inbox, StatsSnapshot, Worker, WorkerConfig,
+};
+
+/// A job: `fail` transient failures before it succeeds, or a permanent failure.
+#[derive(Debug, Deserialize)]
+struct Job {
+    id: String,
+    #[serde(default)]
+    fail: u32,
+    #[serde(default)]
+    permanent: bool,
+}
+
+/// A handler that records every run (the key and the attempt it ran as) and writes one
+/// effect row per success; with `batches`, it also has a batch function.
+#[derive(Clone, Default)]
+struct Recorder {
+    runs: Arc<Mutex<Vec<(String, u32)>>>,
+    batch_calls: Arc<AtomicUsize>,
+    batches: bool,
+}
+
+impl Recorder {
+    fn runs_of(&self, key: &str) -> Vec<u32> {
+        let runs = self.runs.lock().expect("runs");
+        runs.iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, n)| *n)
+            .collect()
+    }
+
+    fn outcome(job: &Job, attempt: u32) -> Result<(), HandlerError> {
+        if job.permanent {
+            return Err(HandlerError::permanent("refused for good"));
+        }
+        if attempt <= job.fail {
+            return Err(HandlerError::transient("not yet"));
+        }
+        Ok(())
+    }
+}
+
+impl Handler<Sqlite> for Recorder {
+    type Message = Job;
+
+    fn options(&self) -> HandlerOptions {
+        HandlerOptions::new("unit").backoff(Duration::from_millis(1), Duration::from_millis(1))
+    }
+
+    fn handle<'a, 'c>(
+        &'a self,
+        ctx: &'a mut Context<'c, Sqlite>,
+        job: Job,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            let attempt = ctx.attempt();
+            self.runs
+                .lock()
+                .expect("runs")
+                .push((ctx.key().to_owned(), attempt));
+            Recorder::outcome(&job, attempt)?;
+            sqlx::query("INSERT INTO effects (id) VALUES (?)")
+                .bind(&job.id)
+                .execute(ctx.db())
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn handles_batches(&self) -> bool {
+        self.batches
+    }
+
+    fn handle_batch<'a, 'c>(
+        &'a self,
+        ctx: &'a mut BatchContext<'c, Sqlite>,
+        jobs: Vec<Job>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>
+    where
+        'c: 'a,
+    {
+        Box::pin(async move {
+            self.batch_calls.fetch_add(1, Ordering::Relaxed);
+            for (i, job) in jobs.iter().enumerate() {
+                Recorder::outcome(job, ctx.attempt(i))?;
+            }
+            for job in &jobs {
+                sqlx::query("INSERT INTO effects (id) VALUES (?)")
+                    .bind(&job.id)
+                    .execute(ctx.db())
+                    .await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// An SQLite inbox in a fresh temporary directory, with the handler's effects table.
+async fn inbox() -> (Inbox<Sqlite>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let inbox = Inbox::open_sqlite(dir.path().join("inbox.db"))
+        .await
+        .expect("open the inbox");
+    sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
+        .execute(inbox.pool())
+        .await
+        .expect("create the effects table");
+    (inbox, dir)
+}
+
+async fn effects(inbox: &Inbox<Sqlite>) -> Vec<String> {
+    sqlx::query_scalar("SELECT id FROM effects ORDER BY id")
+        .fetch_all(inbox.pool())
+        .await
+        .expect("read the effects")
+}
+
+fn config(batch: Option<BatchConfig>) -> WorkerConfig {
+    WorkerConfig::default()
+        .with_concurrency(2)
+        .with_retention_interval(None)
+        .with_batch(batch)
+}
+
+/// Publishes `jobs` (id, body) on a fresh queue and runs a worker until the queue is drained.
+async fn run(
+    handler: &Recorder,
+    inbox: &Inbox<Sqlite>,
+    batch: Option<BatchConfig>,
+    jobs: &[(&str, serde_json::Value)],
+) -> (StatsSnapshot, MemoryBroker) {
+    let broker = MemoryBroker::new();
+    for (id, body) in jobs {
+        broker.publish("q", Message::json(*id, body));
+    }
+    let worker = Worker::with_config(inbox.clone(), handler.clone(), config(batch)).unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        worker.run(broker.consume("q"), broker.drained("q")),
+    )
+    .await
+    .expect("the queue drains in time")
+    .expect("the worker runs");
+    (worker.snapshot(), broker)
+}
+
+const BATCH: BatchConfig = BatchConfig::new(8, Duration::from_millis(200));
+
+#[tokio::test]
+async fn a_failed_member_reruns_the_batch_one_by_one_and_the_rest_complete_once() {
+    for batches in [false, true] {
+        let (inbox, _dir) = inbox().await;
+        let handler = Recorder {
+            batches,
+            ..Recorder::default()
+        };
+        let jobs = [
+            ("a", json!({"id": "a"})),
+            ("b", json!({"id": "b", "permanent": true})),
+            ("c", json!({"id": "c"})),
+        ];
+        let (stats, broker) = run(&handler, &inbox, Some(BATCH), &jobs).await;
+        assert_eq!(
+            effects(&inbox).await,
+            ["a", "c"],
+            "batch function: {batches}"
+        );
+        assert_eq!(stats.completed, 2, "{stats:?}");
+        assert_eq!(stats.dead_lettered, 1, "{stats:?}");
+        assert!(
+            stats.batch_reruns > 0,
+            "the batch ran again one by one: {stats:?}"
+        );
+        let dead = broker.dead_letters("q");
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].dead_letter.reason, DeadLetterReason::PermanentError);
+        // Each key ran alone once after the failed batch, as attempt 1 (a fresh delivery:
+        // the rolled-back batch counted nothing).
+        for key in ["a", "b", "c"] {
+            let alone: Vec<u32> = handler.runs_of(key);
+            assert_eq!(alone.last(), Some(&1), "{key}: {alone:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_batch_of_one_runs_the_per_message_handler() {
+    let (inbox, _dir) = inbox().await;
+    let handler = Recorder {
+        batches: true,
+        ..Recorder::default()
+    };
+    let (stats, _) = run(&handler, &inbox, None, &[("a", json!({"id": "a"}))]).await;
+    assert_eq!(stats.completed, 1);
+    assert_eq!(handler.batch_calls.load(Ordering::Relaxed), 0);
+    assert_eq!(handler.runs_of("a"), [1]);
+}
+
+#[tokio::test]
+async fn a_retried_job_runs_as_the_next_attempt_each_time() {
+    for batch in [None, Some(BATCH)] {
+        let (inbox, _dir) = inbox().await;
+        let handler = Recorder::default();
+        let jobs = [("a", json!({"id": "a", "fail": 2}))];
+        let (stats, _) = run(&handler, &inbox, batch, &jobs).await;
+        assert_eq!(effects(&inbox).await, ["a"]);
+        assert_eq!(handler.runs_of("a"), [1, 2, 3], "{batch:?}");
+        assert_eq!((stats.retries, stats.completed), (2, 1), "{stats:?}");
+        let entry = inbox.entry("unit", "a").await.unwrap().expect("a row");
+        assert_eq!(entry.attempts, 3);
+    }
+}
+
+#[tokio::test]
+async fn a_key_twice_in_one_batch_runs_once() {
+    let (inbox, _dir) = inbox().await;
+    let handler = Recorder::default();
+    let jobs = [("a", json!({"id": "a"})), ("a", json!({"id": "a"}))];
+    let (stats, _) = run(&handler, &inbox, Some(BATCH), &jobs).await;
+    assert_eq!(effects(&inbox).await, ["a"]);
+    assert_eq!((stats.completed, stats.duplicates), (1, 1), "{stats:?}");
+    assert_eq!(handler.runs_of("a"), [1]);
+}
+
+#[tokio::test]
+async fn a_message_that_cannot_run_is_dead_lettered_once_with_its_reason() {
+    let (inbox, _dir) = inbox().await;
+    let handler = Recorder::default();
+    let broker = MemoryBroker::new();
+    broker.publish(
+        "q",
+        Message {
+            id: Some("x".into()),
+            payload: bytes::Bytes::from_static(b"{not json"),
+            ..Message::default()
+        },
+    );
+    broker.publish("q", Message::json("", &json!({"id": "no key"})));
+    let worker = Worker::with_config(inbox.clone(), handler.clone(), config(Some(BATCH))).unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        worker.run(broker.consume("q"), broker.drained("q")),
+    )
+    .await
+    .expect("drains")
+    .expect("runs");
+    let mut reasons: Vec<_> = broker
+        .dead_letters("q")
+        .into_iter()
+        .map(|d| d.dead_letter.reason)
+        .collect();
+    reasons.sort_by_key(|r| r.as_str());
+    assert_eq!(
+        reasons,
+        [DeadLetterReason::MissingKey, DeadLetterReason::Undecodable]
+    );
+    assert!(handler.runs.lock().unwrap().is_empty());
+}
