@@ -1,6 +1,7 @@
 //! Idempotency keys: from the message id, a template over the message's fields, or a hash of
 //! the canonical payload.
 
+use consumer_options::Segment;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -75,17 +76,13 @@ pub(crate) fn refused_by_database(e: &sqlx::Error) -> Option<String> {
 /// A deterministic task key built from a message's fields, e.g. `invoice-{order_id}`.
 ///
 /// `{field}` takes a top-level field, `{a.b}` a nested one. Strings are inserted as they are,
-/// numbers and booleans in their JSON form; `{{` and `}}` are literal braces.
+/// numbers and booleans in their JSON form; `{{` and `}}` are literal braces. The grammar is
+/// `consumer-options`', which the `#[handler]` macro checks too: a template the macro accepts
+/// always parses here.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyTemplate {
     source: String,
-    parts: Vec<Part>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Part {
-    Literal(String),
-    Field(Vec<String>),
+    segments: Vec<Segment>,
 }
 
 impl KeyTemplate {
@@ -94,64 +91,14 @@ impl KeyTemplate {
         Self::parse_inner(template).map_err(|reason| Error::config("key", reason))
     }
 
-    /// The check used by both the runtime and the `#[handler]` macro: `Err` is the reason.
+    /// [`KeyTemplate::parse`] with the reason as plain text, for a caller that reports it in
+    /// its own error.
     #[doc(hidden)]
     pub fn parse_inner(template: &str) -> Result<Self, String> {
-        let mut parts = Vec::new();
-        let mut literal = String::new();
-        let mut chars = template.chars().peekable();
-        while let Some(c) = chars.next() {
-            match c {
-                '{' if chars.peek() == Some(&'{') => {
-                    chars.next();
-                    literal.push('{');
-                }
-                '}' if chars.peek() == Some(&'}') => {
-                    chars.next();
-                    literal.push('}');
-                }
-                '{' => {
-                    let mut field = String::new();
-                    loop {
-                        match chars.next() {
-                            Some('}') => break,
-                            Some(c) if c.is_ascii_alphanumeric() || c == '_' || c == '.' => {
-                                field.push(c)
-                            }
-                            Some(c) => {
-                                return Err(format!(
-                                    "unexpected {c:?} inside `{{…}}` in key template {template:?}"
-                                ))
-                            }
-                            None => {
-                                return Err(format!("unclosed `{{` in key template {template:?}"))
-                            }
-                        }
-                    }
-                    let path: Vec<String> = field.split('.').map(str::to_owned).collect();
-                    if path.iter().any(String::is_empty) {
-                        return Err(format!("empty field name in key template {template:?}"));
-                    }
-                    if !literal.is_empty() {
-                        parts.push(Part::Literal(std::mem::take(&mut literal)));
-                    }
-                    parts.push(Part::Field(path));
-                }
-                '}' => return Err(format!("unmatched `}}` in key template {template:?}")),
-                c => literal.push(c),
-            }
-        }
-        if !literal.is_empty() {
-            parts.push(Part::Literal(literal));
-        }
-        if !parts.iter().any(|p| matches!(p, Part::Field(_))) {
-            return Err(format!(
-                "key template {template:?} names no field: every message would get the same key"
-            ));
-        }
+        let segments = consumer_options::parse_key_template(template).map_err(|e| e.to_string())?;
         Ok(KeyTemplate {
             source: template.to_owned(),
-            parts,
+            segments,
         })
     }
 
@@ -163,10 +110,10 @@ impl KeyTemplate {
     /// Renders the key from a decoded payload. `Err` names the missing field.
     pub fn render(&self, payload: &Value) -> Result<String, String> {
         let mut out = String::new();
-        for part in &self.parts {
-            match part {
-                Part::Literal(s) => out.push_str(s),
-                Part::Field(path) => {
+        for segment in &self.segments {
+            match segment {
+                Segment::Literal(s) => out.push_str(s),
+                Segment::Field(path) => {
                     let mut v = payload;
                     for name in path {
                         v = v
@@ -301,6 +248,16 @@ mod tests {
                 .render(&json!({"id": 1}))
                 .unwrap(),
             "{x}-1"
+        );
+    }
+
+    #[test]
+    fn a_bad_template_names_the_option_and_the_reason() {
+        let err = KeyTemplate::parse("invoice-{order_id").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid configuration `key`: unclosed `{` in key template \"invoice-{order_id\" \
+             (write `{{` for a literal brace)"
         );
     }
 

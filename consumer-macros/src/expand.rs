@@ -4,14 +4,15 @@
 //! Generated code names consumer-core only through `::consumer_core::__private`, and std only
 //! through absolute paths, so it works whatever the user has imported or shadowed.
 
+use std::time::Duration;
+
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{Attribute, ItemFn};
 
 use crate::ast;
-use crate::valid::{self, Handler};
-use crate::values::ConflictPolicy;
+use crate::valid::{self, ConflictPolicy, Handler};
 
 /// The whole macro: parse, validate, expand. On any error the function is emitted unchanged,
 /// followed by the errors, so that the rest of the crate (and an IDE) still sees it.
@@ -171,8 +172,8 @@ fn options(options: &valid::Options) -> TokenStream {
         let max_attempts = Literal::u32_unsuffixed(max_attempts);
         builder.extend(quote!(.max_attempts(#max_attempts)));
     }
-    if let Some((base, cap)) = options.backoff {
-        let (base, cap) = (duration(base), duration(cap));
+    if let Some(backoff) = options.backoff {
+        let (base, cap) = (duration(backoff.base()), duration(backoff.cap()));
         builder.extend(quote!(.backoff(#base, #cap)));
     }
     if let Some(retention) = options.retention {
@@ -193,8 +194,10 @@ fn options(options: &valid::Options) -> TokenStream {
     builder
 }
 
-fn duration(millis: u64) -> TokenStream {
-    let millis = Literal::u64_unsuffixed(millis);
+/// `Duration::from_millis(n)`: `consumer_options::parse_duration` keeps every duration within
+/// `u64` milliseconds, so `n` fits the argument.
+fn duration(duration: Duration) -> TokenStream {
+    let millis = Literal::u128_unsuffixed(duration.as_millis());
     quote!(::consumer_core::__private::Duration::from_millis(#millis))
 }
 

@@ -12,8 +12,10 @@
 //!
 //! - `ast` parses the attribute's `key = value` list and the function, syntax only;
 //! - `valid` checks both and builds a `valid::Handler`, collecting every error (each
-//!   spanned on the offending token) before reporting any; `values` holds the checks on
-//!   option values (durations, key templates, names), which are plain string functions;
+//!   spanned on the offending token) before reporting any: `valid::options` checks the
+//!   options, `valid::signature` the function's shape. The grammar of option values (names,
+//!   key templates, durations, backoff ranges) is `consumer-options`', which the runtime
+//!   checks too, so a value accepted here is never refused when a worker starts;
 //! - `expand` generates the struct and the impls. Generated code names only
 //!   `::consumer_core::__private` paths and absolute `::core`/`::std` paths, so it does not
 //!   depend on what the user has imported.
@@ -24,7 +26,6 @@
 mod ast;
 mod expand;
 mod valid;
-mod values;
 
 use proc_macro::TokenStream;
 
