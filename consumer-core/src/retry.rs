@@ -101,18 +101,8 @@ impl ExponentialBackoff {
     ///
     /// Fails (naming the `backoff` field) when `base` is zero or `cap < base`.
     pub fn new(base: Duration, cap: Duration) -> Result<Self, Error> {
-        if base.is_zero() {
-            return Err(Error::config(
-                "backoff",
-                "base delay must be greater than zero",
-            ));
-        }
-        if cap < base {
-            return Err(Error::config(
-                "backoff",
-                format!("cap {cap:?} is smaller than base {base:?}"),
-            ));
-        }
+        consumer_options::BackoffRange::new(base, cap)
+            .map_err(|reason| Error::config("backoff", reason.to_string()))?;
         Ok(ExponentialBackoff {
             base,
             cap,

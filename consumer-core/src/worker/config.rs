@@ -235,20 +235,8 @@ impl Settings {
     /// Checks the handler's options and the worker's configuration, naming the first bad
     /// field.
     pub(super) fn validate(o: HandlerOptions, config: &WorkerConfig) -> Result<Self, Error> {
-        if o.name.is_empty()
-            || !o
-                .name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-        {
-            return Err(Error::config(
-                "name",
-                format!(
-                    "{:?} must be non-empty letters, digits, `_`, `-` or `.`",
-                    o.name
-                ),
-            ));
-        }
+        consumer_options::check_handler_name(&o.name)
+            .map_err(|reason| Error::config("name", reason.to_string()))?;
         let max_attempts = config.max_attempts.unwrap_or(o.max_attempts);
         if max_attempts == 0 {
             return Err(Error::config("max_attempts", "must be at least 1"));

@@ -9,57 +9,13 @@ use std::sync::Arc;
 use futures::FutureExt;
 
 use super::job::Job;
-use super::settle::Settled;
+use super::settle::{Attempted, Settled};
 use super::{Crash, Inner};
 use crate::fault::point::FaultPoint;
 use crate::handler::{BatchContext, BatchMember, Context, Handler};
 use crate::inbox::{Backend, Lease};
 use crate::stats::Stats;
 use crate::HandlerError;
-
-/// How one job's attempt in a transaction ended.
-#[derive(Debug)]
-pub(super) enum Attempted {
-    /// The handler's writes and the key's claim or completion committed.
-    Committed,
-    /// The handler failed (or its writes were refused at the commit): rolled back; a
-    /// failed attempt.
-    Failed(HandlerError),
-    /// The key's row was no longer this attempt's at the completion (another worker
-    /// completed it or counted a newer attempt on it): rolled back, and the delivery is a
-    /// duplicate of the one that holds the key now.
-    Overtaken,
-    /// The completion or the commit failed for a reason of the database's own (a
-    /// failover, a lost connection): the outcome is unknown, and it is no failed attempt.
-    CommitFailed(Arc<sqlx::Error>),
-}
-
-impl Attempted {
-    /// A failed completion or commit: the database's fault unless it refused the handler's
-    /// own writes (an integrity violation found at the commit, such as a deferred
-    /// constraint), which is the handler's failed attempt.
-    fn commit_failed(e: Arc<sqlx::Error>) -> Self {
-        if refused_writes(&e) {
-            Attempted::Failed(HandlerError::transient(CommitFailed(e)))
-        } else {
-            Attempted::CommitFailed(e)
-        }
-    }
-}
-
-/// Whether a failed commit refused the handler's own writes: an integrity constraint
-/// violation (SQLSTATE class 23) found at the commit, such as a deferred constraint's.
-fn refused_writes(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.code())
-        .is_some_and(|code| code.starts_with("23"))
-}
-
-/// The commit of a handler's transaction failed: the outcome is unknown, so retry; if it did
-/// commit, the redelivery is recognised as a duplicate.
-#[derive(Debug, thiserror::Error)]
-#[error("commit failed")]
-struct CommitFailed(#[source] Arc<sqlx::Error>);
 
 /// How a group's transaction ended.
 enum Ended {
