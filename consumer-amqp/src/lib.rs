@@ -110,9 +110,10 @@
 //!
 //! # Layout
 //!
-//! `config` (configuration and URL redaction), `topology` (what is declared, retry
-//! buckets), `link` (connections and the confirm channel), `consumer` (the reconnecting
-//! stream), `acker` (deliveries and their settlement), `publisher`, `headers`, `error`.
+//! `config` (configuration; `validate` checks it), `redacted_url` (the URL shown without
+//! credentials), `topology` (what is declared, retry buckets), `link` (connections and the
+//! confirm channel), `consumer` (the reconnecting stream), `acker` (deliveries and their
+//! settlement), `publisher`, `headers`, `error`.
 
 mod acker;
 mod config;
@@ -121,9 +122,11 @@ mod error;
 pub mod headers;
 mod link;
 mod publisher;
+mod redacted_url;
 mod topology;
 
-pub use config::{AmqpConfig, ExchangeType, QueueType, RedactedUrl, MAX_QUEUE_NAME_LEN};
+pub use config::{AmqpConfig, ExchangeType, QueueType, MAX_QUEUE_NAME_LEN};
 pub use consumer::{AmqpConsumer, ConsumerHealth};
 pub use error::Error;
 pub use publisher::AmqpPublisher;
+pub use redacted_url::RedactedUrl;
