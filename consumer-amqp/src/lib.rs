@@ -111,10 +111,13 @@
 //! # Layout
 //!
 //! `config` (configuration; `validate` checks it), `redacted_url` (the URL shown without
-//! credentials), `topology` (what is declared, retry buckets), `link` (connections and the
-//! confirm channel), `consumer` (the reconnecting stream), `acker` (deliveries and their
-//! settlement), `publisher`, `headers`, `error`.
+//! credentials), `topology` (what is declared, retry buckets), `link` (connections, the
+//! confirm channel, and what one connection's deliveries share), `consumer` (the
+//! reconnecting stream), `acker` (deliveries and their settlement: acks, retry and
+//! dead-letter copies, requeues), `ack_book` (which acks may be coalesced into one
+//! `multiple` ack), `publisher`, `headers`, `error`.
 
+mod ack_book;
 mod acker;
 mod config;
 mod consumer;
