@@ -51,10 +51,9 @@ mod observer;
 mod producer;
 mod tracker;
 
-pub use config::{
-    ClientProperties, CommitMode, KafkaConfig, ProcessingOrder, RetryMode, COPY_HEADER_ROOM,
-    COPY_MAX_BYTES,
-};
+pub use config::client::{COPY_HEADER_ROOM, COPY_MAX_BYTES};
+pub use config::properties::ClientProperties;
+pub use config::{CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
 pub use consumer::KafkaConsumer;
 pub use error::Error;
 pub use observer::{KafkaObserver, OffsetEvent};
