@@ -19,9 +19,12 @@ use crate::observer::{KafkaObserver, OffsetEvent};
 use crate::producer::LogContext;
 use crate::tracker::PartitionTracker;
 
+/// One owned partition: its assignment, its tracker, and whether it is being revoked, paused
+/// or full.
 pub(super) struct Partition {
     pub(super) generation: u64,
-    /// `group/topic/partition`: the log its deliveries' [`LogPosition`]s name.
+    /// `group/topic/partition`: the log its deliveries'
+    /// [`LogPosition`](consumer_core::LogPosition)s name.
     pub(super) log: Arc<str>,
     pub(super) tracker: PartitionTracker<Handout>,
     pub(super) revoking: bool,
@@ -32,6 +35,7 @@ pub(super) struct Partition {
     pub(super) full: bool,
 }
 
+/// What the poll thread, the stream and the acknowledgers share under one lock.
 #[derive(Default)]
 pub(super) struct State {
     pub(super) partitions: BTreeMap<Tp, Partition>,
@@ -72,6 +76,8 @@ pub(super) struct Settings {
     pub(super) copy_scope: String,
 }
 
+/// The state, settings and clients shared by the poll thread (and the rebalance callbacks
+/// it runs), the stream and the acknowledgers.
 pub(super) struct Shared {
     pub(super) state: Mutex<State>,
     /// Signalled when a record settles while a revoke waits for in-flight records.
