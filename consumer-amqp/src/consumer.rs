@@ -10,61 +10,15 @@ use futures::{FutureExt, Stream, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::Connection;
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, watch};
 
 use consumer_core::{Incoming, TransportError};
 
 use crate::acker;
 use crate::config::AmqpConfig;
-use crate::link::{self, ConfirmChannel};
+use crate::link::{self, ConfirmChannel, Link};
 use crate::topology::{short, Topology};
 use crate::Error;
-
-/// What one connection's deliveries share: the confirm channel for retry and dead-letter
-/// copies, and whether the connection is still the current one.
-pub(crate) struct Link {
-    generation: u64,
-    alive: AtomicBool,
-    /// Becomes `true` when the session gives the connection up (with `alive`).
-    retired: watch::Sender<bool>,
-    pub(crate) publisher: ConfirmChannel,
-    pub(crate) topology: Arc<Topology>,
-    /// The consuming channel's unsettled deliveries, for coalesced acks.
-    pub(crate) acks: acker::AckBook,
-    reset: Notify,
-}
-
-impl Link {
-    /// Whether deliveries of this connection may still be settled. Once the session gives
-    /// a connection up, none of its delivery tags is ever used again.
-    pub(crate) fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
-    }
-
-    /// Which connection this is (1 for the first).
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    /// Asks the session to drop this connection and open a new one (e.g. after the confirm
-    /// channel failed, or a retry queue turned out missing).
-    pub(crate) fn request_reset(&self) {
-        self.reset.notify_one();
-    }
-
-    /// Completes once the session has given this connection up (at once if it has).
-    /// Every wait on the broker through this connection races it: lapin does not promise
-    /// that a publish, confirm or ack caught in a connection's failure ever completes.
-    pub(crate) async fn retired(&self) {
-        let mut retired = self.retired.subscribe();
-        let _ = retired.wait_for(|r| *r).await;
-    }
-
-    fn retire(&self) {
-        self.alive.store(false, Ordering::Release);
-        self.retired.send_replace(true);
-    }
-}
 
 /// A live view of a consumer's connection, usable after the consumer moved into a worker.
 #[derive(Debug, Clone, Default)]
@@ -292,15 +246,7 @@ impl Session {
                 what: format!("consumer on queue {:?}", config.queue),
                 source: e.into(),
             })?;
-        let link = Arc::new(Link {
-            generation,
-            alive: AtomicBool::new(true),
-            retired: watch::Sender::new(false),
-            publisher,
-            topology: topology.clone(),
-            acks: acker::AckBook::default(),
-            reset: Notify::new(),
-        });
+        let link = Arc::new(Link::new(generation, publisher, topology.clone()));
         Ok((consumer, link))
     }
 
@@ -335,7 +281,7 @@ async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> St
     loop {
         tokio::select! {
             biased;
-            _ = session.link.reset.notified() => return Stop::Reset,
+            () = session.link.reset_requested() => return Stop::Reset,
             next = session.consumer.next() => {
                 if let Err(stop) = take_ready(session, next, &mut taken, queue) {
                     return stop;

@@ -1,6 +1,6 @@
 //! The crate's error type.
 
-use crate::config::RedactedUrl;
+use crate::redacted_url::RedactedUrl;
 
 /// A boxed dependency error, kept as a source so lapin's types stay out of public signatures.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -110,10 +110,14 @@
 //!
 //! # Layout
 //!
-//! `config` (configuration and URL redaction), `topology` (what is declared, retry
-//! buckets), `link` (connections and the confirm channel), `consumer` (the reconnecting
-//! stream), `acker` (deliveries and their settlement), `publisher`, `headers`, `error`.
+//! `config` (configuration; `validate` checks it), `redacted_url` (the URL shown without
+//! credentials), `topology` (what is declared, retry buckets), `link` (connections, the
+//! confirm channel, and what one connection's deliveries share), `consumer` (the
+//! reconnecting stream), `acker` (deliveries and their settlement: acks, retry and
+//! dead-letter copies, requeues), `ack_book` (which acks may be coalesced into one
+//! `multiple` ack), `publisher`, `headers`, `error`.
 
+mod ack_book;
 mod acker;
 mod config;
 mod consumer;
@@ -121,9 +125,11 @@ mod error;
 pub mod headers;
 mod link;
 mod publisher;
+mod redacted_url;
 mod topology;
 
-pub use config::{AmqpConfig, ExchangeType, QueueType, RedactedUrl, MAX_QUEUE_NAME_LEN};
+pub use config::{AmqpConfig, ExchangeType, QueueType, MAX_QUEUE_NAME_LEN};
 pub use consumer::{AmqpConsumer, ConsumerHealth};
 pub use error::Error;
 pub use publisher::AmqpPublisher;
+pub use redacted_url::RedactedUrl;

@@ -1,5 +1,8 @@
-//! Connections and the publisher-confirm channel every publish of this crate goes through.
+//! Connections, the publisher-confirm channel every publish of this crate goes through, and
+//! what one connection's deliveries share ([`Link`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::auth::AuthProvider;
@@ -7,11 +10,12 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{LongString, ShortString};
 use lapin::uri::{AMQPUri, SASLMechanism};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use tokio::sync::Mutex;
+use tokio::sync::{watch, Mutex, Notify};
 use tokio::time::Instant;
 
+use crate::ack_book::AckBook;
 use crate::config::AmqpConfig;
-use crate::topology::short;
+use crate::topology::{short, Topology};
 use crate::Error;
 
 /// Opens a connection (no lapin auto-recovery: reconnection is ours, see the crate doc).
@@ -109,6 +113,71 @@ where
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// What one connection's deliveries share: the confirm channel for retry and dead-letter
+/// copies, and whether the connection is still the current one.
+pub(crate) struct Link {
+    generation: u64,
+    alive: AtomicBool,
+    /// Becomes `true` when the session gives the connection up (with `alive`).
+    retired: watch::Sender<bool>,
+    pub(crate) publisher: ConfirmChannel,
+    pub(crate) topology: Arc<Topology>,
+    /// The consuming channel's unsettled deliveries, for coalesced acks.
+    pub(crate) acks: AckBook,
+    reset: Notify,
+}
+
+impl Link {
+    /// The link of connection `generation` (1 for the first), alive until it is retired.
+    pub(crate) fn new(generation: u64, publisher: ConfirmChannel, topology: Arc<Topology>) -> Self {
+        Link {
+            generation,
+            alive: AtomicBool::new(true),
+            retired: watch::Sender::new(false),
+            publisher,
+            topology,
+            acks: AckBook::default(),
+            reset: Notify::new(),
+        }
+    }
+
+    /// Whether deliveries of this connection may still be settled. Once the session gives
+    /// a connection up, none of its delivery tags is ever used again.
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Which connection this is (1 for the first).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Asks the session to drop this connection and open a new one (e.g. after the confirm
+    /// channel failed, or a retry queue turned out missing).
+    pub(crate) fn request_reset(&self) {
+        self.reset.notify_one();
+    }
+
+    /// Completes once the session has given this connection up (at once if it has).
+    /// Every wait on the broker through this connection races it: lapin does not promise
+    /// that a publish, confirm or ack caught in a connection's failure ever completes.
+    pub(crate) async fn retired(&self) {
+        let mut retired = self.retired.subscribe();
+        let _ = retired.wait_for(|r| *r).await;
+    }
+
+    /// Completes when a settlement asked for a new connection ([`Link::request_reset`]).
+    pub(crate) async fn reset_requested(&self) {
+        self.reset.notified().await;
+    }
+
+    /// Gives the connection up: from now on none of its deliveries can be settled.
+    pub(crate) fn retire(&self) {
+        self.alive.store(false, Ordering::Release);
+        self.retired.send_replace(true);
     }
 }
 

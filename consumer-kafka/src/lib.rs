@@ -42,6 +42,17 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Layout
+//!
+//! `config` (the configuration; `validate` checks it, `env` reads `KAFKA_*` variables,
+//! `properties` holds the pass-through client properties, `client` builds librdkafka's
+//! configurations from it), `consumer` (the transport: `record` for a fetched record and
+//! its headers, `partitions` for the table of owned partitions, `rebalance` for the
+//! rebalance callbacks and commits, `poll` for the poll thread, `acker` for settlement,
+//! `copies` for retry and dead-letter copies), `tracker` (one partition's records: which
+//! may be handed out, how far to commit; `keys` for ordering keys), `producer` (the
+//! framework's writes, the publisher, topic creation), `observer`, `headers`, `error`.
 
 mod config;
 mod consumer;
@@ -51,10 +62,9 @@ mod observer;
 mod producer;
 mod tracker;
 
-pub use config::{
-    ClientProperties, CommitMode, KafkaConfig, ProcessingOrder, RetryMode, COPY_HEADER_ROOM,
-    COPY_MAX_BYTES,
-};
+pub use config::client::{COPY_HEADER_ROOM, COPY_MAX_BYTES};
+pub use config::properties::ClientProperties;
+pub use config::{CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
 pub use consumer::KafkaConsumer;
 pub use error::Error;
 pub use observer::{KafkaObserver, OffsetEvent};

@@ -12,9 +12,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
 
-use crate::config::{
-    producer_client_config, validate_brokers, validate_properties, validate_topic,
-};
+use crate::config::client::producer_client_config;
+use crate::config::validate::{validate_brokers, validate_properties, validate_topic};
 use crate::{ClientProperties, Error, KafkaConfig, RetryMode};
 
 /// A client context that sends librdkafka's log lines to `tracing`.
@@ -51,7 +50,7 @@ pub(crate) fn client_error(context: &str, e: KafkaError) -> Error {
     match &e {
         KafkaError::ClientConfig(_, _, name, value) => Error::config(
             format!("properties.{name}"),
-            crate::config::redacted_reason(name, value, &e),
+            crate::config::validate::redacted_reason(name, value, &e),
         ),
         _ => Error::client(context, e),
     }

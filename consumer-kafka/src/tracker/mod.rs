@@ -8,54 +8,21 @@
 //! markers), so "contiguous" means contiguous in the sequence of fetched records.
 
 use std::collections::hash_map::Entry as MapEntry;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
 use crate::ProcessingOrder;
+use keys::{KeyMap, KeyQueue};
+
+mod keys;
+
+pub(crate) use keys::KeyId;
 
 /// What a buffered item costs in memory, counted against the partition's byte limit.
 pub(crate) trait Weigh {
     /// The item's size in bytes (the same every time it is asked).
     fn weight(&self) -> usize;
 }
-
-/// The ordering key of a record: a hash of its Kafka key (`None` for records without a key,
-/// which count as one key). The hash must be keyed with a random seed (see
-/// [`KeyIdHasher`]). Two keys with the same hash are ordered as one key: stricter, never
-/// looser.
-pub(crate) type KeyId = Option<u64>;
-
-/// Hashes a [`KeyId`] for the tracker's key map by folding its words, not by hashing them
-/// again: a key id is already a randomly seeded hash of the key (so producers cannot aim at
-/// one bucket), and a second SipHash on every push and settlement is measurable.
-#[derive(Debug, Default)]
-pub(crate) struct KeyIdHasher(u64);
-
-impl std::hash::Hasher for KeyIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, word: u64) {
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-
-    fn write_usize(&mut self, word: usize) {
-        self.write_u64(word as u64);
-    }
-
-    fn write_isize(&mut self, word: isize) {
-        self.write_u64(word as u64);
-    }
-}
-
-type KeyMap = HashMap<KeyId, KeyQueue, std::hash::BuildHasherDefault<KeyIdHasher>>;
 
 #[derive(Debug)]
 enum Status {
@@ -80,43 +47,6 @@ struct Entry<T> {
     /// its own handle on it (so the last handle is not dropped, and the record freed, under
     /// whatever lock guards the tracker), not when the commit point passes it later.
     item: Option<T>,
-}
-
-/// A key's unsettled offsets, oldest first. Most keys have one at a time, which needs no
-/// allocation.
-#[derive(Debug)]
-enum KeyQueue {
-    One(i64),
-    Many(VecDeque<i64>),
-}
-
-impl KeyQueue {
-    fn push(&mut self, offset: i64) {
-        match self {
-            KeyQueue::One(first) => *self = KeyQueue::Many(VecDeque::from([*first, offset])),
-            KeyQueue::Many(q) => q.push_back(offset),
-        }
-    }
-
-    fn front(&self) -> Option<i64> {
-        match self {
-            KeyQueue::One(first) => Some(*first),
-            KeyQueue::Many(q) => q.front().copied(),
-        }
-    }
-
-    /// Removes `offset`; returns whether the queue is now empty.
-    fn remove(&mut self, offset: i64) -> bool {
-        match self {
-            KeyQueue::One(first) => *first == offset,
-            KeyQueue::Many(q) => {
-                if let Some(i) = q.iter().position(|&o| o == offset) {
-                    q.remove(i);
-                }
-                q.is_empty()
-            }
-        }
-    }
 }
 
 /// The records of one partition between the commit point and the fetch position.

@@ -1,0 +1,180 @@
+//! Configuration: what to consume, how to order and retry, and the client properties passed
+//! through to librdkafka. Everything is checked by [`KafkaConfig::validate`] before a client
+//! is created, and a bad value fails naming its field.
+
+use std::time::Duration;
+
+use properties::ClientProperties;
+
+pub(crate) mod client;
+mod env;
+pub(crate) mod properties;
+pub(crate) mod validate;
+
+/// In which order the records of one partition are handed to the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProcessingOrder {
+    /// One record of a partition at a time, in offset order: the next one is handed out only
+    /// after the previous one settled (the default).
+    #[default]
+    Partition,
+    /// Records with different Kafka keys may run concurrently; records of one key (records
+    /// without a key count as one key) stay in offset order.
+    Key,
+}
+
+/// What a [`consumer_core::Settlement::Retry`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RetryMode {
+    /// Write a copy to the retry topic (`<topic><retry_topic_suffix>`) with its due time and
+    /// attempt in headers, then commit past the original: the partition is not blocked. The
+    /// transport consumes the retry topic too and holds each copy until it is due. Handlers
+    /// must tolerate reordering (the default).
+    #[default]
+    RetryTopic,
+    /// Keep the record in place and hand it out again after the delay: nothing behind it in
+    /// its partition (or, with [`ProcessingOrder::Key`], of its key) runs meanwhile. For
+    /// handlers that need strict order.
+    Blocking,
+}
+
+/// How settled offsets reach the group coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommitMode {
+    /// The transport commits every `commit_interval`, on revoke and on close (the default).
+    #[default]
+    Manual,
+    /// The transport stores offsets and librdkafka's auto-committer commits them
+    /// (`enable.auto.commit=true`, `enable.auto.offset.store=false`).
+    AutoStore,
+}
+
+/// Everything the Kafka transport needs. Build it with [`KafkaConfig::new`] (or
+/// [`KafkaConfig::from_env`]) and adjust the fields; [`crate::KafkaConsumer::new`] validates
+/// it before creating any client.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct KafkaConfig {
+    /// Bootstrap brokers, `host:port[,host:port...]`.
+    pub brokers: String,
+    /// The consumer group.
+    pub group_id: String,
+    /// Topics to consume (their retry topics are added in [`RetryMode::RetryTopic`]).
+    pub topics: Vec<String>,
+    /// Properties for every client (consumer, producer, admin): security settings go here,
+    /// e.g. `security.protocol`, `sasl.mechanism`, `sasl.username`, `sasl.password`.
+    pub properties: ClientProperties,
+    /// Properties for the consumer only, e.g. `session.timeout.ms`, `max.poll.interval.ms`,
+    /// `auto.offset.reset` (default `earliest`), `partition.assignment.strategy`,
+    /// `fetch.wait.max.ms` (default 100, not librdkafka's 500: a partition paused because its
+    /// buffer was full fetches again when it resumes, and waits up to this long for it).
+    pub consumer_properties: ClientProperties,
+    /// Properties for the producer only, e.g. `linger.ms`, `compression.type`.
+    pub producer_properties: ClientProperties,
+    /// Order of records within a partition (default [`ProcessingOrder::Partition`]).
+    pub order: ProcessingOrder,
+    /// What a retry does (default [`RetryMode::RetryTopic`]).
+    pub retry: RetryMode,
+    /// Retry topic of `t` is `t` + this (default `.retry`).
+    pub retry_topic_suffix: String,
+    /// Dead-letter topic of `t` is `t` + this (default `.dlq`).
+    pub dead_letter_topic_suffix: String,
+    /// The header holding the producer's message id (default `message_id`).
+    pub message_id_header: String,
+    /// When a record has no message id header, use `topic/partition@offset` as its id.
+    /// Off by default: an offset-based id cannot recognise a republished duplicate.
+    pub offset_message_ids: bool,
+    /// How offsets are committed (default [`CommitMode::Manual`]).
+    pub commit: CommitMode,
+    /// How often settled offsets are committed or stored (default 500ms).
+    pub commit_interval: Duration,
+    /// Records buffered per partition before it is paused (default 5,000); it is resumed
+    /// when the buffer is half empty again. The buffer holds the records between the
+    /// committed position and the fetch position: waiting, in flight, and settled behind a
+    /// record still in flight.
+    pub max_buffered_per_partition: usize,
+    /// Bytes (payloads, keys and headers) buffered per partition before it is paused
+    /// (default 1 MiB), whichever of the two limits comes first; resumed at half. With the
+    /// record limit this bounds the consumer's memory for any message size.
+    ///
+    /// A paused partition drops what librdkafka prefetched for it, and its next fetch can
+    /// wait up to `fetch.wait.max.ms` behind a fetch already at the broker, so the buffer's
+    /// lower half must last that long at the handlers' rate: small buffers stall fast
+    /// handlers (BENCHMARKS.md measures it).
+    pub max_buffered_bytes_per_partition: usize,
+    /// How long a revoke waits for in-flight records of the revoked partitions to settle
+    /// (default 10s). Settlements arriving later are dropped; the new owner redelivers and
+    /// the inbox deduplicates. The wait runs inside the poll, so it must stay under half of
+    /// `max.poll.interval.ms` when that is set ([`KafkaConfig::validate`] checks).
+    pub revoke_timeout: Duration,
+    /// Longest wait for a retry or dead-letter copy's delivery report (default 30s).
+    pub produce_timeout: Duration,
+}
+
+impl KafkaConfig {
+    /// A configuration with the defaults documented on each field.
+    pub fn new(
+        brokers: impl Into<String>,
+        group_id: impl Into<String>,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        KafkaConfig {
+            brokers: brokers.into(),
+            group_id: group_id.into(),
+            topics: topics.into_iter().map(Into::into).collect(),
+            properties: ClientProperties::new(),
+            consumer_properties: ClientProperties::new(),
+            producer_properties: ClientProperties::new(),
+            order: ProcessingOrder::Partition,
+            retry: RetryMode::RetryTopic,
+            retry_topic_suffix: ".retry".to_owned(),
+            dead_letter_topic_suffix: ".dlq".to_owned(),
+            message_id_header: "message_id".to_owned(),
+            offset_message_ids: false,
+            commit: CommitMode::Manual,
+            commit_interval: Duration::from_millis(500),
+            max_buffered_per_partition: 5_000,
+            max_buffered_bytes_per_partition: 1 << 20,
+            revoke_timeout: Duration::from_secs(10),
+            produce_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// The retry topic of `topic`.
+    pub fn retry_topic(&self, topic: &str) -> String {
+        format!("{topic}{}", self.retry_topic_suffix)
+    }
+
+    /// The dead-letter topic of `topic`.
+    pub fn dead_letter_topic(&self, topic: &str) -> String {
+        format!("{topic}{}", self.dead_letter_topic_suffix)
+    }
+
+    /// Every topic the consumer subscribes to: the topics and, in
+    /// [`RetryMode::RetryTopic`], their retry topics.
+    pub fn subscribed_topics(&self) -> Vec<String> {
+        let mut all = self.topics.clone();
+        if self.retry == RetryMode::RetryTopic {
+            all.extend(self.topics.iter().map(|t| self.retry_topic(t)));
+        }
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) fn valid() -> KafkaConfig {
+        KafkaConfig::new("127.0.0.1:9092", "group", ["orders"])
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        valid().validate().unwrap();
+        assert_eq!(
+            valid().subscribed_topics(),
+            vec!["orders".to_owned(), "orders.retry".to_owned()]
+        );
+    }
+}

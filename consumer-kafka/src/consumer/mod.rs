@@ -1,0 +1,207 @@
+//! The consumer: a poll thread that owns the librdkafka consumer, a shared table of partitions
+//! and their offset trackers, and a [`Stream`] of [`Incoming`] deliveries for the worker.
+//!
+//! - The poll thread polls every 50ms whatever the handlers do, so `max.poll.interval.ms` is
+//!   never exceeded by a slow handler. Back-pressure pauses partitions (not the loop).
+//! - The stream hands out a record only when its partition's order allows it (see
+//!   [`ProcessingOrder`](crate::ProcessingOrder)) and the partition is not being revoked.
+//! - An acknowledger marks its offset settled; commits go up to the last contiguous settled
+//!   record of each partition this member owns.
+//! - Rebalance callbacks run on the poll thread: a revoke stops handing out the partitions,
+//!   waits (bounded) for their in-flight records, commits what is contiguous and forgets them;
+//!   later settlements for them are dropped.
+//!
+//! This module holds [`KafkaConsumer`] and its stream; `record` is a fetched record and its
+//! headers, `partitions` the shared table of owned partitions, `rebalance` the rebalance
+//! callbacks and the commits, `poll` the poll thread, `acker` a record's settlement, and
+//! `copies` what its retry and dead-letter copies carry.
+
+use std::future::Future;
+use std::hash::RandomState;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use consumer_core::{Incoming, LogPosition, TransportError};
+use futures::Stream;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use tokio::sync::watch;
+
+use crate::config::KafkaConfig;
+use crate::observer::KafkaObserver;
+use crate::producer;
+use crate::{Error, KafkaPublisher};
+use acker::KafkaAcker;
+use partitions::{Settings, Shared, State};
+use rebalance::ConsumerCtx;
+
+mod acker;
+mod copies;
+mod partitions;
+mod poll;
+mod rebalance;
+mod record;
+
+/// A Kafka consumer as a [`consumer_core::Transport`]: give it to
+/// [`consumer_core::Worker::run`].
+///
+/// Dropping it (the worker does, when it stops) stops the poll thread, which commits what is
+/// settled, waits (up to `revoke_timeout`) for records still in flight, and leaves the
+/// group; [`KafkaConsumer::closed`] resolves when that is done.
+pub struct KafkaConsumer {
+    shared: Arc<Shared>,
+    closed: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for KafkaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumer").finish_non_exhaustive()
+    }
+}
+
+impl KafkaConsumer {
+    /// Validates `config`, creates the producer and the consumer, subscribes, and starts the
+    /// poll thread. Fails naming the field on bad configuration.
+    pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let producer = producer::create(&config.producer_client_config(), config.produce_timeout)?;
+        let (closed_tx, closed_rx) = watch::channel(false);
+        let retry_sources = config
+            .topics
+            .iter()
+            .map(|t| (config.retry_topic(t), Arc::<str>::from(t.as_str())))
+            .collect();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            settled: Condvar::new(),
+            revoke_waiting: AtomicBool::new(false),
+            settings: Settings {
+                order: config.order,
+                retry: config.retry,
+                commit: config.commit,
+                commit_interval: config.commit_interval,
+                max_buffered: config.max_buffered_per_partition,
+                max_buffered_bytes: config.max_buffered_bytes_per_partition,
+                revoke_timeout: config.revoke_timeout,
+                produce_timeout: config.produce_timeout,
+                message_id_header: config.message_id_header.clone(),
+                offset_message_ids: config.offset_message_ids,
+                retry_sources,
+                retry_suffix: config.retry_topic_suffix.clone(),
+                dead_letter_suffix: config.dead_letter_topic_suffix.clone(),
+                group_id: config.group_id.clone(),
+                copy_scope: format!("kafka:{}:{}", config.group_id, config.retry_topic_suffix),
+            },
+            producer,
+            observer: KafkaObserver::default(),
+            stop: AtomicBool::new(false),
+            closed: closed_tx,
+            key_seed: RandomState::new(),
+        });
+        let consumer: BaseConsumer<ConsumerCtx> = config
+            .consumer_client_config()
+            .create_with_context(ConsumerCtx {
+                shared: shared.clone(),
+            })
+            .map_err(|e| producer::client_error("creating the consumer", e))?;
+        let topics = config.subscribed_topics();
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&names)
+            .map_err(|e| producer::client_error("subscribing", e))?;
+        tracing::info!(group = %config.group_id, topics = ?topics, "kafka consumer started");
+        let thread_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("kafka-poll".to_owned())
+            .spawn(move || poll::poll_loop(consumer, thread_shared))
+            .map_err(|e| Error::client("starting the poll thread", e))?;
+        Ok(KafkaConsumer {
+            shared,
+            closed: closed_rx,
+        })
+    }
+
+    /// Offsets, assignments and dropped settlements, as they happen (for tests and metrics).
+    pub fn observer(&self) -> KafkaObserver {
+        self.shared.observer.clone()
+    }
+
+    /// A publisher sharing this consumer's idempotent producer.
+    pub fn publisher(&self) -> KafkaPublisher {
+        KafkaPublisher::from_producer(
+            self.shared.producer.clone(),
+            self.shared.settings.message_id_header.clone(),
+            self.shared.settings.produce_timeout,
+        )
+    }
+
+    /// Resolves once the poll thread has committed what was settled and left the group
+    /// (after this consumer was dropped).
+    pub fn closed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.closed.clone();
+        async move {
+            // An error means the sender is gone: the thread has ended too.
+            let _ = rx.wait_for(|closed| *closed).await;
+        }
+    }
+}
+
+impl Drop for KafkaConsumer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Stream for KafkaConsumer {
+    type Item = Result<Incoming, TransportError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let shared = &self.shared;
+        let order = shared.settings.order;
+        let mut state = shared.lock();
+        if let Some(e) = state.errors.pop_front() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        let now = Instant::now();
+        let n = state.partitions.len();
+        let start = state.cursor;
+        let mut taken = None;
+        for i in 0..n {
+            let index = (start + i) % n;
+            let Some((tp, p)) = state.partitions.iter_mut().nth(index) else {
+                break;
+            };
+            if p.revoking {
+                continue;
+            }
+            let Some((_, h)) = p.tracker.take_next(order, now) else {
+                continue;
+            };
+            let position = LogPosition {
+                log: p.log.clone(),
+                epoch: p.generation,
+                offset: h.record.offset,
+            };
+            let acker = KafkaAcker::new(shared.clone(), tp.clone(), p.generation, h.record.clone());
+            taken = Some((acker, h.attempt, h.redelivered, position));
+            state.cursor = index + 1;
+            break;
+        }
+        if let Some((acker, attempt, redelivered, position)) = taken {
+            // Built outside the lock: the poll thread and the settlements wait on it.
+            drop(state);
+            let delivery = acker.record().delivery(attempt, redelivered, position);
+            return Poll::Ready(Some(Ok(Incoming {
+                delivery,
+                acker: Box::new(acker),
+            })));
+        }
+        if state.finished {
+            return Poll::Ready(None);
+        }
+        state.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}

@@ -1,0 +1,216 @@
+//! The partitions this member owns, each with its offset tracker, in one table shared by
+//! the poll thread, the stream and the acknowledgers; and what a record's settlement or
+//! deferral does to its partition.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::hash::RandomState;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use consumer_core::TransportError;
+use rdkafka::producer::FutureProducer;
+use tokio::sync::watch;
+
+use super::record::{Handout, Record, Tp};
+use crate::config::{CommitMode, ProcessingOrder, RetryMode};
+use crate::observer::{KafkaObserver, OffsetEvent};
+use crate::producer::LogContext;
+use crate::tracker::PartitionTracker;
+
+/// One owned partition: its assignment, its tracker, and whether it is being revoked, paused
+/// or full.
+pub(super) struct Partition {
+    pub(super) generation: u64,
+    /// `group/topic/partition`: the log its deliveries'
+    /// [`LogPosition`](consumer_core::LogPosition)s name.
+    pub(super) log: Arc<str>,
+    pub(super) tracker: PartitionTracker<Handout>,
+    pub(super) revoking: bool,
+    pub(super) paused: bool,
+    /// Last commit point committed (or stored).
+    pub(super) committed: Option<i64>,
+    /// Paused because its buffer was full: resumed when it is half empty.
+    pub(super) full: bool,
+}
+
+/// What the poll thread, the stream and the acknowledgers share under one lock.
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) partitions: BTreeMap<Tp, Partition>,
+    pub(super) cursor: usize,
+    pub(super) waker: Option<Waker>,
+    pub(super) errors: VecDeque<TransportError>,
+    /// The poll thread has exited: the stream ends once nothing is left to hand out.
+    pub(super) finished: bool,
+    /// Settled records, freed by the poll thread at its next round. The poll thread
+    /// allocated them; freed by the worker threads that settle them, their memory would go
+    /// back through the allocator's locked, cross-thread path (glibc takes the owning
+    /// arena's lock once a thread's cache is full) while the poll thread allocates the next
+    /// ones from that arena, each side on the slow path. A settled record's last handle
+    /// usually is the one here.
+    pub(super) retired: Vec<Arc<Record>>,
+    pub(super) next_generation: u64,
+}
+
+/// What the transport needs from the configuration after validation.
+pub(super) struct Settings {
+    pub(super) order: ProcessingOrder,
+    pub(super) retry: RetryMode,
+    pub(super) commit: CommitMode,
+    pub(super) commit_interval: Duration,
+    pub(super) max_buffered: usize,
+    pub(super) max_buffered_bytes: usize,
+    pub(super) revoke_timeout: Duration,
+    pub(super) produce_timeout: Duration,
+    pub(super) message_id_header: String,
+    pub(super) offset_message_ids: bool,
+    /// Retry topic name → the topic it retries.
+    pub(super) retry_sources: BTreeMap<String, Arc<str>>,
+    pub(super) retry_suffix: String,
+    pub(super) dead_letter_suffix: String,
+    pub(super) group_id: String,
+    /// `kafka:<group>:<retry suffix>`: the consumers that read this group's retry copies
+    /// (see `Acknowledger::copy_scope`).
+    pub(super) copy_scope: String,
+}
+
+/// The state, settings and clients shared by the poll thread (and the rebalance callbacks
+/// it runs), the stream and the acknowledgers.
+pub(super) struct Shared {
+    pub(super) state: Mutex<State>,
+    /// Signalled when a record settles while a revoke waits for in-flight records.
+    pub(super) settled: Condvar,
+    /// A revoke is waiting on `settled` (set and cleared under the state lock), so a
+    /// settlement must signal it; otherwise it does not (a signal costs a system call).
+    pub(super) revoke_waiting: AtomicBool,
+    pub(super) settings: Settings,
+    pub(super) producer: FutureProducer<LogContext>,
+    pub(super) observer: KafkaObserver,
+    pub(super) stop: AtomicBool,
+    pub(super) closed: watch::Sender<bool>,
+    /// Seeds the hash of record keys into [`KeyId`](crate::tracker::KeyId)s.
+    pub(super) key_seed: RandomState,
+}
+
+impl Shared {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn wake(waker: Option<Waker>) {
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+impl Shared {
+    /// Runs `f` on the partition if it is still the same assignment (`generation`), `None`
+    /// if not. `f` is told whether the stream waits for a record and given the retired
+    /// list (see [`State::retired`]); it says whether the stream must be woken: then its
+    /// waker is returned.
+    pub(super) fn with_partition(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        f: impl FnOnce(&mut Partition, bool, &mut Vec<Arc<Record>>) -> bool,
+    ) -> Option<Option<Waker>> {
+        let mut state = self.lock();
+        let State {
+            partitions,
+            waker,
+            retired,
+            ..
+        } = &mut *state;
+        let p = partitions
+            .get_mut(tp)
+            .filter(|p| p.generation == generation)?;
+        let wake = f(p, waker.is_some(), retired);
+        Some(if wake { waker.take() } else { None })
+    }
+
+    /// Wakes a revoke waiting for in-flight records, if one is.
+    pub(super) fn signal_revoke(&self) {
+        if self.revoke_waiting.load(Ordering::SeqCst) {
+            self.settled.notify_all();
+        }
+    }
+
+    pub(super) fn revoked_error(&self, record: &Record) -> TransportError {
+        self.observer.record_all([OffsetEvent::SettlementDropped {
+            topic: record.topic.to_string(),
+            partition: record.partition,
+            offset: record.offset,
+        }]);
+        TransportError::msg(format!(
+            "partition {}/{} was revoked before {} settled; the new owner redelivers it",
+            record.topic,
+            record.partition,
+            record.location()
+        ))
+    }
+
+    pub(super) fn mark_settled(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        record: &Arc<Record>,
+    ) -> Result<(), TransportError> {
+        let order = self.settings.order;
+        let settled = self.with_partition(tp, generation, |p, waiting, retired| {
+            p.tracker.settle(record.offset);
+            retired.push(record.clone());
+            // A waiting stream is woken only if the settlement let a record go (an earlier
+            // record of its key, or of the partition, settled); anything else wakes it where
+            // it arrives.
+            waiting && p.tracker.has_next(order, Instant::now())
+        });
+        self.changed(settled, record)
+    }
+
+    /// After a record's settlement or deferral ([`Shared::with_partition`]'s result): wakes a
+    /// waiting revoke and the stream, or reports the partition revoked.
+    pub(super) fn changed(
+        &self,
+        outcome: Option<Option<Waker>>,
+        record: &Record,
+    ) -> Result<(), TransportError> {
+        match outcome {
+            Some(waker) => {
+                self.signal_revoke();
+                Shared::wake(waker);
+                Ok(())
+            }
+            None => Err(self.revoked_error(record)),
+        }
+    }
+
+    /// Puts the record back in its place, due at `not_before`, carrying `attempt`.
+    pub(super) fn defer(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        record: &Record,
+        delay: Duration,
+        attempt: u32,
+    ) -> Result<(), TransportError> {
+        let not_before = Instant::now() + delay;
+        let deferred = self.with_partition(tp, generation, |p, _, _| {
+            if let Some(h) = p.tracker.defer(record.offset, not_before) {
+                h.attempt = attempt;
+                h.redelivered = true;
+            }
+            true
+        });
+        self.changed(deferred, record)
+    }
+
+    pub(super) fn owned(&self, tp: &Tp, generation: u64) -> bool {
+        self.lock()
+            .partitions
+            .get(tp)
+            .is_some_and(|p| p.generation == generation)
+    }
+}

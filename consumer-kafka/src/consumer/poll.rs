@@ -1,0 +1,309 @@
+//! The poll thread: it owns the librdkafka consumer and polls whatever the handlers do,
+//! turns fetched messages into tracked records, pauses and resumes partitions, and commits
+//! every interval.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use consumer_core::TransportError;
+use rdkafka::consumer::{BaseConsumer, CommitMode as RdCommitMode, Consumer};
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::TopicPartitionList;
+
+use super::partitions::Shared;
+use super::rebalance::ConsumerCtx;
+use super::record::{key_id, location, read_headers, unix_millis, Handout, Record};
+use crate::headers;
+
+/// How long one poll waits for a record before housekeeping runs.
+const POLL_WAIT: Duration = Duration::from_millis(50);
+/// How long one poll waits while a partition is paused because its buffer is full: its
+/// resume (at the next housekeeping) must not wait for [`POLL_WAIT`], or the handlers run dry.
+const POLL_WAIT_PAUSED: Duration = Duration::from_millis(5);
+/// Records taken per round before housekeeping runs.
+const POLL_BATCH: usize = 500;
+/// Every this many commit intervals the current positions are committed again, even if
+/// unchanged (see [`Shared::commit`]), but not more often than [`MIN_COMMIT_REFRESH`].
+const COMMIT_REFRESH_FACTOR: u32 = 10;
+const MIN_COMMIT_REFRESH: Duration = Duration::from_secs(1);
+
+impl Shared {
+    /// Turns a fetched message into a tracked record of its partition (if still owned), and
+    /// returns whether that partition's buffer has reached a limit (the caller then pauses it
+    /// before taking more). `topics` keeps one shared name per topic, so a record does not
+    /// allocate its own.
+    fn ingest(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) -> bool {
+        let s = &self.settings;
+        let topic = match topics.iter().find(|t| ***t == *m.topic()) {
+            Some(t) => t.clone(),
+            None => {
+                let t: Arc<str> = Arc::from(m.topic());
+                topics.push(t.clone());
+                t
+            }
+        };
+        let (partition, offset) = (m.partition(), m.offset());
+        let (text_headers, raw_headers, header_bytes) = read_headers(m.headers());
+        let header = |name: &str| text_headers.get(name).map(String::as_str);
+        let origin = s.retry_sources.get(&*topic).cloned();
+        let group = header(headers::RETRY_GROUP);
+        // Another group's retry copy (groups share a topic's retry topic): not ours to run.
+        let foreign = origin.is_some() && group.is_some_and(|g| g != s.group_id);
+        // A record on the retry topic without a group was not written by this transport
+        // (a producer wrote it there, or a tool): it runs, but as a record of its own, not
+        // as our copy: its due time does not hold the partition back, its origin headers
+        // are not trusted.
+        let own_copy = origin.is_some() && group == Some(s.group_id.as_str());
+        if foreign {
+            let mut state = self.lock();
+            if let Some(p) = state
+                .partitions
+                .get_mut(&(topic, partition))
+                .filter(|p| !p.revoking)
+            {
+                p.tracker.push_settled(offset);
+            }
+            return false;
+        }
+        let attempt = header(headers::ATTEMPT)
+            .and_then(|a| a.parse::<u32>().ok())
+            .filter(|&a| a >= 1)
+            .unwrap_or(1);
+        // Only our own copies on a retry topic wait for their due time.
+        let not_before = own_copy
+            .then(|| header(headers::DUE_AT))
+            .flatten()
+            .and_then(|d| d.parse::<i64>().ok())
+            .and_then(|due| {
+                let wait = due.saturating_sub(unix_millis());
+                (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
+            });
+        let message_id = header(&s.message_id_header)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned)
+            .or_else(|| {
+                s.offset_message_ids
+                    .then(|| location(&topic, partition, offset))
+            });
+        let payload = m.payload().unwrap_or_default();
+        let bytes = payload.len() + m.key().map_or(0, <[u8]>::len) + header_bytes;
+        let record = Arc::new(Record {
+            bytes,
+            origin: origin.unwrap_or_else(|| topic.clone()),
+            topic: topic.clone(),
+            partition,
+            offset,
+            key: m.key().map(<[u8]>::to_vec),
+            payload: Bytes::copy_from_slice(payload),
+            null_payload: m.payload().is_none(),
+            headers: Arc::new(text_headers),
+            raw_headers,
+            message_id,
+            attempt,
+            own_copy,
+        });
+        let mut state = self.lock();
+        let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
+            // Fetched just before its partition was revoked: the new owner reads it.
+            return false;
+        };
+        if p.revoking {
+            return false;
+        }
+        let key = key_id(&self.key_seed, record.key.as_deref());
+        let pushed = p.tracker.push(
+            offset,
+            key,
+            not_before,
+            Handout {
+                record,
+                attempt,
+                redelivered: false,
+            },
+        );
+        let full = p.tracker.len() >= self.settings.max_buffered
+            || p.tracker.bytes() >= self.settings.max_buffered_bytes;
+        // A stream waiting for records gets this one now, not after the poll round.
+        let waker = if pushed && not_before.is_none() {
+            state.waker.take()
+        } else {
+            None
+        };
+        drop(state);
+        Shared::wake(waker);
+        full
+    }
+
+    /// Pauses partitions whose buffer is full or whose next retry is not due, resumes the
+    /// others, and wakes the stream when something may be handed out. Returns whether a
+    /// partition is paused because its buffer is full.
+    ///
+    /// A full partition is resumed only when its buffer is half empty, not at the first free
+    /// slot: librdkafka drops what it prefetched for a partition when it is paused, so every
+    /// resume costs a fetch, which waits behind any fetch request already at the broker (up
+    /// to `fetch.wait.max.ms` when that one asks only for partitions without new records).
+    /// Resuming at one free slot would pay that for a handful of records each time.
+    ///
+    /// `retired` (empty) is swapped for the settled records, which the caller frees outside
+    /// the lock (see [`State::retired`](super::partitions::State::retired)).
+    fn housekeeping(
+        &self,
+        consumer: &BaseConsumer<ConsumerCtx>,
+        retired: &mut Vec<Arc<Record>>,
+    ) -> bool {
+        let now = Instant::now();
+        let mut pause = TopicPartitionList::new();
+        let mut resume = TopicPartitionList::new();
+        let (max, max_bytes) = (self.settings.max_buffered, self.settings.max_buffered_bytes);
+        let mut any_full = false;
+        let waker = {
+            let mut state = self.lock();
+            std::mem::swap(&mut state.retired, retired);
+            let mut ready = false;
+            for ((topic, partition), p) in state.partitions.iter_mut() {
+                let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
+                let (len, bytes) = (p.tracker.len(), p.tracker.bytes());
+                p.full = if p.full {
+                    len > max / 2 || bytes > max_bytes / 2
+                } else {
+                    len >= max || bytes >= max_bytes
+                };
+                any_full |= p.full && !p.revoking;
+                let want_pause = p.revoking || p.full || waiting_for_due;
+                if want_pause != p.paused {
+                    let list = if want_pause { &mut pause } else { &mut resume };
+                    list.add_partition(topic, *partition);
+                    p.paused = want_pause;
+                }
+                ready |= !p.revoking && p.tracker.has_due_waiting(now);
+            }
+            if ready {
+                state.waker.take()
+            } else {
+                None
+            }
+        };
+        Shared::wake(waker);
+        retired.clear();
+        if pause.count() > 0 {
+            tracing::debug!(partitions = ?pause.to_topic_map().keys(), "pausing");
+            if let Err(e) = consumer.pause(&pause) {
+                tracing::warn!(error = %e, "pausing partitions failed");
+            }
+        }
+        if resume.count() > 0 {
+            tracing::debug!(partitions = ?resume.to_topic_map().keys(), "resuming");
+            if let Err(e) = consumer.resume(&resume) {
+                tracing::warn!(error = %e, "resuming partitions failed");
+            }
+        }
+        any_full
+    }
+}
+
+pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
+    let mut last_commit = Instant::now();
+    let mut last_refresh = Instant::now();
+    let refresh_interval =
+        (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR).max(MIN_COMMIT_REFRESH);
+    let mut last_summary = Instant::now();
+    let mut any_full = false;
+    let mut topics = Vec::new();
+    let mut retired = Vec::new();
+    while !shared.stop.load(Ordering::SeqCst) {
+        let mut wait = if any_full {
+            POLL_WAIT_PAUSED
+        } else {
+            POLL_WAIT
+        };
+        for _ in 0..POLL_BATCH {
+            match consumer.poll(wait) {
+                None => break,
+                Some(Ok(m)) => {
+                    wait = Duration::ZERO;
+                    // A partition that reached its limit is paused at once (housekeeping),
+                    // not after the rest of the round: the limits hold record by record.
+                    if shared.ingest(&m, &mut topics) {
+                        break;
+                    }
+                }
+                Some(Err(e)) => {
+                    handle_poll_error(&shared, e);
+                    break;
+                }
+            }
+        }
+        any_full = shared.housekeeping(&consumer, &mut retired);
+        if tracing::enabled!(tracing::Level::DEBUG)
+            && last_summary.elapsed() >= Duration::from_secs(2)
+        {
+            last_summary = Instant::now();
+            let state = shared.lock();
+            for ((topic, partition), p) in &state.partitions {
+                tracing::debug!(
+                    "{topic}/{partition}: {} revoking={} paused={} committed={:?}",
+                    p.tracker.describe(),
+                    p.revoking,
+                    p.paused,
+                    p.committed
+                );
+            }
+        }
+        if last_commit.elapsed() >= shared.settings.commit_interval {
+            let refresh = last_refresh.elapsed() >= refresh_interval;
+            if refresh {
+                last_refresh = Instant::now();
+            }
+            shared.commit(&consumer, RdCommitMode::Async, refresh);
+            last_commit = Instant::now();
+        }
+    }
+    tracing::info!("kafka consumer stopping: committing settled offsets and leaving the group");
+    shared.commit(&consumer, RdCommitMode::Sync, true);
+    // Closing runs the revoke callback (bounded wait, contiguous commit) and leaves the group.
+    drop(consumer);
+    let waker = {
+        let mut state = shared.lock();
+        state.finished = true;
+        state.partitions.clear();
+        state.waker.take()
+    };
+    Shared::wake(waker);
+    shared.closed.send_replace(true);
+    tracing::info!("kafka consumer closed");
+}
+
+static UNKNOWN_TOPIC_WARNINGS: AtomicU64 = AtomicU64::new(0);
+
+fn handle_poll_error(shared: &Shared, e: rdkafka::error::KafkaError) {
+    use rdkafka::error::KafkaError as K;
+    use rdkafka::types::RDKafkaErrorCode as C;
+    match e {
+        K::MessageConsumptionFatal(code) => {
+            tracing::error!(error = %code, "fatal consumer error: the transport stops");
+            let waker = {
+                let mut state = shared.lock();
+                state.errors.push_back(TransportError::new(
+                    "fatal kafka consumer error",
+                    K::MessageConsumptionFatal(code),
+                ));
+                state.waker.take()
+            };
+            shared.stop.store(true, Ordering::SeqCst);
+            Shared::wake(waker);
+        }
+        K::MessageConsumption(C::UnknownTopicOrPartition | C::UnknownTopic) => {
+            // A subscribed topic (often a retry topic) does not exist yet; librdkafka keeps
+            // retrying. Logged now and then, not on every metadata refresh.
+            if UNKNOWN_TOPIC_WARNINGS
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(100)
+            {
+                tracing::warn!(error = %e, "a subscribed topic does not exist (create it with consumer_kafka::create_topics)");
+            }
+        }
+        other => tracing::warn!(error = %other, "kafka consumer error"),
+    }
+}

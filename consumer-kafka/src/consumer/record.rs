@@ -1,0 +1,229 @@
+//! One fetched record: what librdkafka gave, what the transport read from its headers,
+//! and the envelope handed to the worker.
+
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use consumer_core::{Delivery, LogPosition, Source};
+use rdkafka::message::Headers;
+
+use crate::headers;
+use crate::tracker::{KeyId, Weigh};
+
+/// A partition: topic and number.
+pub(super) type Tp = (Arc<str>, i32);
+
+/// One fetched record, shared by its hand-outs and its acknowledger.
+///
+/// It keeps what librdkafka gave (payload, key, headers as bytes) and what the transport read
+/// from its headers; the [`Delivery`] is built from it when it is handed out
+/// ([`Record::delivery`]), off the poll thread and outside the state lock.
+#[derive(Debug)]
+pub(super) struct Record {
+    pub(super) topic: Arc<str>,
+    pub(super) partition: i32,
+    pub(super) offset: i64,
+    /// The topic its retry and dead-letter topics are named after (the retry topic's source).
+    pub(super) origin: Arc<str>,
+    pub(super) key: Option<Vec<u8>>,
+    pub(super) payload: Bytes,
+    pub(super) null_payload: bool,
+    /// The headers as text, as deliveries carry them: one map shared by every hand-out.
+    pub(super) headers: Arc<BTreeMap<String, String>>,
+    /// The headers as librdkafka gave them, kept only where the text map does not hold
+    /// exactly the same (see [`read_headers`]): retry and dead-letter copies carry these.
+    pub(super) raw_headers: Option<RawHeaders>,
+    /// From the message id header, else (if configured) the record's position.
+    pub(super) message_id: Option<String>,
+    /// From the `x-attempt` header (1 without one).
+    pub(super) attempt: u32,
+    /// A retry copy this group wrote (on a retry topic, with this group's
+    /// [`headers::RETRY_GROUP`]): only then are its due time and origin headers its own.
+    pub(super) own_copy: bool,
+    /// Payload, key and header bytes: what it counts against the partition's byte limit.
+    pub(super) bytes: usize,
+}
+
+/// `topic/partition@offset`: where a record is, and the message id derived from it.
+pub(super) fn location(topic: &str, partition: i32, offset: i64) -> String {
+    format!("{topic}/{partition}@{offset}")
+}
+
+impl Record {
+    /// `topic/partition@offset`.
+    pub(super) fn location(&self) -> String {
+        location(&self.topic, self.partition, self.offset)
+    }
+
+    /// The envelope handed to the worker.
+    pub(super) fn delivery(
+        &self,
+        attempt: u32,
+        redelivered: bool,
+        position: LogPosition,
+    ) -> Delivery {
+        let mut headers = self.headers.clone();
+        if attempt > 1 {
+            let attempt = attempt.to_string();
+            // A retry copy usually says so already; a record retried in place does not.
+            if headers.get(headers::ATTEMPT) != Some(&attempt) {
+                Arc::make_mut(&mut headers).insert(headers::ATTEMPT.to_owned(), attempt);
+            }
+        }
+        Delivery {
+            message_id: self.message_id.clone(),
+            payload: self.payload.clone(),
+            headers,
+            redelivered,
+            attempt,
+            // A record past the committed offset may have been processed by a member that
+            // then died: Kafka cannot say. Its position lets the runtime tell.
+            fresh: false,
+            position: Some(position),
+            source: Source {
+                transport: "kafka",
+                location: self.location(),
+            },
+        }
+    }
+
+    /// The headers as the record carried them, in its order, as (name, value) pairs.
+    pub(super) fn original_headers(&self) -> RawHeaders {
+        match &self.raw_headers {
+            Some(raw) => raw.clone(),
+            None => self
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), Some(v.clone().into_bytes())))
+                .collect(),
+        }
+    }
+}
+
+/// A record's headers as librdkafka gives them: names, and values that may be null.
+pub(super) type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
+
+/// A record's headers as text (a null value reads as empty, invalid UTF-8 is replaced, the
+/// last of a repeated name wins), the headers as they were when that text says less than
+/// they did (a null or non-UTF-8 value, a repeated name, names out of order), and their
+/// size in bytes. Most records need only the text.
+pub(super) fn read_headers<H: Headers>(
+    hs: Option<&H>,
+) -> (BTreeMap<String, String>, Option<RawHeaders>, usize) {
+    let mut text = BTreeMap::new();
+    let mut bytes = 0;
+    let Some(hs) = hs else {
+        return (text, None, bytes);
+    };
+    let mut exact = true;
+    let mut last: Option<&str> = None;
+    for h in hs.iter() {
+        bytes += h.key.len() + h.value.map_or(0, <[u8]>::len);
+        exact &= last.is_none_or(|l| l < h.key);
+        last = Some(h.key);
+        let value = match h.value.map(std::str::from_utf8) {
+            Some(Ok(v)) => v.to_owned(),
+            Some(Err(_)) => {
+                exact = false;
+                String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()
+            }
+            None => {
+                exact = false;
+                String::new()
+            }
+        };
+        text.insert(h.key.to_owned(), value);
+    }
+    let raw = (!exact).then(|| {
+        hs.iter()
+            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+            .collect()
+    });
+    (text, raw, bytes)
+}
+
+/// A record as the tracker holds it: the record and the attempt its next hand-out carries.
+#[derive(Debug)]
+pub(super) struct Handout {
+    pub(super) record: Arc<Record>,
+    pub(super) attempt: u32,
+    pub(super) redelivered: bool,
+}
+
+impl Weigh for Handout {
+    fn weight(&self) -> usize {
+        self.record.bytes
+    }
+}
+
+/// The record's ordering key, hashed with this consumer's random seed (see [`KeyId`]).
+pub(super) fn key_id(seed: &RandomState, key: Option<&[u8]>) -> KeyId {
+    key.map(|k| seed.hash_one(k))
+}
+
+pub(super) fn unix_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::message::{Header, OwnedHeaders};
+
+    /// Headers as a test writes them: name, value (`None` for null).
+    type Pairs<'a> = &'a [(&'a str, Option<&'a [u8]>)];
+
+    fn headers(pairs: Pairs<'_>) -> OwnedHeaders {
+        pairs.iter().fold(OwnedHeaders::new(), |hs, &(key, value)| {
+            hs.insert(Header { key, value })
+        })
+    }
+
+    fn text(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn headers_the_text_map_holds_exactly_are_kept_once() {
+        let hs = headers(&[("a", Some(b"1")), ("message-id", Some(b"m-7"))]);
+        let (map, raw, bytes) = read_headers(Some(&hs));
+        assert_eq!(map, text(&[("a", "1"), ("message-id", "m-7")]));
+        assert_eq!(raw, None);
+        assert_eq!(bytes, 1 + 1 + 10 + 3);
+        let (map, raw, bytes) = read_headers::<OwnedHeaders>(None);
+        assert!(map.is_empty() && raw.is_none() && bytes == 0);
+    }
+
+    #[test]
+    fn headers_the_text_map_would_change_are_kept_as_they_were() {
+        let cases: [Pairs<'_>; 4] = [
+            &[("a", None)],
+            &[("a", Some(b"\xff\xfe"))],
+            &[("a", Some(b"1")), ("a", Some(b"2"))],
+            &[("b", Some(b"1")), ("a", Some(b"2"))],
+        ];
+        for pairs in cases {
+            let (map, raw, _) = read_headers(Some(&headers(pairs)));
+            let expected: RawHeaders = pairs
+                .iter()
+                .map(|&(k, v)| (k.to_owned(), v.map(<[u8]>::to_vec)))
+                .collect();
+            assert_eq!(raw.as_ref(), Some(&expected), "{pairs:?}");
+            // The text map reads as deliveries always did: null is empty, the last name wins.
+            let last = |name: &str| pairs.iter().rev().find(|(k, _)| *k == name);
+            for (k, v) in &map {
+                let (_, value) = last(k).expect("a header of the record");
+                assert_eq!(*v, String::from_utf8_lossy(value.unwrap_or_default()));
+            }
+        }
+    }
+}
