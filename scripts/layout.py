@@ -84,7 +84,7 @@ def edges_of(mods, names, mod, text):
     for m in PATH.finditer(code):
         paths.append((m.group(1), [p for p in m.group(2).split("::") if p]))
     children = {k[-1] for k in mods if len(k) == len(mod) + 1 and k[: len(mod)] == mod}
-    for m in re.finditer(r"(?<![:\w])([a-z_][a-z0-9_]*)::[A-Za-z_]", code):
+    for m in re.finditer(r"(?<![:\w])([a-z_][a-z0-9_]*)::[A-Za-z_{]", code):
         if m.group(1) in children:
             paths.append(("self", [m.group(1)]))
     for anchor, parts in paths:

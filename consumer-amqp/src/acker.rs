@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
-    Acknowledger, DeadLetter, Delivery, Incoming, Settlement, Source, TransportError,
+    Acknowledger, DeadLetter, Delivery, Incoming, Origin, Settlement, Source, TransportError,
 };
 
 use crate::ack_book::{AckPlan, ACK_WAIT_FOR_OLDER};
@@ -46,9 +46,9 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
         redelivered,
         attempt,
         // RabbitMQ flags a delivery redelivered if any consumer may have had it before
-        // (requeued, or recovered after a broker restart); a retry copy carries its attempt.
-        fresh: !redelivered && attempt == 1,
-        position: None,
+        // (requeued, or recovered after a broker restart), and a retry copy carries its
+        // attempt: the runtime counts those whatever the origin says.
+        origin: Origin::First,
         source: Source {
             transport: "amqp",
             location: format!(

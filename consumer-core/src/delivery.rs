@@ -51,25 +51,29 @@ pub struct Delivery {
     /// The delivery attempt as the transport counts it (1 for the first), from a retry header.
     /// The inbox keeps the authoritative count, which also counts crashes.
     pub attempt: u32,
-    /// The transport guarantees that no consumer was handed this message before (RabbitMQ:
-    /// not flagged redelivered and no retry attempt header). `false` when it cannot tell,
-    /// as on Kafka, where a record past the committed offset may have been processed by a
-    /// member that then died; such a transport gives the record's [`Delivery::position`]
-    /// instead, and the runtime proves it fresh with a mark in the database.
-    ///
-    /// A fresh delivery cannot be the repeat of an attempt that crashed, so the runtime does
-    /// not count its attempt ahead of the handler: it claims the key in the handler's
-    /// transaction (as a hand-written consumer would), one statement and one row version
-    /// cheaper. A redelivery takes the counted path. `false` is always safe.
-    pub fresh: bool,
-    /// The record's place in a log (a Kafka partition), if it comes from one. A first
-    /// delivery (`attempt` 1, not `redelivered`) with a position is fresh when its offset is
-    /// at or past the highest offset this handler was ever handed in that log: the runtime
-    /// keeps that high-water mark in the inbox database, moved ahead (durably, in steps) before
-    /// a record past it runs. See [`LogPosition`].
-    pub position: Option<LogPosition>,
+    /// What the transport knows of the message's past. The runtime's inbox alone decides
+    /// from it (and from the attempt number and the redelivered flag) whether the delivery
+    /// is *fresh*: nobody's repeat, so its attempt need not be counted ahead of the handler
+    /// and its key is claimed in the handler's transaction (as a hand-written consumer would
+    /// do), one statement and one row version cheaper. [`Origin::Unknown`] is always safe.
+    pub origin: Origin,
     /// Where it came from.
     pub source: Source,
+}
+
+/// What a transport knows of a delivery's past (see [`Delivery::origin`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Origin {
+    /// The broker guarantees that no consumer was handed this message before (RabbitMQ: not
+    /// flagged redelivered and no retry attempt header; the in-memory broker likewise).
+    First,
+    /// A record at a position in a log whose offsets survive redeliveries (a Kafka
+    /// partition). Kafka cannot say whether a member that died had run it; the runtime
+    /// tells from the log's mark in the inbox database (see [`LogPosition`]).
+    Log(LogPosition),
+    /// The transport cannot tell: the delivery takes the counted path.
+    Unknown,
 }
 
 /// Where a record sits in a log whose records keep their offsets across redeliveries (a
@@ -79,7 +83,7 @@ pub struct Delivery {
 /// have handed out (plus a step), and moves it ahead in the database before it runs a record
 /// past it. A record at or past the mark read when its `epoch` began was never run before,
 /// so a crash while it runs cannot be one of a crash loop: it takes the fresh path (see
-/// [`Delivery::fresh`]). Anything below takes the counted path.
+/// [`Context::fresh`](crate::Context::fresh)). Anything below takes the counted path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogPosition {
     /// Names the log and its reader, e.g. `group/topic/partition`: two consumer groups

@@ -233,6 +233,7 @@ pub struct Context<'c, DB: Backend> {
     pub(crate) key: &'c str,
     pub(crate) attempt: u32,
     pub(crate) delivery: &'c Delivery,
+    pub(crate) fresh: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<&'c dyn crate::fault::FaultInjector>,
 }
@@ -261,6 +262,13 @@ impl<'c, DB: Backend> Context<'c, DB> {
     /// The delivery: message id, headers, source.
     pub fn delivery(&self) -> &Delivery {
         self.delivery
+    }
+
+    /// Whether this attempt took the fresh path: the inbox found the delivery to be
+    /// nobody's repeat (see [`Delivery::origin`]), so it counted no attempt ahead and
+    /// claims the key in this transaction.
+    pub fn fresh(&self) -> bool {
+        self.fresh
     }
 
     /// A named fault point inside the handler, for chaos tests: call it right after an

@@ -70,8 +70,8 @@ mod worker;
 
 pub use consumer_macros::handler;
 pub use delivery::{
-    Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Settlement,
-    Source, Transport,
+    Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Origin,
+    Settlement, Source, Transport,
 };
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};

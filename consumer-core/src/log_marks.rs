@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::delivery::{Delivery, LogPosition};
+use crate::delivery::{Delivery, LogPosition, Origin};
 use crate::inbox::{Backend, Inbox};
 
 /// How far past the record in hand the mark is raised: one database commit per this many
@@ -87,7 +87,7 @@ impl LogWindows {
     }
 }
 
-/// Whether a delivery takes the fresh path (see [`Delivery::fresh`]): the one owner of that
+/// Whether a delivery takes the fresh path (see [`Delivery::origin`]): the one owner of that
 /// decision. The transport reports what it knows (a first delivery it can vouch for, or a
 /// position in a log); a delivery from a log is fresh when it is a first delivery at or
 /// past the log's mark as this process read it, the mark raised and committed past it
@@ -118,23 +118,24 @@ impl<DB: Backend> Freshness<DB> {
         let mut windows = None;
         for item in items.iter_mut() {
             let (delivery, fresh) = of(item);
-            *fresh = if may_be_proven_fresh(delivery) {
-                let windows = match &mut windows {
-                    Some(w) => w,
-                    None => windows.insert(self.windows.lock().await),
-                };
-                self.in_log(windows, delivery).await
-            } else {
-                delivery.fresh
+            // A redelivery, or a copy of an attempt that ran, is counted whatever its origin.
+            let first = delivery.attempt == 1 && !delivery.redelivered;
+            *fresh = match &delivery.origin {
+                Origin::First => first,
+                Origin::Log(pos) if first => {
+                    let windows = match &mut windows {
+                        Some(w) => w,
+                        None => windows.insert(self.windows.lock().await),
+                    };
+                    self.in_log(windows, pos).await
+                }
+                _ => false,
             };
         }
     }
 
-    /// Whether a first delivery with a position is fresh, with the log windows held.
-    async fn in_log(&self, windows: &mut LogWindows, delivery: &Delivery) -> bool {
-        let Some(pos) = &delivery.position else {
-            return false;
-        };
+    /// Whether a first delivery at `pos` is fresh, with the log windows held.
+    async fn in_log(&self, windows: &mut LogWindows, pos: &LogPosition) -> bool {
         let to = match windows.check(pos) {
             Check::Fresh => return true,
             Check::Counted => return false,
@@ -156,12 +157,6 @@ impl<DB: Backend> Freshness<DB> {
             }
         }
     }
-}
-
-/// Whether the log mark may prove `delivery` fresh: a first delivery with a position that its
-/// transport did not already vouch for.
-fn may_be_proven_fresh(delivery: &Delivery) -> bool {
-    !delivery.fresh && delivery.position.is_some() && !delivery.redelivered && delivery.attempt == 1
 }
 
 #[cfg(test)]

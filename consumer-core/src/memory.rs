@@ -12,7 +12,7 @@ use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use tokio::sync::Notify;
 
-use crate::delivery::{Acknowledger, DeadLetter, Delivery, Incoming, Settlement, Source};
+use crate::delivery::{Acknowledger, DeadLetter, Delivery, Incoming, Origin, Settlement, Source};
 use crate::TransportError;
 
 /// The header carrying the attempt number of a retried copy.
@@ -242,8 +242,7 @@ fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
         headers: Arc::new(stored.message.headers.clone()),
         redelivered: stored.redelivered,
         attempt: stored.attempt,
-        fresh: !stored.redelivered && stored.attempt == 1,
-        position: None,
+        origin: Origin::First,
         source: Source {
             transport: "memory",
             location: queue.to_owned(),

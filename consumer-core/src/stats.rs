@@ -34,7 +34,7 @@ counters! {
     handler_runs,
     /// Deliveries whose handler committed.
     completed,
-    /// Of `completed`, those that took the fresh path ([`crate::Delivery::fresh`]: the key
+    /// Of `completed`, those that took the fresh path ([`crate::Context::fresh`]: the key
     /// claimed in the handler's transaction, no attempt counted ahead).
     fresh_completed,
     /// Deliveries acked as duplicates without running the handler.

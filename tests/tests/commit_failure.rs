@@ -18,7 +18,8 @@ use std::time::Duration;
 use common::{run_until, PgEnv};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
-    handler, BatchConfig, Context, EntryStatus, HandlerError, NoJitter, Worker, WorkerConfig,
+    handler, BatchConfig, Context, EntryStatus, HandlerError, NoJitter, Origin, Worker,
+    WorkerConfig,
 };
 use futures::StreamExt;
 use serde::Deserialize;
@@ -84,7 +85,7 @@ async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, red
     let deliveries = broker.consume(&queue).map(move |item| {
         item.map(|mut incoming| {
             if redelivered && incoming.delivery.attempt == 1 {
-                incoming.delivery.fresh = false;
+                incoming.delivery.origin = Origin::Unknown;
                 incoming.delivery.redelivered = true;
             }
             incoming

@@ -18,8 +18,8 @@ use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Backend, BatchConfig, BatchContext, Context, DeadLetterReason, EntryStatus, Error,
-    FlagGuard, Handler, HandlerError, Inbox, InboxConfig, LogPosition, NoJitter, StatsSnapshot,
-    Transition, Worker, WorkerConfig,
+    FlagGuard, Handler, HandlerError, Inbox, InboxConfig, LogPosition, NoJitter, Origin,
+    StatsSnapshot, Transition, Worker, WorkerConfig,
 };
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -382,17 +382,17 @@ async fn run_log_until_drained<DB: Backend, H: Handler<DB>>(
     let records = broker.consume(queue).map(move |item| {
         item.map(|mut incoming| {
             let d = &mut incoming.delivery;
-            d.fresh = false;
             d.redelivered = false;
-            d.position = d
-                .message_id
-                .as_ref()
-                .and_then(|id| offsets.get(id))
-                .map(|&offset| LogPosition {
-                    log: name.clone(),
-                    epoch: 1,
-                    offset,
-                });
+            d.origin = d.message_id.as_ref().and_then(|id| offsets.get(id)).map_or(
+                Origin::Unknown,
+                |&offset| {
+                    Origin::Log(LogPosition {
+                        log: name.clone(),
+                        epoch: 1,
+                        offset,
+                    })
+                },
+            );
             incoming
         })
     });
@@ -749,7 +749,7 @@ async fn replay_of_a_retried_delivery_is_superseded<DB: Backend, H: Handler<DB> 
                     None
                 }
                 Ok(mut incoming) if replaying.load(std::sync::atomic::Ordering::SeqCst) => {
-                    incoming.delivery.fresh = false;
+                    incoming.delivery.origin = Origin::Unknown;
                     incoming.delivery.redelivered = true;
                     Some(Ok(incoming))
                 }
@@ -855,7 +855,7 @@ async fn a_delivery_numbered_ahead_of_the_count_is_retried<DB: Backend, H: Handl
             item.map(|mut incoming| {
                 let d = &mut incoming.delivery;
                 if d.attempt == 1 {
-                    (d.attempt, d.fresh, d.redelivered) = (3, false, true);
+                    (d.attempt, d.origin, d.redelivered) = (3, Origin::Unknown, true);
                 }
                 numbers.lock().unwrap().push(d.attempt);
                 incoming
@@ -1017,7 +1017,7 @@ fn holding_copies(
                 None
             }
             Ok(mut incoming) => {
-                incoming.delivery.fresh = false;
+                incoming.delivery.origin = Origin::Unknown;
                 incoming.delivery.redelivered = true;
                 Some(Ok(incoming))
             }
@@ -1261,7 +1261,7 @@ async fn an_attempt_number_at_u32_max_is_bounded<DB: Backend, H: Handler<DB> + C
         item.map(|mut incoming| {
             if incoming.delivery.attempt == 1 {
                 incoming.delivery.attempt = u32::MAX;
-                incoming.delivery.fresh = false;
+                incoming.delivery.origin = Origin::Unknown;
             }
             incoming
         })

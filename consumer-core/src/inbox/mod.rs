@@ -8,7 +8,7 @@
 //! Completed and dead rows expire after the handler's retention; [`Inbox::release`] deletes a
 //! dead key's row for a replay.
 //!
-//! A fresh delivery (see [`Delivery::fresh`](crate::Delivery::fresh)) takes one step, under
+//! A fresh delivery (see [`Context::fresh`](crate::Context::fresh)) takes one step, under
 //! the in-process key lock: [`Backend::claim_fresh`] inserts the key as completed in the
 //! handler's transaction, unless it has a row (a concurrent insert of the same key waits on
 //! the primary key for this transaction); the commit makes the handler's writes and the
@@ -483,7 +483,7 @@ pub trait Backend: sqlx::Database + private::Sealed {
         })
     }
 
-    /// For a delivery never delivered before ([`Delivery::fresh`](crate::Delivery::fresh)),
+    /// For a delivery never delivered before ([`Context::fresh`](crate::Context::fresh)),
     /// in the handler's transaction: inserts the key as completed (1 attempt) unless the key
     /// has a row, waiting for a transaction that is inserting it. `true` if this transaction
     /// inserted it; then its commit is the completion, and a rollback leaves no trace.

@@ -116,8 +116,7 @@ mod tests {
             headers: Default::default(),
             redelivered: true,
             attempt: 2,
-            fresh: false,
-            position: None,
+            origin: crate::delivery::Origin::Unknown,
             source: Source {
                 transport: "memory",
                 location: "q".into(),

@@ -274,6 +274,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     key: &job.key,
                     attempt: job.attempt,
                     delivery: &job.delivery,
+                    fresh: job.fresh,
                     #[cfg(feature = "fault-injection")]
                     faults: self.faults.as_deref(),
                 };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use consumer_core::{Delivery, LogPosition, Source};
+use consumer_core::{Delivery, LogPosition, Origin, Source};
 use rdkafka::message::Headers;
 
 use crate::headers;
@@ -81,8 +81,7 @@ impl Record {
             attempt,
             // A record past the committed offset may have been processed by a member that
             // then died: Kafka cannot say. Its position lets the runtime tell.
-            fresh: false,
-            position: Some(position),
+            origin: Origin::Log(position),
             source: Source {
                 transport: "kafka",
                 location: self.location(),

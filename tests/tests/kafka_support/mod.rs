@@ -84,12 +84,7 @@ pub(crate) async fn kafka_record(
             ctx.attempt()
         )));
     }
-    let sleep = job.sleep_ms
-        + if ctx.delivery().fresh {
-            job.fresh_sleep_ms
-        } else {
-            0
-        };
+    let sleep = job.sleep_ms + if ctx.fresh() { job.fresh_sleep_ms } else { 0 };
     tokio::time::sleep(Duration::from_millis(sleep)).await;
     let attempt = i32::try_from(ctx.attempt()).unwrap_or(i32::MAX);
     sqlx::query("INSERT INTO effects (job_id, attempt) VALUES ($1, $2)")
