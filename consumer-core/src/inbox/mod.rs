@@ -40,7 +40,6 @@ use sqlx::Pool;
 
 pub(crate) use locks::KeyLocks;
 
-use crate::guard::GuardValue;
 use crate::ident::Identifier;
 use crate::Error;
 
@@ -375,6 +374,39 @@ impl Claim {
                 last_error: entry.last_error,
             },
         }
+    }
+}
+
+/// A value bound into a guard's `WHERE` clause.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GuardValue {
+    /// An integer id.
+    Int(i64),
+    /// A text id or state.
+    Text(String),
+}
+
+impl From<i64> for GuardValue {
+    fn from(v: i64) -> Self {
+        GuardValue::Int(v)
+    }
+}
+
+impl From<i32> for GuardValue {
+    fn from(v: i32) -> Self {
+        GuardValue::Int(v.into())
+    }
+}
+
+impl From<&str> for GuardValue {
+    fn from(v: &str) -> Self {
+        GuardValue::Text(v.to_owned())
+    }
+}
+
+impl From<String> for GuardValue {
+    fn from(v: String) -> Self {
+        GuardValue::Text(v)
     }
 }
 

@@ -6,9 +6,9 @@ use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
 
 use super::{
-    AttemptItem, Backend, Claim, EntryStatus, InboxCounts, InboxEntry, Statements, TableNames,
+    AttemptItem, Backend, Claim, EntryStatus, GuardValue, InboxCounts, InboxEntry, Statements,
+    TableNames,
 };
-use crate::guard::GuardValue;
 use crate::Error;
 
 const MIGRATIONS: &[(i32, &str)] = &[

@@ -7,9 +7,9 @@ use futures::future::BoxFuture;
 use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
 
 use super::{
-    AttemptItem, Backend, Claim, EntryStatus, InboxCounts, InboxEntry, Statements, TableNames,
+    AttemptItem, Backend, Claim, EntryStatus, GuardValue, InboxCounts, InboxEntry, Statements,
+    TableNames,
 };
-use crate::guard::GuardValue;
 use crate::Error;
 
 const MIGRATIONS: &[(i64, &str)] = &[
