@@ -5,10 +5,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
 
-use super::{
-    AttemptItem, Backend, Claim, EntryStatus, GuardValue, InboxCounts, InboxEntry, Statements,
-    TableNames,
-};
+use super::backend::{Backend, GuardValue};
+use super::claim::{AttemptItem, Claim};
+use super::config::{Statements, TableNames};
+use super::entry::{EntryStatus, InboxCounts, InboxEntry};
 use crate::Error;
 
 const MIGRATIONS: &[(i32, &str)] = &[
@@ -703,7 +703,7 @@ async fn migrate(pool: &Pool<Postgres>, names: &TableNames) -> Result<(), Error>
     // Workers starting together would race on CREATE ... IF NOT EXISTS (it is not
     // atomic in PostgreSQL); one transaction-scoped lock serialises them.
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(super::lock_id("migrate", "", &names.inbox))
+        .bind(super::locks::lock_id("migrate", "", &names.inbox))
         .execute(&mut *tx)
         .await?;
     if let Some(schema) = &names.schema {

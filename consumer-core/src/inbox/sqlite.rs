@@ -6,10 +6,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
 
-use super::{
-    AttemptItem, Backend, Claim, EntryStatus, GuardValue, InboxCounts, InboxEntry, Statements,
-    TableNames,
-};
+use super::backend::{Backend, GuardValue};
+use super::claim::{AttemptItem, Claim};
+use super::config::{Statements, TableNames};
+use super::entry::{EntryStatus, InboxCounts, InboxEntry};
 use crate::Error;
 
 const MIGRATIONS: &[(i64, &str)] = &[
