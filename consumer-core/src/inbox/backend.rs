@@ -8,7 +8,9 @@ use sqlx::Pool;
 
 use super::claim::{AttemptItem, Claim};
 use super::config::{Statements, TableNames};
+use super::dialect::{Arg, Execute};
 use super::entry::{InboxCounts, InboxEntry};
+use super::flow;
 use crate::Error;
 
 /// A value bound into a guard's `WHERE` clause.
@@ -18,6 +20,16 @@ pub enum GuardValue {
     Int(i64),
     /// A text id or state.
     Text(String),
+}
+
+impl GuardValue {
+    /// As an inbox statement binds it.
+    fn arg(&self) -> Arg<'_> {
+        match self {
+            GuardValue::Int(v) => Arg::Int(*v),
+            GuardValue::Text(v) => Arg::Text(v),
+        }
+    }
 }
 
 impl From<i64> for GuardValue {
@@ -44,15 +56,14 @@ impl From<String> for GuardValue {
     }
 }
 
-mod private {
-    pub trait Sealed {}
-    impl Sealed for sqlx::Postgres {}
-    impl Sealed for sqlx::Sqlite {}
-}
-
 /// A database the inbox supports: PostgreSQL (production, many workers) or SQLite (embedded,
 /// one process). Sealed; its methods are the runtime's, not part of the public API.
-pub trait Backend: sqlx::Database + private::Sealed {
+///
+/// What both databases do alike is written once, in the provided methods (the shared
+/// operations run the dialect's statements through [`Execute`]); each database implements
+/// the rest, and overrides what it does its own way. The supertrait is crate-private, which
+/// seals the trait.
+pub trait Backend: Execute {
     #[doc(hidden)]
     const NAME: &'static str;
 
@@ -98,7 +109,16 @@ pub trait Backend: sqlx::Database + private::Sealed {
         item: &'a AttemptItem<'a>,
         max_attempts: u32,
         lock_ids: &'a [i64],
-    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
+        Box::pin(flow::begin_attempt::<Self>(
+            conn,
+            names,
+            handler,
+            item,
+            max_attempts,
+            lock_ids,
+        ))
+    }
 
     /// [`Backend::begin_attempt`] for several distinct keys; claims in the same order.
     #[doc(hidden)]
@@ -161,7 +181,16 @@ pub trait Backend: sqlx::Database + private::Sealed {
         key: &'a str,
         payload_hash: &'a str,
         retention: Duration,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(flow::claim_fresh::<Self>(
+            conn,
+            names,
+            handler,
+            key,
+            payload_hash,
+            retention,
+        ))
+    }
 
     /// [`Backend::claim_fresh`] for several distinct keys (`(key, payload_hash)` pairs),
     /// in key order (so two batches sharing keys wait on each other, never deadlock);
@@ -197,7 +226,15 @@ pub trait Backend: sqlx::Database + private::Sealed {
         handler: &'a str,
         key: &'a str,
         payload_hash: &'a str,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(flow::count_fresh_failure::<Self>(
+            conn,
+            names,
+            handler,
+            key,
+            payload_hash,
+        ))
+    }
 
     /// Raises the log mark of (`handler`, `log`) to at least `to` in its own transaction,
     /// committed before it returns, and returns the mark before (`None`: never set). Two
@@ -209,7 +246,11 @@ pub trait Backend: sqlx::Database + private::Sealed {
         handler: &'a str,
         log: &'a str,
         to: i64,
-    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
+        Box::pin(flow::advance_log_mark::<Self>(
+            conn, names, handler, log, to,
+        ))
+    }
 
     #[doc(hidden)]
     fn log_mark<'a>(
@@ -217,7 +258,9 @@ pub trait Backend: sqlx::Database + private::Sealed {
         names: &'a TableNames,
         handler: &'a str,
         log: &'a str,
-    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
+        Box::pin(flow::log_mark(pool, names, handler, log))
+    }
 
     /// Begins the handler's transaction, bounded by the handler's `timeout`: when the handler
     /// times out, its future is dropped, but a statement it had sent keeps running on the
@@ -253,7 +296,14 @@ pub trait Backend: sqlx::Database + private::Sealed {
         attempt: u32,
         retention: Duration,
         unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        // Without database locks (SQLite) there is nothing to release; PostgreSQL overrides
+        // this to release its advisory locks in the completing statement.
+        let _ = unlock;
+        Box::pin(flow::complete::<Self>(
+            conn, names, handler, key, attempt, retention,
+        ))
+    }
 
     /// A retry copy of the key's message carrying attempt number `attempt` is with the
     /// broker, on its way to the consumers named `scope`, due after `delay`: raises the
@@ -270,7 +320,11 @@ pub trait Backend: sqlx::Database + private::Sealed {
         attempt: u32,
         scope: &'a str,
         delay: Duration,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(flow::record_retry(
+            pool, names, handler, key, attempt, scope, delay,
+        ))
+    }
 
     /// Gives back the attempt counted at `attempt` whose outcome is unknown because its
     /// commit failed (a database failover): the key's pending row, still counted at
@@ -283,7 +337,9 @@ pub trait Backend: sqlx::Database + private::Sealed {
         handler: &'a str,
         key: &'a str,
         attempt: u32,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(flow::uncount_attempt(pool, names, handler, key, attempt))
+    }
 
     /// Records a failed attempt's error; `dead`: the key is dead-lettered, and its row then
     /// expires after `retention`, like a completed one.
@@ -297,7 +353,11 @@ pub trait Backend: sqlx::Database + private::Sealed {
         error: &'a str,
         dead: bool,
         retention: Duration,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(flow::record_failure::<Self>(
+            conn, names, handler, key, error, dead, retention,
+        ))
+    }
 
     /// Deletes the key's row if it is dead; `true` if it was.
     #[doc(hidden)]
@@ -306,7 +366,9 @@ pub trait Backend: sqlx::Database + private::Sealed {
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(flow::release_dead(pool, names, handler, key))
+    }
 
     #[doc(hidden)]
     fn entry<'a>(
@@ -314,7 +376,9 @@ pub trait Backend: sqlx::Database + private::Sealed {
         names: &'a TableNames,
         handler: &'a str,
         key: &'a str,
-    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>> {
+        Box::pin(flow::entry(pool, names, handler, key))
+    }
 
     /// The rows of `handler` by status, and the idle time of its stalest pending row.
     #[doc(hidden)]
@@ -322,19 +386,28 @@ pub trait Backend: sqlx::Database + private::Sealed {
         pool: &'a Pool<Self>,
         names: &'a TableNames,
         handler: &'a str,
-    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>> {
+        Box::pin(flow::counts(pool, names, handler))
+    }
 
     #[doc(hidden)]
     fn purge_expired<'a>(
         pool: &'a Pool<Self>,
         names: &'a TableNames,
         batch: u32,
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(flow::purge_expired(pool, names, batch))
+    }
 
     #[doc(hidden)]
     fn execute_guard<'a>(
         conn: &'a mut Self::Connection,
         sql: &'a str,
         args: Vec<GuardValue>,
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let args: Vec<Arg<'_>> = args.iter().map(GuardValue::arg).collect();
+            Self::execute(conn, sql, &args).await
+        })
+    }
 }

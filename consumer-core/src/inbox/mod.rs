@@ -30,7 +30,9 @@
 mod backend;
 mod claim;
 mod config;
+mod dialect;
 mod entry;
+mod flow;
 mod handle;
 mod lease;
 mod locks;
