@@ -56,13 +56,13 @@ impl From<String> for GuardValue {
     }
 }
 
+// What both databases do alike is written once, in the provided methods: they run the
+// shared operations (`flow`) on the dialect's statements through `Execute`. Each database
+// implements the rest, and overrides what it does its own way. The supertrait cannot be
+// named outside this crate, which seals the trait.
+
 /// A database the inbox supports: PostgreSQL (production, many workers) or SQLite (embedded,
 /// one process). Sealed; its methods are the runtime's, not part of the public API.
-///
-/// What both databases do alike is written once, in the provided methods (the shared
-/// operations run the dialect's statements through [`Execute`]); each database implements
-/// the rest, and overrides what it does its own way. The supertrait is crate-private, which
-/// seals the trait.
 pub trait Backend: Execute {
     #[doc(hidden)]
     const NAME: &'static str;
