@@ -147,6 +147,8 @@ impl<DB: Backend> Inbox<DB> {
         Ok(before)
     }
 
+    /// The validated names and the statements rendered on them, for the runtime's calls on
+    /// the backend.
     pub(crate) fn names(&self) -> &TableNames {
         &self.names
     }

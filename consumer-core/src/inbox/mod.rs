@@ -26,6 +26,21 @@
 //!    hold (another inbox instance, a pooler that breaks session locks). The same statement releases the database
 //!    lock: from there the updated row's lock, held to the commit, keeps another worker's
 //!    attempt count on the key waiting, and that count then sees the key completed.
+//!
+//! # Layout
+//!
+//! - `config`: [`InboxConfig`], and the validated table names and statements built from it.
+//! - `entry`: what a row holds ([`InboxEntry`], [`EntryStatus`]) and a handler's
+//!   [`InboxCounts`].
+//! - `claim`: the outcome of counting an attempt ([`Claim`]) and the rule by which a retry
+//!   copy supersedes a delivery.
+//! - `backend`: the sealed [`Backend`] trait, and [`GuardValue`].
+//! - `flow`: the operations both databases run alike, written once; `dialect`: what each
+//!   database binds and decodes its own way, and the one executor of the statements.
+//! - `postgres`, `sqlite`: each database's SQL, migrations and true differences (advisory
+//!   locks and one-statement batches on PostgreSQL).
+//! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `locks`: the
+//!   in-process key locks and the lock ids.
 
 mod backend;
 mod claim;
