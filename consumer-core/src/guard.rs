@@ -13,50 +13,10 @@
 use crate::handler::Context;
 use crate::ident::Identifier;
 use crate::inbox::Backend;
-use crate::key::sha256_hex;
 use crate::Error;
 
-/// A stable idempotency key for `effect` of message `key` in `handler`: 64 hex characters
-/// prefixed by `ik-`, the same on every attempt and redelivery.
-pub fn idempotency_key(handler: &str, key: &str, effect: &str) -> String {
-    format!(
-        "ik-{}",
-        sha256_hex(&[handler.as_bytes(), key.as_bytes(), effect.as_bytes()])
-    )
-}
-
-/// A value bound into a guard's `WHERE` clause.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GuardValue {
-    /// An integer id.
-    Int(i64),
-    /// A text id or state.
-    Text(String),
-}
-
-impl From<i64> for GuardValue {
-    fn from(v: i64) -> Self {
-        GuardValue::Int(v)
-    }
-}
-
-impl From<i32> for GuardValue {
-    fn from(v: i32) -> Self {
-        GuardValue::Int(v.into())
-    }
-}
-
-impl From<&str> for GuardValue {
-    fn from(v: &str) -> Self {
-        GuardValue::Text(v.to_owned())
-    }
-}
-
-impl From<String> for GuardValue {
-    fn from(v: String) -> Self {
-        GuardValue::Text(v)
-    }
-}
+pub use crate::inbox::GuardValue;
+pub use crate::key::idempotency_key;
 
 /// `UPDATE table SET flag = true WHERE id_column = $1 AND flag = false`: sets a boolean flag
 /// once. Returns whether this call set it (won), so the effect it guards runs exactly once
@@ -141,19 +101,6 @@ impl Transition {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn idempotency_keys_are_stable_and_distinct() {
-        let a = idempotency_key("send_email", "invoice-1", "email");
-        assert_eq!(a, idempotency_key("send_email", "invoice-1", "email"));
-        assert_eq!(a.len(), 3 + 64);
-        assert_ne!(a, idempotency_key("send_email", "invoice-1", "sms"));
-        // Length-prefixed parts: moving a boundary changes the key.
-        assert_ne!(
-            idempotency_key("ab", "c", "e"),
-            idempotency_key("a", "bc", "e")
-        );
-    }
 
     #[test]
     fn guard_names_are_validated() {

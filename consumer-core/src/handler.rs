@@ -218,7 +218,7 @@ impl<'c, DB: Backend> BatchContext<'c, DB> {
     /// A stable key for an effect of message `i` outside the database: the same as
     /// [`Context::idempotency_key`] gives that message when it runs alone.
     pub fn idempotency_key(&self, i: usize, effect: &str) -> String {
-        crate::guard::idempotency_key(self.handler, self.members[i].key, effect)
+        crate::key::idempotency_key(self.handler, self.members[i].key, effect)
     }
 }
 
@@ -300,6 +300,6 @@ impl<'c, DB: Backend> Context<'c, DB> {
     /// A stable key for an effect outside the database, e.g. a provider's
     /// `Idempotency-Key` header: the same for every attempt and redelivery of this message.
     pub fn idempotency_key(&self, effect: &str) -> String {
-        crate::guard::idempotency_key(self.handler, self.key, effect)
+        crate::key::idempotency_key(self.handler, self.key, effect)
     }
 }

@@ -216,10 +216,32 @@ pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
     hex::encode(sha256(parts))
 }
 
+/// A stable idempotency key for `effect` of message `key` in `handler`: 64 hex characters
+/// prefixed by `ik-`, the same on every attempt and redelivery.
+pub fn idempotency_key(handler: &str, key: &str, effect: &str) -> String {
+    format!(
+        "ik-{}",
+        sha256_hex(&[handler.as_bytes(), key.as_bytes(), effect.as_bytes()])
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn idempotency_keys_are_stable_and_distinct() {
+        let a = idempotency_key("send_email", "invoice-1", "email");
+        assert_eq!(a, idempotency_key("send_email", "invoice-1", "email"));
+        assert_eq!(a.len(), 3 + 64);
+        assert_ne!(a, idempotency_key("send_email", "invoice-1", "sms"));
+        // Length-prefixed parts: moving a boundary changes the key.
+        assert_ne!(
+            idempotency_key("ab", "c", "e"),
+            idempotency_key("a", "bc", "e")
+        );
+    }
 
     #[test]
     fn renders_fields_and_nested_fields() {

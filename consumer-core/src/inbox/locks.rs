@@ -1,5 +1,6 @@
 //! In-process per-key locks: a second delivery of a key waits here for the first, without
-//! holding a database connection while it waits.
+//! holding a database connection while it waits. Also the keys' lock ids, which the
+//! PostgreSQL advisory locks use too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -72,6 +73,15 @@ impl Drop for LocalGuards {
     }
 }
 
+/// The first 8 bytes of the SHA-256 of (namespace, handler, key), big-endian. Workers of
+/// different versions must agree on it: keep it stable.
+pub(super) fn lock_id(namespace: &str, handler: &str, key: &str) -> i64 {
+    let digest = crate::key::sha256(&[namespace.as_bytes(), handler.as_bytes(), key.as_bytes()]);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,5 +126,14 @@ mod tests {
         assert_eq!(second.held.len(), 2);
         drop(second);
         assert_eq!(locks.len(), 0);
+    }
+
+    #[test]
+    fn lock_ids_are_stable() {
+        // Workers of different versions lock the same key: this value must never change.
+        assert_eq!(
+            lock_id("\"consumer_inbox\"", "bench", "m-1"),
+            5434538691312428815
+        );
     }
 }

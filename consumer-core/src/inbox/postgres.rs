@@ -3,12 +3,14 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use sqlx::{Connection, PgConnection, Pool, Postgres, Row};
+use sqlx::postgres::{PgArguments, PgQueryResult, PgRow};
+use sqlx::{Arguments, Connection, PgConnection, Pool, Postgres, Row};
 
-use super::{
-    AttemptItem, Backend, Claim, EntryStatus, InboxCounts, InboxEntry, Statements, TableNames,
-};
-use crate::guard::GuardValue;
+use super::backend::Backend;
+use super::claim::{AttemptItem, Claim};
+use super::config::{Statements, TableNames};
+use super::dialect::{Arg, Dialect};
+use super::entry::{EntryStatus, InboxEntry};
 use crate::Error;
 
 const MIGRATIONS: &[(i32, &str)] = &[
@@ -250,6 +252,9 @@ impl Backend for Postgres {
         })
     }
 
+    // What PostgreSQL does its own way: a batch takes one statement (the trait's defaults
+    // loop over the keys), and the completion releases the advisory locks.
+
     fn begin_attempts<'a>(
         conn: &'a mut PgConnection,
         names: &'a TableNames,
@@ -288,7 +293,7 @@ impl Backend for Postgres {
                     .fetch_all(&mut *conn)
                     .await?;
                 for r in rows {
-                    existing.insert(r.try_get::<String, _>("key")?, entry_from_row(&r)?);
+                    existing.insert(r.try_get::<String, _>("key")?, Self::entry_from_row(&r)?);
                 }
             }
             items
@@ -325,63 +330,11 @@ impl Backend for Postgres {
         })
     }
 
-    fn begin_attempt<'a>(
-        conn: &'a mut PgConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        item: &'a AttemptItem<'a>,
-        max_attempts: u32,
-        lock_ids: &'a [i64],
-    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
-        Box::pin(async move {
-            // One round trip: see `BEGIN_ATTEMPT`.
-            let counted: Option<i32> = sqlx::query_scalar(&names.sql.begin_attempt)
-                .bind(handler)
-                .bind(item.key)
-                .bind(item.hash)
-                .bind(i64::from(max_attempts))
-                .bind(lock_ids)
-                .bind(attempt_number(item.attempt))
-                .bind(item.scope)
-                .fetch_optional(&mut *conn)
-                .await?;
-            Ok(match counted {
-                Some(counted) => Claim::Run {
-                    attempt: counted.max(0) as u32,
-                },
-                None => match fetch_entry(conn, names, handler, item.key).await? {
-                    Some(entry) => Claim::from_entry(entry, item, names.copy_grace),
-                    None => return Err(sqlx::Error::RowNotFound),
-                },
-            })
-        })
-    }
-
     fn begin_handler(
         conn: &mut PgConnection,
         timeout: Duration,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
         conn.begin_with(begin_with_timeouts(timeout))
-    }
-
-    fn claim_fresh<'a>(
-        conn: &'a mut PgConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let done = sqlx::query(&names.sql.claim_fresh)
-                .bind(handler)
-                .bind(key)
-                .bind(payload_hash)
-                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
-                .execute(conn)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
     }
 
     fn claim_fresh_many<'a>(
@@ -403,24 +356,6 @@ impl Backend for Postgres {
         })
     }
 
-    fn count_fresh_failure<'a>(
-        conn: &'a mut PgConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(&names.sql.count_fresh_failure)
-                .bind(handler)
-                .bind(key)
-                .bind(payload_hash)
-                .execute(conn)
-                .await?;
-            Ok(())
-        })
-    }
-
     fn complete<'a>(
         conn: &'a mut PgConnection,
         names: &'a TableNames,
@@ -439,186 +374,52 @@ impl Backend for Postgres {
             Ok(completing(sql, handler, key, retention, attempt, unlock, conn).await? == 1)
         })
     }
+}
 
-    fn record_retry<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        attempt: u32,
-        scope: &'a str,
-        delay: Duration,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(&names.sql.record_retry)
-                .bind(handler)
-                .bind(key)
-                .bind(attempt_number(attempt))
-                .bind(scope)
-                .bind(millis(delay))
-                .execute(pool)
-                .await?;
-            Ok(())
-        })
-    }
-
-    fn uncount_attempt<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        attempt: u32,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let done = sqlx::query(&names.sql.uncount_attempt)
-                .bind(handler)
-                .bind(key)
-                .bind(attempt_number(attempt))
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
-
-    fn record_failure<'a>(
-        conn: &'a mut PgConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        error: &'a str,
-        dead: bool,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(&names.sql.record_failure)
-                .bind(handler)
-                .bind(key)
-                .bind(error)
-                .bind(dead)
-                .bind(millis(retention))
-                .execute(conn)
-                .await?;
-            Ok(())
-        })
-    }
-
-    fn release_dead<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let done = sqlx::query(&names.sql.release_dead)
-                .bind(handler)
-                .bind(key)
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
-
-    fn entry<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let mut conn = pool.acquire().await?;
-            fetch_entry(&mut conn, names, handler, key).await
-        })
-    }
-
-    fn advance_log_mark<'a>(
-        conn: &'a mut PgConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        log: &'a str,
-        to: i64,
-    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
-        Box::pin(async move {
-            let mut tx = sqlx::Connection::begin(conn).await?;
-            sqlx::query(&names.sql.mark_insert)
-                .bind(handler)
-                .bind(log)
-                .execute(&mut *tx)
-                .await?;
-            let before: Option<i64> = sqlx::query_scalar(&names.sql.mark_select)
-                .bind(handler)
-                .bind(log)
-                .fetch_one(&mut *tx)
-                .await?;
-            sqlx::query(&names.sql.mark_update)
-                .bind(handler)
-                .bind(log)
-                .bind(to)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            Ok(before)
-        })
-    }
-
-    fn log_mark<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        log: &'a str,
-    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
-        Box::pin(async move {
-            let mark: Option<Option<i64>> = sqlx::query_scalar(&names.sql.mark_select)
-                .bind(handler)
-                .bind(log)
-                .fetch_optional(pool)
-                .await?;
-            Ok(mark.flatten())
-        })
-    }
-
-    fn counts<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>> {
-        Box::pin(async move {
-            let rows: Vec<(String, i64, Option<i64>)> = sqlx::query_as(&names.sql.counts)
-                .bind(handler)
-                .fetch_all(pool)
-                .await?;
-            Ok(InboxCounts::from_rows(rows))
-        })
-    }
-
-    fn purge_expired<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        batch: u32,
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let r = sqlx::query(&names.sql.purge_expired)
-                .bind(i64::from(batch))
-                .execute(pool)
-                .await?;
-            Ok(r.rows_affected())
-        })
-    }
-
-    fn execute_guard<'a>(
-        conn: &'a mut PgConnection,
-        sql: &'a str,
-        args: Vec<GuardValue>,
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let mut q = sqlx::query(sql);
-            for a in args {
-                q = match a {
-                    GuardValue::Int(v) => q.bind(v),
-                    GuardValue::Text(v) => q.bind(v),
-                };
+impl Dialect for Postgres {
+    fn arguments<'q>(args: &[Arg<'q>]) -> Result<PgArguments, sqlx::Error> {
+        let mut bound = PgArguments::default();
+        for arg in args {
+            match *arg {
+                Arg::Text(v) => bound.add(v),
+                Arg::OptText(v) => bound.add(v),
+                Arg::Int(v) => bound.add(v),
+                Arg::Bool(v) => bound.add(v),
+                Arg::Attempt(n) => bound.add(attempt_number(n)),
+                // The statements read the server's clock, `now()`.
+                Arg::Now(_) => Ok(()),
+                Arg::After(_, d) => bound.add(millis(d)),
+                Arg::Locks(ids) => bound.add(ids),
             }
-            Ok(q.execute(conn).await?.rows_affected())
+            .map_err(sqlx::Error::Encode)?;
+        }
+        Ok(bound)
+    }
+
+    fn rows_affected(done: &PgQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn counted(row: &PgRow) -> Result<u32, sqlx::Error> {
+        Ok(row.try_get::<i32, _>(0)?.max(0) as u32)
+    }
+
+    fn entry_from_row(r: &PgRow) -> Result<InboxEntry, sqlx::Error> {
+        Ok(InboxEntry {
+            status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
+            attempts: r.try_get::<i32, _>("attempts")?.max(0) as u32,
+            payload_hash: r.try_get("payload_hash")?,
+            last_error: r.try_get("last_error")?,
+            retried_to: r.try_get::<i32, _>("retried_to")?.max(0) as u32,
+            retry_scope: r.try_get("retry_scope")?,
+            copy_due_in_ms: r.try_get("copy_due_in_ms")?,
         })
+    }
+
+    fn begin_marking(
+        conn: &mut PgConnection,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
+        sqlx::Connection::begin(conn)
     }
 }
 
@@ -672,38 +473,12 @@ where
     }
 }
 
-async fn fetch_entry(
-    conn: &mut PgConnection,
-    names: &TableNames,
-    handler: &str,
-    key: &str,
-) -> Result<Option<InboxEntry>, sqlx::Error> {
-    let row = sqlx::query(&names.sql.fetch_entry)
-        .bind(handler)
-        .bind(key)
-        .fetch_optional(conn)
-        .await?;
-    row.as_ref().map(entry_from_row).transpose()
-}
-
-fn entry_from_row(r: &sqlx::postgres::PgRow) -> Result<InboxEntry, sqlx::Error> {
-    Ok(InboxEntry {
-        status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
-        attempts: r.try_get::<i32, _>("attempts")?.max(0) as u32,
-        payload_hash: r.try_get("payload_hash")?,
-        last_error: r.try_get("last_error")?,
-        retried_to: r.try_get::<i32, _>("retried_to")?.max(0) as u32,
-        retry_scope: r.try_get("retry_scope")?,
-        copy_due_in_ms: r.try_get("copy_due_in_ms")?,
-    })
-}
-
 async fn migrate(pool: &Pool<Postgres>, names: &TableNames) -> Result<(), Error> {
     let mut tx = pool.begin().await?;
     // Workers starting together would race on CREATE ... IF NOT EXISTS (it is not
     // atomic in PostgreSQL); one transaction-scoped lock serialises them.
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(super::lock_id("migrate", "", &names.inbox))
+        .bind(super::locks::lock_id("migrate", "", &names.inbox))
         .execute(&mut *tx)
         .await?;
     if let Some(schema) = &names.schema {

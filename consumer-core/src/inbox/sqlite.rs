@@ -1,15 +1,16 @@
 //! SQLite: the embedded default, one process. Cross-worker exclusion comes from the
 //! in-process key locks alone, so a database file must not be shared by two processes.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures::future::BoxFuture;
-use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection};
+use sqlx::sqlite::{SqliteArguments, SqliteQueryResult, SqliteRow};
+use sqlx::{Arguments, Connection, Pool, Row, Sqlite, SqliteConnection};
 
-use super::{
-    AttemptItem, Backend, Claim, EntryStatus, InboxCounts, InboxEntry, Statements, TableNames,
-};
-use crate::guard::GuardValue;
+use super::backend::Backend;
+use super::config::{Statements, TableNames};
+use super::dialect::{Arg, Clock, Dialect};
+use super::entry::{EntryStatus, InboxEntry};
 use crate::Error;
 
 const MIGRATIONS: &[(i64, &str)] = &[
@@ -31,13 +32,6 @@ const MIGRATIONS: &[(i64, &str)] = &[
 /// `now` (Unix milliseconds) plus `d`.
 fn after(now: i64, d: Duration) -> i64 {
     now.saturating_add(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or_default()
 }
 
 impl Backend for Sqlite {
@@ -161,38 +155,6 @@ impl Backend for Sqlite {
         Box::pin(async { Ok(()) })
     }
 
-    fn begin_attempt<'a>(
-        conn: &'a mut SqliteConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        item: &'a AttemptItem<'a>,
-        max_attempts: u32,
-        _lock_ids: &'a [i64],
-    ) -> BoxFuture<'a, Result<Claim, sqlx::Error>> {
-        Box::pin(async move {
-            let now = now_ms();
-            let counted: Option<i64> = sqlx::query_scalar(&names.sql.begin_attempt)
-                .bind(handler)
-                .bind(item.key)
-                .bind(item.hash)
-                .bind(i64::from(max_attempts))
-                .bind(now)
-                .bind(i64::from(item.attempt))
-                .bind(item.scope)
-                .fetch_optional(&mut *conn)
-                .await?;
-            Ok(match counted {
-                Some(counted) => Claim::Run {
-                    attempt: u32::try_from(counted).unwrap_or(u32::MAX),
-                },
-                None => match fetch_entry(conn, names, handler, item.key).await? {
-                    Some(entry) => Claim::from_entry(entry, item, names.copy_grace),
-                    None => return Err(sqlx::Error::RowNotFound),
-                },
-            })
-        })
-    }
-
     fn begin_handler(
         conn: &mut SqliteConnection,
         _timeout: Duration,
@@ -201,280 +163,37 @@ impl Backend for Sqlite {
         // another connection wrote in between; IMMEDIATE waits for the write lock instead.
         conn.begin_with("BEGIN IMMEDIATE")
     }
-
-    fn claim_fresh<'a>(
-        conn: &'a mut SqliteConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let now = now_ms();
-            let expires =
-                now.saturating_add(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-            let done = sqlx::query(&names.sql.claim_fresh)
-                .bind(handler)
-                .bind(key)
-                .bind(payload_hash)
-                .bind(now)
-                .bind(expires)
-                .execute(conn)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
-
-    fn count_fresh_failure<'a>(
-        conn: &'a mut SqliteConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        payload_hash: &'a str,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(&names.sql.count_fresh_failure)
-                .bind(handler)
-                .bind(key)
-                .bind(payload_hash)
-                .bind(now_ms())
-                .execute(conn)
-                .await?;
-            Ok(())
-        })
-    }
-
-    fn complete<'a>(
-        conn: &'a mut SqliteConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        attempt: u32,
-        retention: Duration,
-        // No database locks on SQLite (see `unlock_keys`).
-        _unlock: &'a [i64],
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let now = now_ms();
-            let done = sqlx::query(&names.sql.complete)
-                .bind(handler)
-                .bind(key)
-                .bind(now)
-                .bind(after(now, retention))
-                .bind(i64::from(attempt))
-                .execute(conn)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
-
-    fn record_retry<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        attempt: u32,
-        scope: &'a str,
-        delay: Duration,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            let now = now_ms();
-            sqlx::query(&names.sql.record_retry)
-                .bind(handler)
-                .bind(key)
-                .bind(i64::from(attempt))
-                .bind(now)
-                .bind(scope)
-                .bind(after(now, delay))
-                .execute(pool)
-                .await?;
-            Ok(())
-        })
-    }
-
-    fn uncount_attempt<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        attempt: u32,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let done = sqlx::query(&names.sql.uncount_attempt)
-                .bind(handler)
-                .bind(key)
-                .bind(i64::from(attempt))
-                .bind(now_ms())
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
-
-    fn record_failure<'a>(
-        conn: &'a mut SqliteConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-        error: &'a str,
-        dead: bool,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            let now = now_ms();
-            sqlx::query(&names.sql.record_failure)
-                .bind(handler)
-                .bind(key)
-                .bind(error)
-                .bind(dead)
-                .bind(now)
-                .bind(after(now, retention))
-                .execute(conn)
-                .await?;
-            Ok(())
-        })
-    }
-
-    fn release_dead<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let done = sqlx::query(&names.sql.release_dead)
-                .bind(handler)
-                .bind(key)
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
-
-    fn entry<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<Option<InboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let mut conn = pool.acquire().await?;
-            fetch_entry(&mut conn, names, handler, key).await
-        })
-    }
-
-    fn advance_log_mark<'a>(
-        conn: &'a mut SqliteConnection,
-        names: &'a TableNames,
-        handler: &'a str,
-        log: &'a str,
-        to: i64,
-    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
-        Box::pin(async move {
-            // IMMEDIATE: the write lock from the start, so the read sees the latest mark.
-            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-            let now = now_ms();
-            sqlx::query(&names.sql.mark_insert)
-                .bind(handler)
-                .bind(log)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            let before: Option<i64> = sqlx::query_scalar(&names.sql.mark_select)
-                .bind(handler)
-                .bind(log)
-                .fetch_one(&mut *tx)
-                .await?;
-            sqlx::query(&names.sql.mark_update)
-                .bind(handler)
-                .bind(log)
-                .bind(to)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            Ok(before)
-        })
-    }
-
-    fn log_mark<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-        log: &'a str,
-    ) -> BoxFuture<'a, Result<Option<i64>, sqlx::Error>> {
-        Box::pin(async move {
-            let mark: Option<Option<i64>> = sqlx::query_scalar(&names.sql.mark_select)
-                .bind(handler)
-                .bind(log)
-                .fetch_optional(pool)
-                .await?;
-            Ok(mark.flatten())
-        })
-    }
-
-    fn counts<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        handler: &'a str,
-    ) -> BoxFuture<'a, Result<InboxCounts, sqlx::Error>> {
-        Box::pin(async move {
-            let rows: Vec<(String, i64, Option<i64>)> = sqlx::query_as(&names.sql.counts)
-                .bind(handler)
-                .bind(now_ms())
-                .fetch_all(pool)
-                .await?;
-            Ok(InboxCounts::from_rows(rows))
-        })
-    }
-
-    fn purge_expired<'a>(
-        pool: &'a Pool<Self>,
-        names: &'a TableNames,
-        batch: u32,
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let r = sqlx::query(&names.sql.purge_expired)
-                .bind(now_ms())
-                .bind(i64::from(batch))
-                .execute(pool)
-                .await?;
-            Ok(r.rows_affected())
-        })
-    }
-
-    fn execute_guard<'a>(
-        conn: &'a mut SqliteConnection,
-        sql: &'a str,
-        args: Vec<GuardValue>,
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let mut q = sqlx::query(sql);
-            for a in args {
-                q = match a {
-                    GuardValue::Int(v) => q.bind(v),
-                    GuardValue::Text(v) => q.bind(v),
-                };
-            }
-            Ok(q.execute(conn).await?.rows_affected())
-        })
-    }
 }
 
-async fn fetch_entry(
-    conn: &mut SqliteConnection,
-    names: &TableNames,
-    handler: &str,
-    key: &str,
-) -> Result<Option<InboxEntry>, sqlx::Error> {
-    let row = sqlx::query(&names.sql.fetch_entry)
-        .bind(handler)
-        .bind(key)
-        .bind(now_ms())
-        .fetch_optional(conn)
-        .await?;
-    row.map(|r| {
+impl Dialect for Sqlite {
+    fn arguments<'q>(args: &[Arg<'q>]) -> Result<SqliteArguments<'q>, sqlx::Error> {
+        let mut bound = SqliteArguments::default();
+        for arg in args {
+            match *arg {
+                Arg::Text(v) => bound.add(v),
+                Arg::OptText(v) => bound.add(v),
+                Arg::Int(v) => bound.add(v),
+                Arg::Bool(v) => bound.add(v),
+                Arg::Attempt(n) => bound.add(i64::from(n)),
+                Arg::Now(now) => bound.add(now.unix_ms()),
+                Arg::After(now, d) => bound.add(after(now.unix_ms(), d)),
+                // No database locks (see `unlock_keys`).
+                Arg::Locks(_) => Ok(()),
+            }
+            .map_err(sqlx::Error::Encode)?;
+        }
+        Ok(bound)
+    }
+
+    fn rows_affected(done: &SqliteQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn counted(row: &SqliteRow) -> Result<u32, sqlx::Error> {
+        Ok(u32::try_from(row.try_get::<i64, _>(0)?).unwrap_or(u32::MAX))
+    }
+
+    fn entry_from_row(r: &SqliteRow) -> Result<InboxEntry, sqlx::Error> {
         Ok(InboxEntry {
             status: EntryStatus::parse(r.try_get::<&str, _>("status")?),
             attempts: u32::try_from(r.try_get::<i64, _>("attempts")?).unwrap_or(0),
@@ -484,8 +203,14 @@ async fn fetch_entry(
             retry_scope: r.try_get("retry_scope")?,
             copy_due_in_ms: r.try_get("copy_due_in_ms")?,
         })
-    })
-    .transpose()
+    }
+
+    fn begin_marking(
+        conn: &mut SqliteConnection,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>> {
+        // IMMEDIATE: the write lock from the start, so the read sees the latest mark.
+        conn.begin_with("BEGIN IMMEDIATE")
+    }
 }
 
 async fn migrate(pool: &Pool<Sqlite>, names: &TableNames) -> Result<(), Error> {
@@ -514,7 +239,7 @@ async fn migrate(pool: &Pool<Sqlite>, names: &TableNames) -> Result<(), Error> {
             names.migrations
         ))
         .bind(version)
-        .bind(now_ms())
+        .bind(Clock::read().unix_ms())
         .execute(&mut *tx)
         .await?;
     }

@@ -1,0 +1,166 @@
+//! Where the inbox lives: its configuration, the validated table names and the statements
+//! rendered on them.
+
+use std::time::Duration;
+
+use crate::ident::Identifier;
+use crate::Error;
+
+/// Where the inbox lives, and how long a retry copy may be late.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct InboxConfig {
+    /// PostgreSQL schema (created if missing). Not supported on SQLite.
+    pub schema: Option<String>,
+    /// Table name; default `consumer_inbox`.
+    pub table: String,
+    /// How long past its due time a retry copy may still arrive (default 5 minutes). Until
+    /// then an older delivery of the key that comes through the same consumers is superseded
+    /// by the copy (acked without running, counted as `superseded`); after it, the copy is
+    /// taken as lost (a retry topic past its retention, a retry queue deleted) and such a
+    /// delivery runs. Too short costs an attempt (the replay and the copy both run, one after
+    /// the other, under the key's lock); too long delays a message whose copy was lost.
+    pub copy_grace: Duration,
+}
+
+impl Default for InboxConfig {
+    fn default() -> Self {
+        InboxConfig {
+            schema: None,
+            table: "consumer_inbox".to_owned(),
+            copy_grace: Duration::from_secs(300),
+        }
+    }
+}
+
+impl InboxConfig {
+    /// The default table in `schema`.
+    pub fn in_schema(schema: impl Into<String>) -> Self {
+        InboxConfig {
+            schema: Some(schema.into()),
+            ..InboxConfig::default()
+        }
+    }
+
+    /// The table `table` (in the connection's default schema on PostgreSQL).
+    pub fn table(table: impl Into<String>) -> Self {
+        InboxConfig {
+            table: table.into(),
+            ..InboxConfig::default()
+        }
+    }
+
+    /// The same place with another schema.
+    pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// The same with another [`InboxConfig::copy_grace`].
+    pub fn with_copy_grace(mut self, grace: Duration) -> Self {
+        self.copy_grace = grace;
+        self
+    }
+}
+
+/// Validated, quoted names of the inbox objects.
+#[derive(Debug, Clone)]
+#[doc(hidden)]
+pub struct TableNames {
+    pub(crate) schema: Option<Identifier>,
+    /// `"table"`, without its schema.
+    bare_table: String,
+    /// `"schema"."table"` or `"table"`.
+    pub(crate) inbox: String,
+    /// `"schema"."table_migrations"`.
+    pub(crate) migrations: String,
+    /// `"schema"."table_log_marks"` (see [`crate::LogPosition`]).
+    pub(crate) log_marks: String,
+    /// `"table_expires_at"` (indexes live in the table's schema).
+    pub(crate) expires_index: String,
+    /// `"table_dead_expires_at"`.
+    pub(crate) dead_expires_index: String,
+    /// Distinguishes this inbox in lock ids: the table as the database resolved it (see
+    /// [`Backend::lock_namespace`]), so two spellings of one table take the same locks.
+    pub(crate) lock_namespace: String,
+    /// [`InboxConfig::copy_grace`].
+    pub(crate) copy_grace: Duration,
+    /// The backend's statements on this table, rendered once (see [`Backend::statements`]).
+    pub(crate) sql: Statements,
+}
+
+/// The inbox statements with the table name filled in, built once per inbox rather than
+/// formatted per statement. A backend leaves empty what it does not use.
+#[derive(Debug, Clone, Default)]
+#[doc(hidden)]
+pub struct Statements {
+    pub(crate) begin_attempt: String,
+    pub(crate) begin_attempts: String,
+    pub(crate) select_entries: String,
+    pub(crate) fetch_entry: String,
+    pub(crate) complete: String,
+    pub(crate) complete_and_unlock: String,
+    pub(crate) complete_many: String,
+    pub(crate) complete_many_and_unlock: String,
+    pub(crate) record_failure: String,
+    pub(crate) record_retry: String,
+    pub(crate) uncount_attempt: String,
+    pub(crate) release_dead: String,
+    pub(crate) counts: String,
+    pub(crate) purge_expired: String,
+    pub(crate) claim_fresh: String,
+    pub(crate) claim_fresh_many: String,
+    pub(crate) count_fresh_failure: String,
+    /// Creates the (handler, log) mark row if missing, with no mark.
+    pub(crate) mark_insert: String,
+    /// Reads the mark (PostgreSQL: and locks the row to the end of the transaction).
+    pub(crate) mark_select: String,
+    /// Raises the mark to at least the bound value.
+    pub(crate) mark_update: String,
+}
+
+impl TableNames {
+    pub(super) fn new(config: &InboxConfig) -> Result<Self, Error> {
+        let schema = config
+            .schema
+            .as_deref()
+            .map(|s| Identifier::parse("inbox.schema", s))
+            .transpose()?;
+        let table = Identifier::parse("inbox.table", &config.table)?;
+        let qualify = |name: &str| match &schema {
+            Some(s) => format!("{}.\"{name}\"", s.quoted()),
+            None => format!("\"{name}\""),
+        };
+        Ok(TableNames {
+            bare_table: format!("\"{table}\""),
+            inbox: qualify(table.as_str()),
+            migrations: qualify(&format!("{table}_migrations")),
+            log_marks: qualify(&format!("{table}_log_marks")),
+            expires_index: format!("\"{table}_expires_at\""),
+            dead_expires_index: format!("\"{table}_dead_expires_at\""),
+            lock_namespace: qualify(table.as_str()),
+            copy_grace: config.copy_grace,
+            schema,
+            sql: Statements::default(),
+        })
+    }
+
+    /// The table's quoted name without its schema.
+    pub(crate) fn unqualified_table(&self) -> &str {
+        &self.bare_table
+    }
+
+    pub(crate) fn render(&self, template: &str) -> String {
+        template
+            .replace("{inbox}", &self.inbox)
+            .replace("{log_marks}", &self.log_marks)
+            .replace("{expires_index}", &self.expires_index)
+            .replace("{dead_expires_index}", &self.dead_expires_index)
+            .replace("{copy_grace_ms}", &self.copy_grace_ms().to_string())
+    }
+
+    /// [`InboxConfig::copy_grace`] in milliseconds, as the statements compare it.
+    pub(crate) fn copy_grace_ms(&self) -> i64 {
+        i64::try_from(self.copy_grace.as_millis()).unwrap_or(i64::MAX)
+    }
+}

@@ -1,0 +1,204 @@
+//! The [`Inbox`] handle: a pool and a table, and the operator's calls on them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Pool;
+
+use super::backend::Backend;
+use super::config::{InboxConfig, TableNames};
+use super::entry::{InboxCounts, InboxEntry};
+use super::locks::KeyLocks;
+use crate::Error;
+
+/// The inbox on a connection pool. Cheap to clone.
+pub struct Inbox<DB: Backend> {
+    pub(super) pool: Pool<DB>,
+    pub(super) names: Arc<TableNames>,
+    pub(super) locks: Arc<KeyLocks>,
+}
+
+impl<DB: Backend> Clone for Inbox<DB> {
+    fn clone(&self) -> Self {
+        Inbox {
+            pool: self.pool.clone(),
+            names: self.names.clone(),
+            locks: self.locks.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Inbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox")
+            .field("backend", &<DB as Backend>::NAME)
+            .field("table", &self.names.inbox)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Inbox<DB> {
+    /// Validates `config`, runs the shipped migrations (idempotent, safe to race between
+    /// workers) and returns the inbox. A bad name fails here, naming the field.
+    pub async fn new(pool: Pool<DB>, config: InboxConfig) -> Result<Self, Error> {
+        let mut names = TableNames::new(&config)?;
+        DB::check_config(&names)?;
+        names.sql = DB::statements(&names);
+        DB::migrate(&pool, &names).await?;
+        if let Some(namespace) = DB::lock_namespace(&pool, &names).await? {
+            names.lock_namespace = namespace;
+        }
+        Ok(Inbox {
+            pool,
+            names: Arc::new(names),
+            locks: Arc::new(KeyLocks::default()),
+        })
+    }
+
+    /// The pool: use it for your own queries outside handlers.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The quoted, qualified inbox table name.
+    pub fn table(&self) -> &str {
+        &self.names.inbox
+    }
+
+    /// The row for (`handler`, `key`), if any.
+    pub async fn entry(&self, handler: &str, key: &str) -> Result<Option<InboxEntry>, Error> {
+        Ok(DB::entry(&self.pool, &self.names, handler, key).await?)
+    }
+
+    /// Releases a dead-lettered key for a replay: deletes its row if it is `dead`, so the
+    /// next delivery of the key (the replayed dead letter) runs as a new message. `false`
+    /// (nothing changed) if the key is not dead: a completed key stays a duplicate, a pending
+    /// one stays with the delivery that holds it.
+    ///
+    /// Replay the dead letter after this returns; a replay that arrives first is dead-lettered
+    /// again, with the recorded reason.
+    pub async fn release(&self, handler: &str, key: &str) -> Result<bool, Error> {
+        Ok(DB::release_dead(&self.pool, &self.names, handler, key).await?)
+    }
+
+    /// How many keys of `handler` are pending, completed and dead, and how long the stalest
+    /// pending key has seen no attempt. A pending key that stays idle long past its backoff
+    /// has lost its message (its copy never arrived, its delivery was acked elsewhere): look
+    /// at it (`Inbox::entry`) and replay or release it. Reads every row of the handler: an
+    /// operator's call, not one for a hot path.
+    pub async fn counts(&self, handler: &str) -> Result<InboxCounts, Error> {
+        Ok(DB::counts(&self.pool, &self.names, handler).await?)
+    }
+
+    /// Deletes completed and dead rows whose retention has expired, `batch` rows per
+    /// statement, until none are left. Returns how many were deleted.
+    pub async fn purge_expired(&self, batch: u32) -> Result<u64, Error> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let n = DB::purge_expired(&self.pool, &self.names, batch).await?;
+            total += n;
+            if n < u64::from(batch) {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// The log mark of (`handler`, `log`): at least the highest offset of that log the
+    /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
+    pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {
+        Ok(DB::log_mark(&self.pool, &self.names, handler, log).await?)
+    }
+
+    /// See [`Backend::record_retry`].
+    pub(crate) async fn record_retry(
+        &self,
+        handler: &str,
+        key: &str,
+        attempt: u32,
+        scope: &str,
+        delay: Duration,
+    ) -> Result<(), sqlx::Error> {
+        DB::record_retry(&self.pool, &self.names, handler, key, attempt, scope, delay).await
+    }
+
+    /// See [`Backend::uncount_attempt`].
+    pub(crate) async fn uncount_attempt(
+        &self,
+        handler: &str,
+        key: &str,
+        attempt: u32,
+    ) -> Result<bool, sqlx::Error> {
+        DB::uncount_attempt(&self.pool, &self.names, handler, key, attempt).await
+    }
+
+    /// See [`Backend::advance_log_mark`].
+    pub(crate) async fn advance_log_mark(
+        &self,
+        handler: &str,
+        log: &str,
+        to: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        // A lease without key locks: if this is cancelled mid-transaction, the connection is
+        // closed, not pooled (see [`Lease`]).
+        let mut lease = self.lease_many(handler, &[] as &[&str]).await?;
+        let before = DB::advance_log_mark(lease.conn(), &self.names, handler, log, to).await?;
+        lease.release().await;
+        Ok(before)
+    }
+
+    /// The validated names and the statements rendered on them, for the runtime's calls on
+    /// the backend.
+    pub(crate) fn names(&self) -> &TableNames {
+        &self.names
+    }
+}
+
+impl Inbox<sqlx::Sqlite> {
+    /// The embedded default: an SQLite file at `path` (created if missing) in WAL mode, with
+    /// the default table.
+    pub async fn open_sqlite(path: impl AsRef<std::path::Path>) -> Result<Self, Error> {
+        use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await?;
+        Inbox::new(pool, InboxConfig::default()).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A task cancelled just after its `BEGIN` ran, before it got the transaction back,
+    /// leaves the connection inside a transaction no one can end; its lease, dropped
+    /// unreleased, must not hand that connection to the next delivery.
+    #[tokio::test]
+    async fn a_lease_dropped_unreleased_does_not_pool_its_connection() {
+        use sqlx::sqlite::SqlitePoolOptions;
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let inbox = Inbox::new(pool, InboxConfig::default()).await.unwrap();
+        {
+            let mut lease = inbox.lease_many("h", &["k"]).await.unwrap();
+            let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1))
+                .await
+                .unwrap();
+            // The transaction's owner is gone without a rollback, as after that cancellation.
+            std::mem::forget(tx);
+        }
+        let mut lease = inbox.lease_many("h", &["k"]).await.unwrap();
+        let tx =
+            <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1)).await;
+        assert!(tx.is_ok(), "{:?}", tx.err());
+    }
+}

@@ -1,0 +1,108 @@
+//! Leases: a pooled connection holding keys' locks, and how an [`Inbox`] hands them out.
+
+use sqlx::pool::PoolConnection;
+
+use super::backend::Backend;
+use super::handle::Inbox;
+use super::locks::{self, lock_id};
+
+impl<DB: Backend> Inbox<DB> {
+    /// Takes the in-process locks of several keys, always in ascending lock id order so that
+    /// two batches sharing keys cannot deadlock, and a connection. The database locks are
+    /// taken by the first statement on it ([`Lease::locking`]).
+    pub(crate) async fn lease_many(
+        &self,
+        handler: &str,
+        keys: &[impl AsRef<str>],
+    ) -> Result<Lease<DB>, sqlx::Error> {
+        let mut lock_ids: Vec<i64> = keys
+            .iter()
+            .map(|k| lock_id(&self.names.lock_namespace, handler, k.as_ref()))
+            .collect();
+        lock_ids.sort_unstable();
+        lock_ids.dedup();
+        let local = self.locks.lock_many(&lock_ids).await;
+        let conn = self.pool.acquire().await?;
+        Ok(Lease {
+            conn: Some(conn),
+            released: false,
+            db_locked: false,
+            lock_ids,
+            _local: local,
+        })
+    }
+}
+
+/// A pooled connection holding the key's lock.
+///
+/// Dropped without [`Lease::release`] (a crash simulation, a cancelled task), it closes its
+/// connection instead of returning it to the pool: a pooled connection would keep the
+/// PostgreSQL session lock and block its key for good, and a task cancelled just after its
+/// `BEGIN` ran (before it got the transaction back) leaves the connection inside a
+/// transaction nobody can end (sqlx's SQLite connection then refuses every later `BEGIN`).
+pub(crate) struct Lease<DB: Backend> {
+    conn: Option<PoolConnection<DB>>,
+    /// [`Lease::release`] ran: the connection was used to the end and may be pooled again.
+    released: bool,
+    db_locked: bool,
+    lock_ids: Vec<i64>,
+    _local: locks::LocalGuards,
+}
+
+impl<DB: Backend> Lease<DB> {
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+        match self.conn.as_mut() {
+            Some(c) => c,
+            None => unreachable!("the connection is only taken in Drop"),
+        }
+    }
+
+    /// The connection and the lock ids, for the statement that takes the database locks.
+    /// From here on, dropping the lease closes the connection (see the type's doc).
+    pub(crate) fn locking(&mut self) -> (&mut DB::Connection, &[i64]) {
+        // Pessimistic: if the statement is dropped while in flight, the server may still
+        // grant the locks, so the connection must not go back to the pool.
+        self.db_locked = true;
+        match self.conn.as_mut() {
+            Some(c) => (c, &self.lock_ids),
+            None => unreachable!("the connection is only taken in Drop"),
+        }
+    }
+
+    /// The connection and the lock ids still held in the database (none once released),
+    /// for a statement that releases them ([`Backend::complete`]).
+    pub(crate) fn held(&mut self) -> (&mut DB::Connection, &[i64]) {
+        let held: &[i64] = if self.db_locked { &self.lock_ids } else { &[] };
+        match self.conn.as_mut() {
+            Some(c) => (c, held),
+            None => unreachable!("the connection is only taken in Drop"),
+        }
+    }
+
+    /// A statement released the database locks: [`Lease::release`] has nothing left to do
+    /// in the database, and the connection may go back to the pool even if dropped.
+    pub(crate) fn released_in_db(&mut self) {
+        self.db_locked = false;
+    }
+
+    /// Releases the database lock; the connection goes back to the pool.
+    pub(crate) async fn release(mut self) {
+        self.released = true;
+        if !self.db_locked {
+            return;
+        }
+        let lock_ids = std::mem::take(&mut self.lock_ids);
+        match DB::unlock_keys(self.conn(), &lock_ids).await {
+            Ok(()) => self.db_locked = false,
+            Err(e) => tracing::warn!(error = %e, "could not release key lock; closing connection"),
+        }
+    }
+}
+
+impl<DB: Backend> Drop for Lease<DB> {
+    fn drop(&mut self) {
+        if let (true, Some(conn)) = (self.db_locked || !self.released, self.conn.as_mut()) {
+            conn.close_on_drop();
+        }
+    }
+}
