@@ -1,17 +1,13 @@
 //! Bounds on RabbitMQ: at most `WorkerConfig::concurrency` handlers run at once, and the
 //! broker holds at most `AmqpConfig::prefetch` deliveries unacknowledged for the consumer.
 
-mod amqp_support;
-mod common;
-mod gauge_support;
-
-use amqp_support::{
-    config, init_tracing, rabbitmq_sh, wait_for, worker_config, Rabbit, Running, LONG,
-};
-use common::PgEnv;
 use consumer_amqp::AmqpPublisher;
 use consumer_core::Worker;
-use gauge_support::{gated, Lane};
+use consumer_tests::amqp::{
+    self, config, init_tracing, rabbitmq_sh, wait_for, worker_config, Rabbit, Running, LONG,
+};
+use consumer_tests::common::PgEnv;
+use consumer_tests::gauge::{gated, Lane};
 use serde_json::json;
 
 const JOBS: u32 = 40;
@@ -42,7 +38,7 @@ async fn unacknowledged(queue: &str) -> u32 {
 async fn handlers_stay_within_concurrency_and_unacked_within_prefetch() {
     init_tracing();
     let env = PgEnv::new().await;
-    let queue = amqp_support::unique_name("bounds");
+    let queue = amqp::unique_name("bounds");
     let lane = Lane::get(&queue);
     let mut cfg = config(&queue);
     cfg.prefetch = PREFETCH;

@@ -6,16 +6,13 @@
 //! Both disruptions hit the whole (shared) broker, so they live in this one test, one after
 //! the other; other RabbitMQ tests tolerate them (see `amqp_support`).
 
-mod amqp_support;
-mod common;
-
 use std::time::{Duration, Instant};
 
-use amqp_support::{
-    config, init_tracing, rabbitmq_sh, wait_for, worker_config, Db, Rabbit, Running, LONG,
-};
 use consumer_amqp::AmqpPublisher;
 use consumer_core::{handler, Context, HandlerError, Worker};
+use consumer_tests::amqp::{
+    self, config, init_tracing, rabbitmq_sh, wait_for, worker_config, Db, Rabbit, Running, LONG,
+};
 use futures::{StreamExt, TryStreamExt};
 use invoices::InvoiceJob;
 use sqlx::Postgres;
@@ -50,7 +47,7 @@ async fn publish(publisher: &AmqpPublisher, queue: &str, jobs: &[InvoiceJob]) {
 async fn connections_closed_and_broker_restarted_midstream_every_job_runs_once() {
     init_tracing();
     let db = Db::new().await;
-    let cfg = config(&amqp_support::unique_name("chaos"));
+    let cfg = config(&amqp::unique_name("chaos"));
     let jobs: Vec<InvoiceJob> = (1..=JOBS).map(InvoiceJob::sample).collect();
     invoices::schema::place_orders(&db.pool, &jobs)
         .await

@@ -2,15 +2,14 @@
 //! headers after `max_attempts`; an undecodable payload ends there at once; a permanent
 //! error too; no valid message is dead-lettered.
 
-mod amqp_support;
-mod common;
-
 use std::collections::BTreeMap;
 
-use amqp_support::{config, init_tracing, wait_for, worker_config, Got, Rabbit, Running, LONG};
-use common::PgEnv;
 use consumer_amqp::{headers, AmqpPublisher};
 use consumer_core::{handler, Context, HandlerError, Worker};
+use consumer_tests::amqp::{
+    self, config, init_tracing, wait_for, worker_config, Got, Rabbit, Running, LONG,
+};
+use consumer_tests::common::PgEnv;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Postgres;
@@ -50,10 +49,10 @@ const ROUTING_KEY: &str = "jobs.new";
 async fn poison_and_undecodable_messages_are_dead_lettered_with_their_story() {
     init_tracing();
     let pg = PgEnv::new().await;
-    let mut cfg = config(&amqp_support::unique_name("dlq"));
+    let mut cfg = config(&amqp::unique_name("dlq"));
     // Published through an exchange, so the dead letters must remember it even after the
     // retries came back through the default exchange.
-    cfg.exchange = amqp_support::unique_name("x");
+    cfg.exchange = amqp::unique_name("x");
     cfg.binding_keys = vec![ROUTING_KEY.to_owned()];
     let inbox = pg.inbox().await;
     let worker = Worker::with_config(inbox.clone(), picky, worker_config(4)).unwrap();
@@ -194,8 +193,8 @@ async fn poison_and_undecodable_messages_are_dead_lettered_with_their_story() {
 async fn producer_supplied_original_headers_are_replaced() {
     init_tracing();
     let pg = PgEnv::new().await;
-    let mut cfg = config(&amqp_support::unique_name("spoof"));
-    cfg.exchange = amqp_support::unique_name("x");
+    let mut cfg = config(&amqp::unique_name("spoof"));
+    cfg.exchange = amqp::unique_name("x");
     cfg.binding_keys = vec![ROUTING_KEY.to_owned()];
     let inbox = pg.inbox().await;
     let worker = Worker::with_config(inbox.clone(), picky, worker_config(2)).unwrap();

@@ -2,14 +2,13 @@
 //! id) through a fanout exchange to the invoice and email workers of the example, on a real
 //! RabbitMQ and PostgreSQL, give exactly 1,000 invoices and 1,000 provider calls.
 
-mod amqp_support;
-mod common;
-
 use std::time::{Duration, Instant};
 
-use amqp_support::{config, init_tracing, wait_for, worker_config, Db, Rabbit, Running, LONG};
 use consumer_amqp::{AmqpPublisher, ExchangeType, QueueType};
 use consumer_core::{BatchConfig, Worker};
+use consumer_tests::amqp::{
+    self, config, init_tracing, wait_for, worker_config, Db, Rabbit, Running, LONG,
+};
 use futures::{StreamExt, TryStreamExt};
 use invoices::{send_email, send_invoice, InvoiceJob};
 
@@ -36,8 +35,8 @@ async fn thousand_jobs_with_duplicates_in_batches_give_thousand_invoices_and_pro
 async fn thousand_jobs(batch: Option<BatchConfig>) {
     init_tracing();
     let db = Db::new().await;
-    let exchange = amqp_support::unique_name("jobs");
-    let mut invoice_config = config(&amqp_support::unique_name("invoices"));
+    let exchange = amqp::unique_name("jobs");
+    let mut invoice_config = config(&amqp::unique_name("invoices"));
     invoice_config.exchange = exchange.clone();
     invoice_config.exchange_type = ExchangeType::Fanout;
     // Both queue types: the invoices on a classic queue, the emails (which retry until
@@ -45,7 +44,7 @@ async fn thousand_jobs(batch: Option<BatchConfig>) {
     invoice_config.queue_type = QueueType::Classic;
     invoice_config.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     let mut email_config = invoice_config.clone();
-    email_config.queue = amqp_support::unique_name("emails");
+    email_config.queue = amqp::unique_name("emails");
     email_config.queue_type = QueueType::Quorum;
 
     let jobs: Vec<InvoiceJob> = (1..=JOBS).map(InvoiceJob::sample).collect();

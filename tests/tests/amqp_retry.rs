@@ -2,16 +2,15 @@
 //! after the configured delays (1s, then 2s), through the broker's retry queues, while the
 //! other messages keep flowing; the test measures both.
 
-mod amqp_support;
-mod common;
-
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use amqp_support::{config, init_tracing, wait_for, worker_config, Rabbit, Running, LONG};
-use common::PgEnv;
 use consumer_amqp::AmqpPublisher;
 use consumer_core::{handler, Context, EntryStatus, HandlerError, Worker};
+use consumer_tests::amqp::{
+    self, config, init_tracing, wait_for, worker_config, Rabbit, Running, LONG,
+};
+use consumer_tests::common::PgEnv;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Postgres;
@@ -79,7 +78,7 @@ const OTHERS: usize = 50;
 async fn failing_twice_comes_back_after_the_delays_while_others_flow() {
     init_tracing();
     let pg = PgEnv::new().await;
-    let mut cfg = config(&amqp_support::unique_name("retry"));
+    let mut cfg = config(&amqp::unique_name("retry"));
     // The handler's backoff without jitter is 1s then 2s: one bucket each.
     cfg.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     let inbox = pg.inbox().await;
@@ -183,11 +182,11 @@ async fn failing_twice_comes_back_after_the_delays_while_others_flow() {
 async fn a_refused_retry_copy_waits_its_backoff() {
     init_tracing();
     let pg = PgEnv::new().await;
-    let mut cfg = config(&amqp_support::unique_name("refused"));
+    let mut cfg = config(&amqp::unique_name("refused"));
     cfg.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     let policy = format!("{}-full", cfg.queue);
     let pattern = format!("^{}\\.retry\\.", regex_escape(&cfg.queue));
-    amqp_support::rabbitmq_sh(&[
+    amqp::rabbitmq_sh(&[
         "ctl",
         "set_policy",
         "--apply-to",
@@ -254,7 +253,7 @@ async fn a_refused_retry_copy_waits_its_backoff() {
     filling.await.unwrap();
     let reconnected = running.health.sessions() > 1;
     let stats = running.stop().await;
-    amqp_support::rabbitmq_sh(&["ctl", "clear_policy", &policy]).await;
+    amqp::rabbitmq_sh(&["ctl", "clear_policy", &policy]).await;
 
     let runs: Vec<Run> = RUNS
         .lock()

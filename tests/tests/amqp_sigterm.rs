@@ -14,18 +14,15 @@
 //! executable's path from cargo's own report, which stays right under `CARGO_TARGET_DIR`
 //! or a configured target directory (no escargot, no guessed `target/debug` path).
 
-mod amqp_support;
-mod common;
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use amqp_support::{amqp_url, init_tracing, repo_root, wait_for, Db, Rabbit, LONG};
-use common::database_url;
 use consumer_amqp::AmqpPublisher;
+use consumer_tests::amqp::{self, amqp_url, init_tracing, repo_root, wait_for, Db, Rabbit, LONG};
+use consumer_tests::common::database_url;
 use futures::{StreamExt, TryStreamExt};
 use invoices::settings::Settings;
 use invoices::InvoiceJob;
@@ -185,13 +182,13 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     init_tracing();
     let binary = tokio::task::spawn_blocking(invoice_worker).await.unwrap();
     let db = Db::new().await;
-    let queue = amqp_support::unique_name("sigterm");
+    let queue = amqp::unique_name("sigterm");
     let vars: HashMap<&'static str, String> = HashMap::from([
         ("AMQP_URL", amqp_url()),
         ("DATABASE_URL", named_database_url(&queue)),
         ("DB_SCHEMA", db.schema.clone()),
         ("QUEUE", queue.clone()),
-        ("EXCHANGE", amqp_support::unique_name("jobs")),
+        ("EXCHANGE", amqp::unique_name("jobs")),
         ("CONCURRENCY", "4".to_owned()),
         ("PREFETCH", "8".to_owned()),
         // Long enough that SIGTERM lands while handler transactions are open.

@@ -2,14 +2,13 @@
 //! never settled on the new one, a consumer cancelled by the broker comes back, and refused
 //! credentials fail at once without showing the password.
 
-mod amqp_support;
-mod common;
-
 use std::time::{Duration, Instant};
 
-use amqp_support::{close_connections_matching, config, init_tracing, wait_for, Rabbit, LONG};
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, RedactedUrl};
 use consumer_core::{Incoming, Settlement};
+use consumer_tests::amqp::{
+    self, close_connections_matching, config, init_tracing, wait_for, Rabbit, LONG,
+};
 use futures::StreamExt;
 use serde_json::json;
 
@@ -69,7 +68,7 @@ async fn close_with_nothing_unacked(consumer: AmqpConsumer, cfg: &AmqpConfig) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
     init_tracing();
-    let mut cfg = config(&amqp_support::unique_name("stale"));
+    let mut cfg = config(&amqp::unique_name("stale"));
     cfg.prefetch = 2;
     let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
     for id in ["a", "b"] {
@@ -135,7 +134,7 @@ async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_connection_is_seen_while_nothing_takes_deliveries() {
     init_tracing();
-    let mut cfg = config(&amqp_support::unique_name("idle"));
+    let mut cfg = config(&amqp::unique_name("idle"));
     cfg.prefetch = 8;
     let ids: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
     let mut consumer = AmqpConsumer::connect(cfg.clone()).await.unwrap();
@@ -177,7 +176,7 @@ async fn a_lost_connection_is_seen_while_nothing_takes_deliveries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_cancelled_by_a_deleted_queue_is_re_established() {
     init_tracing();
-    let cfg = config(&amqp_support::unique_name("cancel"));
+    let cfg = config(&amqp::unique_name("cancel"));
     let mut consumer = AmqpConsumer::connect(cfg.clone()).await.unwrap();
     let health = consumer.health();
 
@@ -209,10 +208,10 @@ async fn a_consumer_cancelled_by_a_deleted_queue_is_re_established() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_credentials_fail_at_once_without_the_password() {
     init_tracing();
-    let url = amqp_support::amqp_url();
+    let url = amqp::amqp_url();
     let (scheme, rest) = url.split_once("://").unwrap();
     let host = rest.rsplit_once('@').map(|(_, h)| h).unwrap_or(rest);
-    let mut cfg = config(&amqp_support::unique_name("auth"));
+    let mut cfg = config(&amqp::unique_name("auth"));
     cfg.url = RedactedUrl::new(format!("{scheme}://consumer:Wr0ng-s3cret@{host}"));
     cfg.startup_timeout = Duration::from_secs(60);
 
@@ -302,7 +301,7 @@ impl FreezableRelay {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_confirm_that_never_comes_times_out() {
     init_tracing();
-    let mut cfg = config(&amqp_support::unique_name("noconfirm"));
+    let mut cfg = config(&amqp::unique_name("noconfirm"));
     let url = cfg.url.expose().to_owned();
     let at = url.rfind('@').expect("the test URL has credentials") + 1;
     let end = url[at..].find('/').map_or(url.len(), |e| at + e);

@@ -14,19 +14,17 @@
 // Test helpers may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{SqliteEnv, DEADLINE};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Context, DeadLetterReason, EntryStatus, Error, Handler, HandlerError, Inbox, NoJitter,
     Worker, WorkerConfig,
 };
+use consumer_tests::common::{self, SqliteEnv, DEADLINE};
 use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};

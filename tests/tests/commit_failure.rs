@@ -11,16 +11,14 @@
 // Test helpers may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::{run_until, PgEnv};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, BatchConfig, Context, EntryStatus, HandlerError, NoJitter, Origin, Worker,
     WorkerConfig,
 };
+use consumer_tests::common::{self, run_until, PgEnv};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;

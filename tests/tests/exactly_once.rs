@@ -7,13 +7,10 @@
 // Test helpers may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{run_until, wait_until, PgEnv, SqliteEnv, DEADLINE};
 use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
@@ -21,6 +18,7 @@ use consumer_core::{
     FlagGuard, Handler, HandlerError, Inbox, InboxConfig, LogPosition, NoJitter, Origin,
     StatsSnapshot, Transition, Worker, WorkerConfig,
 };
+use consumer_tests::common::{self, run_until, wait_until, PgEnv, SqliteEnv, DEADLINE};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde::Deserialize;

@@ -11,14 +11,12 @@
 // Test helpers may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::PgEnv;
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{handler, BatchConfig, Context, HandlerError, NoJitter, Worker, WorkerConfig};
+use consumer_tests::common::{self, PgEnv};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Postgres;

@@ -11,16 +11,14 @@
 // Test helpers may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::{PgEnv, SqliteEnv};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Backend, BatchConfig, Context, DeadLetterReason, Handler, HandlerError, Inbox,
     NoJitter, Worker, WorkerConfig,
 };
+use consumer_tests::common::{self, PgEnv, SqliteEnv};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::{Postgres, Sqlite};

@@ -10,17 +10,13 @@
 // Test code: it may unwrap and print.
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
-mod common;
-mod gauge_support;
-mod kafka_support;
-
 use std::fmt::Write as _;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use consumer_kafka::ProcessingOrder;
-use gauge_support::{gated, Lane};
-use kafka_support::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::gauge::{gated, Lane};
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
 use serde_json::json;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context as LayerContext, Layer, SubscriberExt};

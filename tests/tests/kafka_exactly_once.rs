@@ -2,14 +2,11 @@
 //! twice (same message id, same payload), give exactly 1,000 effects; and every offset ends
 //! up committed. Against the real broker (`scripts/kafka.sh`) and PostgreSQL.
 
-mod common;
-mod kafka_support;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::{CommitMode, ProcessingOrder};
-use kafka_support::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,14 +3,11 @@
 //! finish first, but the group's committed offset never passes the slow record. The
 //! consumer is then killed with the slow record unsettled, and a new one loses nothing.
 
-mod common;
-mod kafka_support;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::{OffsetEvent, ProcessingOrder};
-use kafka_support::{wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{wait_for, worker_config, KafkaEnv, Running};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

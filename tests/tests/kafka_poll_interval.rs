@@ -2,13 +2,10 @@
 //! not get the member kicked out of the group. The poll thread keeps polling (and pauses
 //! full partitions) whatever the handlers do.
 
-mod common;
-mod kafka_support;
-
 use std::time::Duration;
 
 use consumer_kafka::OffsetEvent;
-use kafka_support::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

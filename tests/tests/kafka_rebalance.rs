@@ -4,14 +4,11 @@
 //! is replayed, and settlements that arrived after their partition was revoked were dropped
 //! (the handlers are slower than the revoke timeout, so some always do).
 
-mod common;
-mod kafka_support;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::ProcessingOrder;
-use kafka_support::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
 use serde_json::json;
 
 fn jobs(range: std::ops::Range<usize>) -> Vec<(String, String, serde_json::Value)> {

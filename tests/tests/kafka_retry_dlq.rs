@@ -2,16 +2,13 @@
 //! in-place path both work; poison and undecodable records end in the dead-letter topic
 //! with the documented headers; no valid record is dead-lettered.
 
-mod common;
-mod kafka_support;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_core::{handler, Context, EntryStatus, HandlerError};
 use consumer_kafka::{headers, RetryMode};
-use kafka_support::{
-    committed_offsets, header, read_topic, wait_for, worker_config, Job, KafkaEnv, Running,
+use consumer_tests::kafka::{
+    self, committed_offsets, header, read_topic, wait_for, worker_config, Job, KafkaEnv, Running,
 };
 use rdkafka::Message;
 use serde_json::json;
@@ -528,8 +525,8 @@ async fn copy_too_large_is_dead_lettered_with_a_reference() {
     // Only the test's own producer is raised, to write the records in the first place.
     let mut props = consumer_kafka::ClientProperties::new();
     props.set("message.max.bytes", "4000000");
-    let publisher = consumer_kafka::KafkaPublisher::connect(&kafka_support::brokers(), &props)
-        .expect("publisher");
+    let publisher =
+        consumer_kafka::KafkaPublisher::connect(&kafka::brokers(), &props).expect("publisher");
     let padded = |id: &str, size: usize| {
         let mut body = job(id, json!({ "permanent": true }));
         let pad = size - body.len() - r#","pad":"""#.len();

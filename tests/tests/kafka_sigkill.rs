@@ -2,14 +2,12 @@
 //! killed with SIGKILL mid-stream, twice, and restarted each time; every job takes effect
 //! exactly once and every offset ends up committed.
 
-mod common;
-mod kafka_support;
-
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kafka_support::{brokers, publish_all, wait_for, KafkaEnv};
+use consumer_tests::common;
+use consumer_tests::kafka::{brokers, publish_all, wait_for, KafkaEnv};
 use serde_json::json;
 
 fn spawn_worker(env: &KafkaEnv) -> Child {

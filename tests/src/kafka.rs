@@ -1,9 +1,7 @@
-//! Helpers for the Kafka tests: the broker started by `scripts/kafka.sh`, a topic and group
+//! For the Kafka tests: the broker started by `scripts/kafka.sh`, a topic and group
 //! per test (created with the admin client), a test handler that records its effects in
 //! PostgreSQL, a worker running in a task, and independent reads of committed offsets and
 //! topics through plain rdkafka clients (not through the transport under test).
-
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::sync::Arc;
@@ -22,11 +20,12 @@ use sqlx::Postgres;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-pub(crate) use crate::common::wait_for;
+/// Waits for a condition, as in [`crate::common::wait_for`].
+pub use crate::common::wait_for;
 use crate::common::{database_url, unique, PgEnv};
 
 /// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
-pub(crate) fn init_tracing() {
+pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -37,7 +36,7 @@ pub(crate) fn init_tracing() {
 }
 
 /// The broker address printed by `scripts/kafka.sh env`.
-pub(crate) fn brokers() -> String {
+pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").expect(
         "KAFKA_BROKERS is not set: start the broker with `eval \"$(scripts/kafka.sh env)\"` \
          (and PostgreSQL with `eval \"$(scripts/postgres.sh env)\"`)",
@@ -46,21 +45,22 @@ pub(crate) fn brokers() -> String {
 
 /// A test job; its fields script the handler.
 #[derive(Debug, Deserialize)]
-pub(crate) struct Job {
-    pub(crate) id: String,
+pub struct Job {
+    /// The job's id, recorded in `effects`.
+    pub id: String,
     /// Fail (transiently) while the attempt number is at most this.
     #[serde(default)]
-    pub(crate) fail_times: u32,
+    pub fail_times: u32,
     /// Fail permanently (a poison message).
     #[serde(default)]
-    pub(crate) permanent: bool,
+    pub permanent: bool,
     /// Sleep this long inside the transaction.
     #[serde(default)]
-    pub(crate) sleep_ms: u64,
+    pub sleep_ms: u64,
     /// Sleep this long when the delivery is fresh, its first hand-out ever (a slow record a
     /// crash interrupts: the next process finds it below the log mark, not fresh).
     #[serde(default)]
-    pub(crate) fresh_sleep_ms: u64,
+    pub fresh_sleep_ms: u64,
 }
 
 /// Records one effect per run in `effects`, in commit order (`seq`).
@@ -70,10 +70,7 @@ pub(crate) struct Job {
     backoff = "300ms..600ms",
     timeout = "120s"
 )]
-pub(crate) async fn kafka_record(
-    ctx: &mut Context<'_, Postgres>,
-    job: Job,
-) -> Result<(), HandlerError> {
+pub async fn kafka_record(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
     if job.permanent {
         return Err(HandlerError::permanent(format!("job {} is poison", job.id)));
     }
@@ -97,15 +94,21 @@ pub(crate) async fn kafka_record(
 
 /// A topic (with its retry and dead-letter topics), a group and a PostgreSQL schema, all
 /// unique to the test.
-pub(crate) struct KafkaEnv {
-    pub(crate) topic: String,
-    pub(crate) group: String,
-    pub(crate) partitions: i32,
-    pub(crate) pg: Arc<PgEnv>,
+pub struct KafkaEnv {
+    /// The main topic.
+    pub topic: String,
+    /// The consumer group.
+    pub group: String,
+    /// The main topic's partitions.
+    pub partitions: i32,
+    /// The group's PostgreSQL schema, with its `effects` table.
+    pub pg: Arc<PgEnv>,
 }
 
 impl KafkaEnv {
-    pub(crate) async fn new(prefix: &str, partitions: i32) -> KafkaEnv {
+    /// Creates the topics (named after `prefix`, with `partitions` each), the group's schema
+    /// and its `effects` table.
+    pub async fn new(prefix: &str, partitions: i32) -> KafkaEnv {
         init_tracing();
         let env = KafkaEnv {
             topic: unique(prefix),
@@ -121,7 +124,7 @@ impl KafkaEnv {
     }
 
     /// Another consumer group (with its own schema) on the same topic.
-    pub(crate) async fn sharing_topic(&self) -> KafkaEnv {
+    pub async fn sharing_topic(&self) -> KafkaEnv {
         let env = KafkaEnv {
             topic: self.topic.clone(),
             group: unique("group"),
@@ -148,7 +151,7 @@ impl KafkaEnv {
 
     /// The transport configuration for this test: short session timeout (tansu joins take
     /// about half of it), frequent commits.
-    pub(crate) fn config(&self) -> KafkaConfig {
+    pub fn config(&self) -> KafkaConfig {
         let mut c = KafkaConfig::new(brokers(), self.group.clone(), [self.topic.clone()]);
         c.consumer_properties
             .set("session.timeout.ms", "6000")
@@ -164,12 +167,13 @@ impl KafkaEnv {
         c
     }
 
-    pub(crate) fn publisher(&self) -> KafkaPublisher {
+    /// A publisher on the broker.
+    pub fn publisher(&self) -> KafkaPublisher {
         KafkaPublisher::connect(&brokers(), &ClientProperties::new()).expect("publisher")
     }
 
     /// `(job_id, attempt)` of every effect, in commit order.
-    pub(crate) async fn effects(&self) -> Vec<(String, i32)> {
+    pub async fn effects(&self) -> Vec<(String, i32)> {
         let inbox = self.pg.inbox().await;
         let rows = sqlx::query_as("SELECT job_id, attempt FROM effects ORDER BY seq")
             .fetch_all(inbox.pool())
@@ -179,7 +183,8 @@ impl KafkaEnv {
         rows
     }
 
-    pub(crate) async fn effect_count(&self) -> i64 {
+    /// How many effects were recorded.
+    pub async fn effect_count(&self) -> i64 {
         let inbox = self.pg.inbox().await;
         let n = sqlx::query_scalar("SELECT count(*) FROM effects")
             .fetch_one(inbox.pool())
@@ -191,13 +196,13 @@ impl KafkaEnv {
 
     /// The group's committed offsets of the main topic, read by an independent client
     /// (`None`: nothing committed).
-    pub(crate) async fn committed(&self) -> Vec<Option<i64>> {
+    pub async fn committed(&self) -> Vec<Option<i64>> {
         committed_offsets(&self.group, &self.topic, self.partitions).await
     }
 
     /// Every record below `ends` (per partition, as [`publish_all`] returns them) is
     /// committed by the group.
-    pub(crate) async fn committed_up_to(&self, ends: &[i64]) -> bool {
+    pub async fn committed_up_to(&self, ends: &[i64]) -> bool {
         let committed = self.committed().await;
         ends.iter()
             .zip(committed)
@@ -205,7 +210,8 @@ impl KafkaEnv {
     }
 }
 
-pub(crate) fn worker_config(concurrency: usize) -> WorkerConfig {
+/// Worker settings for tests: no jitter (delays are the backoff's ceilings), no purge task.
+pub fn worker_config(concurrency: usize) -> WorkerConfig {
     WorkerConfig::default()
         .with_concurrency(concurrency)
         .with_retention_interval(None)
@@ -223,11 +229,9 @@ fn plain_client(group: Option<&str>) -> ClientConfig {
     c
 }
 
-pub(crate) async fn committed_offsets(
-    group: &str,
-    topic: &str,
-    partitions: i32,
-) -> Vec<Option<i64>> {
+/// The offsets `group` committed on each partition of `topic`, read by an independent client
+/// (`None`: nothing committed).
+pub async fn committed_offsets(group: &str, topic: &str, partitions: i32) -> Vec<Option<i64>> {
     let (group, topic) = (group.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         let c: BaseConsumer = plain_client(Some(&group)).create().expect("offsets client");
@@ -261,7 +265,7 @@ pub(crate) async fn committed_offsets(
 /// From offset 0, not `Offset::Beginning`: tansu 0.6 can answer the earliest offset past
 /// one that exists (`scripts/kafka.sh` says why). A test topic is fresh and nothing is
 /// deleted from it, so its log starts at 0.
-pub(crate) async fn read_topic(
+pub async fn read_topic(
     topic: &str,
     partitions: i32,
     expect: usize,
@@ -292,7 +296,7 @@ pub(crate) async fn read_topic(
 }
 
 /// A header of a record as text.
-pub(crate) fn header(m: &OwnedMessage, name: &str) -> Option<String> {
+pub fn header(m: &OwnedMessage, name: &str) -> Option<String> {
     m.headers()?
         .iter()
         .find(|h| h.key == name)
@@ -304,7 +308,7 @@ pub(crate) fn header(m: &OwnedMessage, name: &str) -> Option<String> {
 ///
 /// The ends come from the delivery reports: tansu 0.6's ListOffsets answers the base offset
 /// of the last batch as the high watermark, which undercounts batched partitions.
-pub(crate) async fn publish_all(
+pub async fn publish_all(
     publisher: &KafkaPublisher,
     topic: &str,
     partitions: i32,
@@ -339,27 +343,26 @@ pub(crate) async fn publish_all(
 }
 
 /// A worker running over a Kafka consumer in a task.
-pub(crate) struct Running<H: Handler<Postgres> = kafka_record> {
-    pub(crate) worker: Worker<Postgres, H>,
-    pub(crate) observer: KafkaObserver,
+pub struct Running<H: Handler<Postgres> = kafka_record> {
+    /// The running worker, for its stats and inbox.
+    pub worker: Worker<Postgres, H>,
+    /// The consumer's offset and assignment events.
+    pub observer: KafkaObserver,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), consumer_core::Error>>,
     closed: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
 impl Running {
-    pub(crate) async fn start(
-        env: &KafkaEnv,
-        config: KafkaConfig,
-        worker: WorkerConfig,
-    ) -> Running {
+    /// Runs [`kafka_record`] over a consumer for `config`, on the inbox of `env`.
+    pub async fn start(env: &KafkaEnv, config: KafkaConfig, worker: WorkerConfig) -> Running {
         Running::start_handler(env, kafka_record, config, worker).await
     }
 }
 
 impl<H: Handler<Postgres>> Running<H> {
     /// [`Running::start`] with another handler.
-    pub(crate) async fn start_handler(
+    pub async fn start_handler(
         env: &KafkaEnv,
         handler: H,
         config: KafkaConfig,
@@ -389,13 +392,14 @@ impl<H: Handler<Postgres>> Running<H> {
         }
     }
 
-    pub(crate) fn stats(&self) -> StatsSnapshot {
+    /// The worker's counters so far.
+    pub fn stats(&self) -> StatsSnapshot {
         self.worker.snapshot()
     }
 
     /// Graceful: in-flight deliveries finish and settle, offsets are committed, the member
     /// leaves the group.
-    pub(crate) async fn stop(mut self) -> StatsSnapshot {
+    pub async fn stop(mut self) -> StatsSnapshot {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -412,7 +416,7 @@ impl<H: Handler<Postgres>> Running<H> {
 
     /// A crash in the process: the worker is dropped mid-flight, nothing in flight settles.
     /// Returns once the consumer has left the group.
-    pub(crate) async fn kill(self) -> StatsSnapshot {
+    pub async fn kill(self) -> StatsSnapshot {
         self.task.abort();
         let _ = self.task.await;
         // The aborted handlers' connections are closed with their locks, as in a dead

@@ -1,7 +1,5 @@
-//! Shared helpers for the integration tests: real PostgreSQL (a fresh schema per test) and
+//! Shared by the integration tests: real PostgreSQL (a fresh schema per test) and
 //! SQLite (a fresh file per test).
-
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::str::FromStr;
@@ -13,17 +11,17 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Postgres, Sqlite};
 
 /// The longest any test waits for a condition.
-pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
+pub const DEADLINE: Duration = Duration::from_secs(60);
 
 /// The PostgreSQL URL started by `scripts/postgres.sh` (see the README's test command).
-pub(crate) fn database_url() -> String {
+pub fn database_url() -> String {
     std::env::var("DATABASE_URL").expect(
         "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
     )
 }
 
 /// A name unique to this test run and call, usable as a schema, queue or topic name.
-pub(crate) fn unique(prefix: &str) -> String {
+pub fn unique(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     let n = N.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()
@@ -34,7 +32,7 @@ pub(crate) fn unique(prefix: &str) -> String {
 }
 
 /// Waits for `cond` with [`DEADLINE`], polling; panics naming `what` on timeout.
-pub(crate) async fn wait_until<F, Fut>(what: &str, cond: F)
+pub async fn wait_until<F, Fut>(what: &str, cond: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
@@ -43,7 +41,7 @@ where
 }
 
 /// Waits for `cond` up to `limit`, polling every 20 ms; panics naming `what` on timeout.
-pub(crate) async fn wait_for<F, Fut>(what: &str, limit: Duration, mut cond: F)
+pub async fn wait_for<F, Fut>(what: &str, limit: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
@@ -59,7 +57,7 @@ where
 }
 
 /// Runs `worker` on `deliveries` until `done` holds, then stops it gracefully.
-pub(crate) async fn run_until<DB, H, T, F, Fut>(
+pub async fn run_until<DB, H, T, F, Fut>(
     worker: &consumer_core::Worker<DB, H>,
     deliveries: T,
     what: &str,
@@ -91,12 +89,14 @@ pub(crate) async fn run_until<DB, H, T, F, Fut>(
 }
 
 /// A fresh PostgreSQL schema with the test tables; connections use it as `search_path`.
-pub(crate) struct PgEnv {
-    pub(crate) schema: String,
+pub struct PgEnv {
+    /// The schema's name, unique to the test.
+    pub schema: String,
 }
 
 impl PgEnv {
-    pub(crate) async fn new() -> PgEnv {
+    /// Creates the schema with its `ledger` and `orders` tables.
+    pub async fn new() -> PgEnv {
         let schema = unique("t");
         let pool = PgPoolOptions::new()
             .max_connections(1)
@@ -116,13 +116,13 @@ impl PgEnv {
     }
 
     /// A new pool and inbox, as another process would have (own pool, own in-process locks).
-    pub(crate) async fn inbox(&self) -> Inbox<Postgres> {
+    pub async fn inbox(&self) -> Inbox<Postgres> {
         self.inbox_with(InboxConfig::in_schema(self.schema.clone()))
             .await
     }
 
     /// [`PgEnv::inbox`] with `config` (an unqualified table resolves to this schema).
-    pub(crate) async fn inbox_with(&self, config: InboxConfig) -> Inbox<Postgres> {
+    pub async fn inbox_with(&self, config: InboxConfig) -> Inbox<Postgres> {
         let options = PgConnectOptions::from_str(&database_url())
             .expect("DATABASE_URL")
             .options([("search_path", self.schema.as_str())]);
@@ -137,13 +137,16 @@ impl PgEnv {
 }
 
 /// A fresh SQLite file.
-pub(crate) struct SqliteEnv {
-    pub(crate) dir: tempfile::TempDir,
-    pub(crate) inbox: Inbox<Sqlite>,
+pub struct SqliteEnv {
+    /// The directory holding the database file, removed when dropped.
+    pub dir: tempfile::TempDir,
+    /// The inbox on the file, which also holds the `ledger` and `orders` tables.
+    pub inbox: Inbox<Sqlite>,
 }
 
 impl SqliteEnv {
-    pub(crate) async fn new() -> SqliteEnv {
+    /// Creates the file, its inbox and the `ledger` and `orders` tables.
+    pub async fn new() -> SqliteEnv {
         let dir = tempfile::tempdir().expect("tempdir");
         let inbox = Inbox::open_sqlite(dir.path().join("inbox.db"))
             .await

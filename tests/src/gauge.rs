@@ -2,8 +2,6 @@
 //! belongs to a *lane* (one per test, named in the job), raises the lane's gauge while it
 //! runs, waits for the lane's gate to open, and records one ledger row per committed run.
 
-#![allow(dead_code)]
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -16,17 +14,18 @@ use tokio::sync::watch;
 
 /// A job for [`gated`].
 #[derive(Debug, Deserialize)]
-pub(crate) struct GatedJob {
-    pub(crate) id: String,
+pub struct GatedJob {
+    /// The job's id, recorded in the ledger.
+    pub id: String,
     /// The lane the run counts in.
-    pub(crate) lane: String,
+    pub lane: String,
     /// Work after the gate opened, so that runs overlap while the queue drains.
     #[serde(default)]
-    pub(crate) work_ms: u64,
+    pub work_ms: u64,
 }
 
 /// Runs of one test: how many run now, the most that ever ran at once, and the gate.
-pub(crate) struct Lane {
+pub struct Lane {
     running: AtomicUsize,
     max: AtomicUsize,
     runs: AtomicU64,
@@ -35,7 +34,7 @@ pub(crate) struct Lane {
 
 impl Lane {
     /// The lane named `name`, created closed on first use.
-    pub(crate) fn get(name: &str) -> Arc<Lane> {
+    pub fn get(name: &str) -> Arc<Lane> {
         static LANES: OnceLock<Mutex<HashMap<String, Arc<Lane>>>> = OnceLock::new();
         let lanes = LANES.get_or_init(Default::default);
         lanes
@@ -54,22 +53,22 @@ impl Lane {
     }
 
     /// Handler runs under way now.
-    pub(crate) fn running(&self) -> usize {
+    pub fn running(&self) -> usize {
         self.running.load(Ordering::SeqCst)
     }
 
     /// The most runs ever under way at once.
-    pub(crate) fn max(&self) -> usize {
+    pub fn max(&self) -> usize {
         self.max.load(Ordering::SeqCst)
     }
 
     /// Runs started.
-    pub(crate) fn runs(&self) -> u64 {
+    pub fn runs(&self) -> u64 {
         self.runs.load(Ordering::SeqCst)
     }
 
     /// Lets every waiting and later run through.
-    pub(crate) fn open(&self) {
+    pub fn open(&self) {
         self.gate.send_replace(true);
     }
 }
@@ -90,10 +89,7 @@ impl Drop for Running {
     backoff = "200ms..1s",
     timeout = "300s"
 )]
-pub(crate) async fn gated(
-    ctx: &mut Context<'_, Postgres>,
-    job: GatedJob,
-) -> Result<(), HandlerError> {
+pub async fn gated(ctx: &mut Context<'_, Postgres>, job: GatedJob) -> Result<(), HandlerError> {
     let lane = Lane::get(&job.lane);
     lane.runs.fetch_add(1, Ordering::SeqCst);
     let now = lane.running.fetch_add(1, Ordering::SeqCst) + 1;

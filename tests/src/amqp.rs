@@ -1,13 +1,11 @@
-//! Helpers for the RabbitMQ tests: the broker started by `scripts/rabbitmq.sh`, names and a
+//! For the RabbitMQ tests: the broker started by `scripts/rabbitmq.sh`, names and a
 //! PostgreSQL schema unique to each test, workers running in tasks, and independent reads of
 //! queues through plain lapin clients (not through the transport under test).
 //!
 //! The chaos test closes every connection of the broker and restarts it, which other tests
-//! may see when they run at the same time (e.g. under a parallel runner). So every helper
-//! that talks to the broker retries over connection loss, the transport under test
+//! may see when they run at the same time (e.g. under a parallel runner). So every function
+//! here that talks to the broker retries over connection loss, the transport under test
 //! reconnects by itself, and the waits are long enough to ride out a restart.
-
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -29,14 +27,15 @@ use sqlx::{PgPool, Postgres};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-pub(crate) use crate::common::wait_for;
+/// Waits for a condition, as in [`crate::common::wait_for`].
+pub use crate::common::wait_for;
 use crate::common::{database_url, unique};
 
 /// Long enough for a broker restart in the middle of any wait.
-pub(crate) const LONG: Duration = Duration::from_secs(120);
+pub const LONG: Duration = Duration::from_secs(120);
 
 /// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
-pub(crate) fn init_tracing() {
+pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -47,7 +46,7 @@ pub(crate) fn init_tracing() {
 }
 
 /// The broker URL printed by `scripts/rabbitmq.sh env`.
-pub(crate) fn amqp_url() -> String {
+pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect(
         "AMQP_URL is not set: start RabbitMQ with `eval \"$(scripts/rabbitmq.sh env)\"` \
          (and PostgreSQL with `eval \"$(scripts/postgres.sh env)\"`), or run `scripts/test.sh`",
@@ -55,13 +54,13 @@ pub(crate) fn amqp_url() -> String {
 }
 
 /// A name for a queue or exchange, unique to this test and run (`[a-z0-9_]`).
-pub(crate) fn unique_name(prefix: &str) -> String {
+pub fn unique_name(prefix: &str) -> String {
     unique(prefix)
 }
 
 /// A test configuration: short retry delays, quick reconnection, publishes that outlast a
 /// broker restart.
-pub(crate) fn config(queue: &str) -> AmqpConfig {
+pub fn config(queue: &str) -> AmqpConfig {
     let mut c = AmqpConfig::new(amqp_url(), queue);
     c.retry_delays = vec![Duration::from_millis(200), Duration::from_secs(1)];
     c.reconnect_min = Duration::from_millis(50);
@@ -74,7 +73,7 @@ pub(crate) fn config(queue: &str) -> AmqpConfig {
 }
 
 /// Worker settings for tests: no jitter (delays are the backoff's ceilings), no purge task.
-pub(crate) fn worker_config(concurrency: usize) -> WorkerConfig {
+pub fn worker_config(concurrency: usize) -> WorkerConfig {
     WorkerConfig::default()
         .with_concurrency(concurrency)
         .with_retention_interval(None)
@@ -83,13 +82,16 @@ pub(crate) fn worker_config(concurrency: usize) -> WorkerConfig {
 
 /// A PostgreSQL schema of its own with the invoice example's tables, its inbox, and the
 /// email provider stand-in installed for it.
-pub(crate) struct Db {
-    pub(crate) schema: String,
-    pub(crate) pool: PgPool,
+pub struct Db {
+    /// The schema's name, unique to the test.
+    pub schema: String,
+    /// A pool on the schema.
+    pub pool: PgPool,
 }
 
 impl Db {
-    pub(crate) async fn new() -> Db {
+    /// Creates the schema with the example's tables and installs the provider stand-in.
+    pub async fn new() -> Db {
         let schema = unique("amqp");
         let pool = Self::pool_for(&schema, 20).await;
         invoices::schema::migrate(&pool, &schema)
@@ -100,7 +102,7 @@ impl Db {
     }
 
     /// A pool on `schema`, as a separate worker process would have it.
-    pub(crate) async fn pool_for(schema: &str, size: u32) -> PgPool {
+    pub async fn pool_for(schema: &str, size: u32) -> PgPool {
         let options = PgConnectOptions::from_str(&database_url())
             .expect("DATABASE_URL")
             .options([("search_path", schema)]);
@@ -113,7 +115,7 @@ impl Db {
     }
 
     /// A new inbox in this schema (its own pool, as another process would have).
-    pub(crate) async fn inbox(&self, pool_size: u32) -> Inbox<Postgres> {
+    pub async fn inbox(&self, pool_size: u32) -> Inbox<Postgres> {
         let pool = Self::pool_for(&self.schema, pool_size).await;
         Inbox::new(pool, InboxConfig::in_schema(self.schema.clone()))
             .await
@@ -121,7 +123,7 @@ impl Db {
     }
 
     /// `SELECT count(*) …` or any query returning one BIGINT.
-    pub(crate) async fn count(&self, sql: &str) -> i64 {
+    pub async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql)
             .fetch_one(&self.pool)
             .await
@@ -130,16 +132,18 @@ impl Db {
 }
 
 /// A worker consuming in a task until stopped.
-pub(crate) struct Running<H: Handler<Postgres>> {
-    pub(crate) worker: Worker<Postgres, H>,
-    pub(crate) health: ConsumerHealth,
+pub struct Running<H: Handler<Postgres>> {
+    /// The running worker, for its stats and inbox.
+    pub worker: Worker<Postgres, H>,
+    /// The consumer's connection state.
+    pub health: ConsumerHealth,
     stop: oneshot::Sender<()>,
     task: JoinHandle<Result<(), Error>>,
 }
 
 impl<H: Handler<Postgres>> Running<H> {
     /// Connects a consumer for `config` and runs `worker` on it.
-    pub(crate) async fn start(worker: Worker<Postgres, H>, config: AmqpConfig) -> Self {
+    pub async fn start(worker: Worker<Postgres, H>, config: AmqpConfig) -> Self {
         let consumer = AmqpConsumer::connect(config)
             .await
             .expect("connect the consumer");
@@ -164,7 +168,7 @@ impl<H: Handler<Postgres>> Running<H> {
     }
 
     /// Stops it gracefully and waits until its connection is closed.
-    pub(crate) async fn stop(self) -> consumer_core::StatsSnapshot {
+    pub async fn stop(self) -> consumer_core::StatsSnapshot {
         let _ = self.stop.send(());
         tokio::time::timeout(LONG, self.task)
             .await
@@ -180,15 +184,19 @@ impl<H: Handler<Postgres>> Running<H> {
 
 /// A message read back from a queue.
 #[derive(Debug, Clone)]
-pub(crate) struct Got {
-    pub(crate) body: Vec<u8>,
-    pub(crate) message_id: Option<String>,
-    pub(crate) content_type: Option<String>,
-    pub(crate) headers: BTreeMap<String, String>,
+pub struct Got {
+    /// The message body.
+    pub body: Vec<u8>,
+    /// The `message_id` property.
+    pub message_id: Option<String>,
+    /// The `content_type` property.
+    pub content_type: Option<String>,
+    /// The headers, each value as text.
+    pub headers: BTreeMap<String, String>,
 }
 
 /// Independent access to the broker through plain lapin, retried over connection loss.
-pub(crate) struct Rabbit;
+pub struct Rabbit;
 
 impl Rabbit {
     async fn with_connection<T, F, Fut>(what: &str, mut f: F) -> T
@@ -216,7 +224,7 @@ impl Rabbit {
     }
 
     /// Messages ready in `queue` (a passive declare: the queue must exist).
-    pub(crate) async fn ready(queue: &str) -> u32 {
+    pub async fn ready(queue: &str) -> u32 {
         Self::with_connection("count messages", |conn| async move {
             let channel = conn.create_channel().await?;
             let q = channel
@@ -236,7 +244,7 @@ impl Rabbit {
     }
 
     /// Takes every message from `queue`.
-    pub(crate) async fn take_all(queue: &str) -> Vec<Got> {
+    pub async fn take_all(queue: &str) -> Vec<Got> {
         Self::with_connection("read a queue", |conn| async move {
             let channel = conn.create_channel().await?;
             let mut out = Vec::new();
@@ -260,7 +268,7 @@ impl Rabbit {
     }
 
     /// Deletes one queue.
-    pub(crate) async fn delete_queue(queue: &str) {
+    pub async fn delete_queue(queue: &str) {
         Self::with_connection("delete a queue", |conn| async move {
             let channel = conn.create_channel().await?;
             channel
@@ -273,7 +281,7 @@ impl Rabbit {
     }
 
     /// Deletes the queues of `config` (work, retry, dead-letter) and its exchange.
-    pub(crate) async fn delete_topology(config: &AmqpConfig) {
+    pub async fn delete_topology(config: &AmqpConfig) {
         let mut queues = vec![config.queue.clone(), config.dead_letter_queue_name()];
         queues.extend(
             config
@@ -322,7 +330,7 @@ fn strings(table: Option<&FieldTable>) -> BTreeMap<String, String> {
 }
 
 /// The repository root.
-pub(crate) fn repo_root() -> PathBuf {
+pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("tests/ has a parent")
@@ -332,7 +340,7 @@ pub(crate) fn repo_root() -> PathBuf {
 /// Closes, from the broker side, the connections whose client properties mention
 /// `fragment` (e.g. a queue's name in the connection name): a disruption that touches
 /// nothing else on the shared broker. Returns how many were closed.
-pub(crate) async fn close_connections_matching(fragment: &str) -> usize {
+pub async fn close_connections_matching(fragment: &str) -> usize {
     let out = rabbitmq_sh(&[
         "ctl",
         "list_connections",
@@ -356,7 +364,7 @@ pub(crate) async fn close_connections_matching(fragment: &str) -> usize {
 
 /// Runs `scripts/rabbitmq.sh <args>` and returns its standard output; panics with its
 /// output on failure.
-pub(crate) async fn rabbitmq_sh(args: &[&str]) -> String {
+pub async fn rabbitmq_sh(args: &[&str]) -> String {
     let script = repo_root().join("scripts/rabbitmq.sh");
     let owned: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
     let out = tokio::task::spawn_blocking(move || {
