@@ -11,7 +11,7 @@
 //! - every delivery runs in a `delivery` span carrying handler, source, key, attempt and
 //!   outcome.
 
-// Test helpers may panic: a panic is how a test fails.
+// Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashMap};

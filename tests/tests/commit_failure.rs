@@ -8,7 +8,7 @@
 //! makes it trip once). Against real PostgreSQL, per message and batched, on the fresh path
 //! (a first delivery) and the counted one (a redelivery).
 
-// Test helpers may panic: a panic is how a test fails.
+// Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! Each scenario is written once, generic over the backend, and instantiated for both, each
 //! with one transaction per delivery and in batched mode.
 
-// Test helpers may panic: a panic is how a test fails.
+// Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;

@@ -8,7 +8,7 @@
 //! Against real PostgreSQL (a fresh schema per test) and SQLite, each with one transaction
 //! per delivery and in batched mode.
 
-// Test helpers may panic: a panic is how a test fails.
+// Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
