@@ -27,23 +27,14 @@ use sqlx::{PgPool, Postgres};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// Logs to the test's output, as in [`crate::common::init_tracing`].
+pub use crate::common::init_tracing;
 /// Waits for a condition, as in [`crate::common::wait_for`].
 pub use crate::common::wait_for;
 use crate::common::{database_url, unique};
 
 /// Long enough for a broker restart in the middle of any wait.
 pub const LONG: Duration = Duration::from_secs(120);
-
-/// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_test_writer()
-        .try_init();
-}
 
 /// The broker URL printed by `scripts/rabbitmq.sh env`.
 pub fn amqp_url() -> String {

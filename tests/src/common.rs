@@ -161,3 +161,14 @@ impl SqliteEnv {
         SqliteEnv { dir, inbox }
     }
 }
+
+/// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}

@@ -20,20 +20,11 @@ use sqlx::Postgres;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// Logs to the test's output, as in [`crate::common::init_tracing`].
+pub use crate::common::init_tracing;
 /// Waits for a condition, as in [`crate::common::wait_for`].
 pub use crate::common::wait_for;
 use crate::common::{database_url, unique, PgEnv};
-
-/// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_test_writer()
-        .try_init();
-}
 
 /// The broker address printed by `scripts/kafka.sh env`.
 pub fn brokers() -> String {
