@@ -35,6 +35,12 @@
 //! - `memory`: the in-memory broker; `fault` (feature `fault-injection`): fault points for
 //!   the chaos suite and the tests.
 //!
+//! The crate's tests need no server and no broker client: unit tests of the pipeline's
+//! stages sit beside them (`worker::tests`, `worker::claim`, `worker::attempt`), and
+//! `tests/` runs the exactly-once scenario matrix of the `consumer-scenarios` crate (in the
+//! repository's `scenarios/`) and the README's runtime claims on SQLite and the in-memory
+//! broker. The workspace tests run the same matrix on PostgreSQL.
+//!
 //! # Who owns what
 //!
 //! - **Freshness** (may a delivery skip counting its attempt ahead?): the inbox's

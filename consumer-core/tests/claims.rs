@@ -24,7 +24,7 @@ use consumer_core::{
     handler, Context, DeadLetterReason, EntryStatus, Error, Handler, HandlerError, Inbox, NoJitter,
     Worker, WorkerConfig,
 };
-use consumer_tests::common::{self, SqliteEnv, DEADLINE};
+use consumer_scenarios::env::{self as common, SqliteEnv, DEADLINE};
 use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
