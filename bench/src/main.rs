@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! eval "$(scripts/postgres.sh env)"
-//! cargo run --release -p bench -- --messages 20000 --reps 3
+//! cargo run --release -p bench -- --messages 20000
 //! ```
 //!
 //! Arms, interleaved (every repetition runs every arm once, in turn) over the same number and
@@ -30,7 +30,13 @@
 //! `beam.smp`, tansu) per message (all such processes, so other load on the same servers
 //! counts too), `all/slot`: the three together over the CPU time the machine's cores had
 //! per message at that rate (near 1, the arm is bound by the cores), p50/p99
-//! delivery-to-ack latency and the ratios, each the median over the repetitions.
+//! delivery-to-ack latency and the ratios (`report`), each the median over the repetitions
+//! (5 by default), rate, CPU and ratios with their spread: `median [min, max]`. A ratio is
+//! taken within each repetition, then summarised.
+//!
+//! `--compare BEFORE_BINARY` makes a before/after pair one command (`compare`): another
+//! build of the bench and this one run alternately, one repetition each per round
+//! (`--reps` rounds), and are reported side by side. `--json PATH` writes a run's figures.
 //!
 //! Options (`--help` lists them with their defaults): `--messages N --reps N --size BYTES
 //! --batch N --concurrency N --prefetch N`; `--arms a,b` runs
@@ -45,7 +51,9 @@
 #![allow(clippy::print_stdout)]
 
 mod amqp;
+mod compare;
 mod kafka;
+mod report;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -59,7 +67,7 @@ use consumer_core::{
 };
 use futures::future::BoxFuture;
 use futures::StreamExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres};
 
@@ -122,9 +130,17 @@ struct Options {
     #[arg(long, default_value_t = 10_000)]
     messages: usize,
     /// Repetitions; every repetition runs every arm once, in turn, and the report shows
-    /// the medians.
-    #[arg(long, default_value_t = 3)]
+    /// the medians and their spread. With `--compare`: the rounds.
+    #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Compare with another build of the bench (the "before", e.g. built from an earlier
+    /// commit): it and this binary run alternately, one repetition each per round, with
+    /// the other arguments given here, and both are reported side by side.
+    #[arg(long, value_name = "BEFORE_BINARY")]
+    compare: Option<std::path::PathBuf>,
+    /// Also write every repetition's figures to this file as JSON.
+    #[arg(long, value_name = "PATH")]
+    json: Option<std::path::PathBuf>,
     /// Payload size in bytes.
     #[arg(long, value_name = "BYTES", default_value_t = 256)]
     size: usize,
@@ -160,7 +176,7 @@ struct Options {
 }
 
 /// One arm's figures from one repetition.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 struct Figures {
     rate: f64,
     cpu_us_per_msg: f64,
@@ -551,14 +567,19 @@ async fn framework<H: Handler<Postgres>>(
     Ok(figures(o.messages, wall, cpu, &mut l, rss))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or_default()
+fn main() -> anyhow::Result<()> {
+    let o = <Options as clap::Parser>::parse();
+    if let Some(before) = &o.compare {
+        return compare::run(before, o.reps);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(measure(o))
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let o = <Options as clap::Parser>::parse();
+/// Runs every arm `o.reps` times, interleaved, and reports.
+async fn measure(o: Options) -> anyhow::Result<()> {
     RECORD_LATENCY.store(o.latency != 0, std::sync::atomic::Ordering::Relaxed);
     // Warnings of the runtime and the transports (a lost channel, a database error) explain
     // a failed arm; RUST_LOG=... for more.
@@ -705,143 +726,19 @@ async fn main() -> anyhow::Result<()> {
     }
 
     println!(
-        "\n{} messages of {} B payload, {} repetitions (median), concurrency {}, batch {}; PostgreSQL fsync={fsync} synchronous_commit={sync_commit}\n",
+        "\n{} messages of {} B payload, {} repetitions (median [min, max]), concurrency {}, batch {}; PostgreSQL fsync={fsync} synchronous_commit={sync_commit}\n",
         o.messages, o.size, o.reps, o.concurrency, o.batch
     );
-    println!(
-        "{:<30} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>7} {:>8}",
-        "arm", "msgs/s", "CPU µs", "PG µs", "broker", "all/slot", "p50 ms", "p99 ms", "ΔRSS MiB"
-    );
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let mut rate = BTreeMap::new();
-    for &arm in &arms {
-        let f = &results[arm];
-        let m = |g: fn(&Figures) -> f64| median(f.iter().map(g).collect());
-        let r = m(|f| f.rate);
-        rate.insert(arm, r);
-        let measured = f.iter().any(|f| f.measured_latency);
-        let lat = |v: f64| {
-            if measured {
-                format!("{v:.1}")
-            } else {
-                "-".to_owned()
-            }
-        };
-        let (cpu, pg, broker) = (
-            m(|f| f.cpu_us_per_msg),
-            m(|f| f.server_us_per_msg),
-            m(|f| f.broker_us_per_msg),
-        );
-        // The CPU all three spent per message over the CPU the machine had per message at
-        // this rate: near 1.00, the arm is bound by the machine's cores, not by waiting.
-        let slot = cores as f64 * 1e6 / r;
-        println!(
-            "{:<30} {:>9.0} {:>8.1} {:>8.1} {:>8.1} {:>9.2} {:>7} {:>7} {:>8.1}",
-            arm,
-            r,
-            cpu,
-            pg,
-            broker,
-            (cpu + pg + broker) / slot,
-            lat(m(|f| f.p50_ms)),
-            lat(m(|f| f.p99_ms)),
-            m(|f| f.rss_mib),
-        );
-    }
-    println!();
-    let ratio = |name: &str, a: &str, b: &str| {
-        if let (Some(x), Some(y)) = (rate.get(a), rate.get(b)) {
-            println!("{name:<44} = {:.2}", x / y);
-        }
+    let run = report::Run {
+        arms: arms.iter().map(|a| (*a).to_owned()).collect(),
+        figures: results
+            .into_iter()
+            .map(|(arm, f)| (arm.to_owned(), f))
+            .collect(),
     };
-    ratio(
-        "memory: fw 1/tx / memory: hand 1/tx",
-        "memory: fw 1/tx",
-        "memory: hand 1/tx",
-    );
-    ratio(
-        "memory: fw 1/tx / db floor 1/tx",
-        "memory: fw 1/tx",
-        "db floor, 1/tx",
-    );
-    ratio(
-        "memory: fw batched / db floor N/tx",
-        "memory: fw batched",
-        "db floor, N/tx",
-    );
-    ratio(
-        "memory: fw batched 1 stmt/msg / that floor",
-        "memory: fw batched, 1 stmt/msg",
-        "db floor, N/tx, 1 stmt/msg",
-    );
-    ratio(
-        "amqp: fw 1/tx / amqp: hand 1/tx",
-        "amqp: fw 1/tx",
-        "amqp: hand 1/tx",
-    );
-    ratio(
-        "amqp: fw batched / amqp: raw consume+ack",
-        "amqp: fw batched",
-        "amqp: raw consume+ack",
-    );
-    ratio(
-        "amqp: fw batched / amqp: hand batched",
-        "amqp: fw batched",
-        "amqp: hand batched",
-    );
-    ratio(
-        "amqp: hand batched / amqp: raw consume+ack",
-        "amqp: hand batched",
-        "amqp: raw consume+ack",
-    );
-    ratio(
-        "amqp: raw ack each / amqp: raw consume+ack",
-        "amqp: raw ack each",
-        "amqp: raw consume+ack",
-    );
-    ratio(
-        "amqp: fw batched / db floor N/tx",
-        "amqp: fw batched",
-        "db floor, N/tx",
-    );
-    ratio(
-        "kafka: fw 1/tx / db floor 1/tx",
-        "kafka: fw 1/tx",
-        "db floor, 1/tx",
-    );
-    ratio(
-        "kafka: fw batched / kafka: raw consume+store",
-        "kafka: fw batched",
-        "kafka: raw consume+store",
-    );
-    ratio(
-        "kafka: fw batched / kafka: hand batched",
-        "kafka: fw batched",
-        "kafka: hand batched",
-    );
-    ratio(
-        "kafka: hand batched / db floor N/tx",
-        "kafka: hand batched",
-        "db floor, N/tx",
-    );
-    ratio(
-        "kafka: fw batched / db floor N/tx",
-        "kafka: fw batched",
-        "db floor, N/tx",
-    );
-    // The Kafka goal's reference: the slower of the raw client and the bulk floor.
-    let kafka = [
-        "kafka: fw batched",
-        "kafka: raw consume+store",
-        "db floor, N/tx",
-    ]
-    .map(|a| rate.get(a));
-    if let [Some(fw), Some(raw), Some(floor)] = kafka {
-        println!(
-            "{:<44} = {:.2}",
-            "kafka: fw batched / min(raw, floor N/tx)",
-            fw / raw.min(*floor)
-        );
+    run.print(std::thread::available_parallelism().map_or(1, usize::from));
+    if let Some(path) = &o.json {
+        std::fs::write(path, serde_json::to_string(&run)?)?;
     }
     Ok(())
 }
