@@ -12,7 +12,7 @@
 //!
 //! It builds the worker binaries first (`cargo build -p chaos -p invoices --bins`, same
 //! profile as itself; `--no-build` skips that) and runs them from its own directory. Each run uses its own PostgreSQL schema
-//! and its own queues or topics (`chaos_<seed>_<time>`). Exit status: 0 when the oracle
+//! and its own queues or topics (`chaos_<seed>_<time>_<pid>`). Exit status: 0 when the oracle
 //! passes, 3 on any violation ([`VIOLATION`]), 1 when the run itself could not be done.
 //!
 //! Layout: `workload` (what is published), `fleet` (the worker processes), `amqp` and
@@ -279,7 +279,7 @@ impl Names {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() % 100_000_000)
             .unwrap_or(0);
-        let prefix = format!("chaos_{seed}_{t}");
+        let prefix = format!("chaos_{seed}_{t}_{}", std::process::id());
         Names {
             schema: prefix.clone(),
             exchange: format!("{prefix}_jobs"),
