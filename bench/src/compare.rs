@@ -94,7 +94,7 @@ pub(crate) fn run(before: &Path, rounds: usize) -> anyhow::Result<()> {
     }
     println!(
         "\n{:<44} {:>24} {:>24}",
-        "arm: client CPU µs a message", "", ""
+        "arm: client CPU µs a message", "before", "after"
     );
     for arm in &b.arms {
         println!(

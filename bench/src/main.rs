@@ -56,7 +56,7 @@ mod kafka;
 mod report;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -160,6 +160,11 @@ struct Options {
     /// Print this process's RSS to stderr every this many milliseconds (0: never).
     #[arg(long, value_name = "MS", default_value_t = 0)]
     rss_every_ms: u64,
+    /// A perf control FIFO (`perf record --control fifo:PATH -D -1`): `enable` is written to
+    /// it when an arm's clock starts and `disable` when it stops, so a profile holds the
+    /// arms alone, not the filling of their queues.
+    #[arg(long, value_name = "FIFO")]
+    perf_ctl: Option<std::path::PathBuf>,
     /// Record per-delivery latencies (1) or not (0, for long RSS runs).
     #[arg(long, value_name = "0|1", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(0..=1))]
@@ -210,6 +215,7 @@ impl Rss {
     }
 
     fn start() -> Self {
+        perf_control("enable");
         // Every arm calls this just before its clock starts: the server CPU baseline too.
         let us = u64::try_from(server_cpu_time().as_micros()).unwrap_or(u64::MAX);
         SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
@@ -334,7 +340,21 @@ fn timed<F: FnOnce(&Settlement) + Send + 'static>(
     }
 }
 
+/// The `--perf-ctl` FIFO, opened once at start.
+static PERF_CTL: OnceLock<Mutex<std::fs::File>> = OnceLock::new();
+
+/// Writes `command` to the `--perf-ctl` FIFO, if there is one.
+fn perf_control(command: &str) {
+    if let Some(ctl) = PERF_CTL.get() {
+        if let Ok(mut f) = ctl.lock() {
+            let _ = std::io::Write::write_all(&mut *f, format!("{command}\n").as_bytes());
+        }
+    }
+}
+
+/// An arm's figures, taken when its clock stops (which also stops a `--perf-ctl` profile).
 fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: Rss) -> Figures {
+    perf_control("disable");
     latencies.sort_unstable();
     let pct = |p: f64| {
         if latencies.is_empty() {
@@ -580,6 +600,10 @@ fn main() -> anyhow::Result<()> {
 
 /// Runs every arm `o.reps` times, interleaved, and reports.
 async fn measure(o: Options) -> anyhow::Result<()> {
+    if let Some(path) = &o.perf_ctl {
+        let fifo = std::fs::OpenOptions::new().write(true).open(path)?;
+        let _ = PERF_CTL.set(Mutex::new(fifo));
+    }
     RECORD_LATENCY.store(o.latency != 0, std::sync::atomic::Ordering::Relaxed);
     // Warnings of the runtime and the transports (a lost channel, a database error) explain
     // a failed arm; RUST_LOG=... for more.

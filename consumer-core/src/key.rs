@@ -147,9 +147,20 @@ pub(crate) fn canonical_hash(payload: &Value) -> String {
     let mut hasher = HashWriter(Sha256::new());
     if serde_json::to_writer(&mut hasher, &Canonical(payload)).is_err() {
         // Unreachable: a `Value` always serialises and the writer never fails.
-        return hex::encode(Sha256::digest(b""));
+        return to_hex(&Sha256::digest(b"").into());
     }
-    hex::encode(hasher.0.finalize())
+    to_hex(&hasher.0.finalize().into())
+}
+
+/// A SHA-256 digest as 64 lowercase hex characters: one allocation, no per-character
+/// iterator (this runs once per delivery).
+fn to_hex(digest: &[u8; 32]) -> String {
+    let mut out = [0u8; 64];
+    // A 32-byte digest always fits 64 characters.
+    if hex::encode_to_slice(digest, &mut out).is_err() {
+        return hex::encode(digest);
+    }
+    out.iter().map(|&b| char::from(b)).collect()
 }
 
 /// A `Value` serialised with object keys in sorted order.
@@ -213,7 +224,7 @@ pub(crate) fn sha256(parts: &[&[u8]]) -> [u8; 32] {
 
 /// SHA-256 (hex) of raw bytes: the payload fingerprint for non-JSON-equal comparisons.
 pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
-    hex::encode(sha256(parts))
+    to_hex(&sha256(parts))
 }
 
 /// A stable idempotency key for `effect` of message `key` in `handler`: 64 hex characters

@@ -25,8 +25,9 @@ mod settle;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
 use futures::{FutureExt, StreamExt};
@@ -260,6 +261,31 @@ fn crashed_at(point: FaultPoint) -> Error {
     unreachable!("no fault point fires without fault injection ({point:?})")
 }
 
+/// The keys of a batch's jobs so far, to find a key that comes twice without copying each
+/// key: a hash of the key, and the job (its index in the batch's jobs) that has it.
+#[derive(Default)]
+struct RepeatedKeys {
+    first: HashMap<u64, usize>,
+    hasher: RandomState,
+}
+
+impl RepeatedKeys {
+    /// Whether `job`'s key is one of `jobs`' (the jobs pushed so far, `job` to be pushed next);
+    /// if not, it is remembered as the key of the next job.
+    fn repeated<M>(&mut self, jobs: &[Job<M>], job: &Job<M>) -> bool {
+        let hash = self.hasher.hash_one(job.key.as_str());
+        match self.first.get(&hash) {
+            Some(&i) if jobs.get(i).is_some_and(|j| j.key == job.key) => true,
+            // Another key with the same hash (rare): compare with every job.
+            Some(_) => jobs.iter().any(|j| j.key == job.key),
+            None => {
+                self.first.insert(hash, jobs.len());
+                false
+            }
+        }
+    }
+}
+
 /// Adds what arrives within the batch window to `batch`; `true` if the transport ended.
 async fn gather<T: Transport>(
     transport: &mut T,
@@ -308,8 +334,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         // A key twice in one batch: the second copy goes through the pipeline (and is
         // counted as received) after the batch, and is then seen as a duplicate.
         let mut repeats = Vec::new();
-        let check_repeats = batch.len() > 1;
-        let mut seen = HashSet::new();
+        let mut seen = (batch.len() > 1).then(RepeatedKeys::default);
         for incoming in batch {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
@@ -321,7 +346,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         verdict,
                     });
                 }
-                Ok(job) if check_repeats && !seen.insert(job.key.clone()) => repeats.push(job),
+                Ok(job) if seen.as_mut().is_some_and(|s| s.repeated(&jobs, &job)) => {
+                    repeats.push(job)
+                }
                 Ok(job) => {
                     Stats::bump(&self.stats.received);
                     jobs.push(job);

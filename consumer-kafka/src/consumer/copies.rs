@@ -60,7 +60,7 @@ pub(super) fn retry_copy(
     hs.push(text(headers::RETRY_GROUP, &s.group_id));
     add_origin(&mut hs, record);
     OutgoingRecord {
-        key: record.key.clone(),
+        key: record.key.as_deref().map(<[u8]>::to_vec),
         payload: (!record.null_payload).then(|| record.payload.to_vec()),
         headers: hs,
     }
@@ -84,7 +84,7 @@ pub(super) fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingReco
     ));
     add_origin(&mut hs, record);
     OutgoingRecord {
-        key: record.key.clone(),
+        key: record.key.as_deref().map(<[u8]>::to_vec),
         payload: (!record.null_payload).then(|| record.payload.to_vec()),
         headers: hs,
     }

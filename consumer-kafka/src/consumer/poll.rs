@@ -89,14 +89,17 @@ impl Shared {
             });
         let payload = m.payload().unwrap_or_default();
         let bytes = payload.len() + m.key().map_or(0, <[u8]>::len) + header_bytes;
+        // The key and the payload copied into one buffer, which both then slice.
+        let key_len = m.key().map_or(0, <[u8]>::len);
+        let buffer = Bytes::from([m.key().unwrap_or_default(), payload].concat());
         let record = Arc::new(Record {
             bytes,
             origin: origin.unwrap_or_else(|| topic.clone()),
             topic: topic.clone(),
             partition,
             offset,
-            key: m.key().map(<[u8]>::to_vec),
-            payload: Bytes::copy_from_slice(payload),
+            key: m.key().map(|_| buffer.slice(..key_len)),
+            payload: buffer.slice(key_len..),
             null_payload: m.payload().is_none(),
             headers: Arc::new(text_headers),
             raw_headers,
