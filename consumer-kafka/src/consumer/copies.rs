@@ -49,9 +49,9 @@ pub(super) fn retry_copy(
 ) -> OutgoingRecord {
     let mut hs = carried_headers(record);
     // The copy keeps the message's identity even when it was derived (offset ids).
-    if let Some(id) = &record.message_id {
+    if let Some(id) = record.message_id(&s.message_id_header) {
         if !has_header(&hs, &s.message_id_header) {
-            hs.push(text(&s.message_id_header, id));
+            hs.push(text(&s.message_id_header, &id));
         }
     }
     let due = unix_millis().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
@@ -96,8 +96,8 @@ pub(super) fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingReco
 /// `offset`) instead of the record's own key, body and headers.
 pub(super) fn reference_letter(record: &Record, dl: &DeadLetter, s: &Settings) -> OutgoingRecord {
     let mut hs = Vec::new();
-    if let Some(id) = &record.message_id {
-        hs.push(text(&s.message_id_header, headers::truncate(id, 1024)));
+    if let Some(id) = record.message_id(&s.message_id_header) {
+        hs.push(text(&s.message_id_header, headers::truncate(&id, 1024)));
     }
     hs.push(text(
         headers::DEAD_LETTER_REASON,

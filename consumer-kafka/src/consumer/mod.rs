@@ -192,7 +192,10 @@ impl Stream for KafkaConsumer {
         if let Some((acker, attempt, redelivered, position)) = taken {
             // Built outside the lock: the poll thread and the settlements wait on it.
             drop(state);
-            let delivery = acker.record().delivery(attempt, redelivered, position);
+            let id_header = &shared.settings.message_id_header;
+            let delivery = acker
+                .record()
+                .delivery(attempt, redelivered, position, id_header);
             return Poll::Ready(Some(Ok(Incoming {
                 delivery,
                 acker: Box::new(acker),

@@ -14,7 +14,7 @@ use rdkafka::TopicPartitionList;
 
 use super::partitions::Shared;
 use super::rebalance::ConsumerCtx;
-use super::record::{key_id, location, read_headers, unix_millis, Handout, Record};
+use super::record::{key_id, read_headers, unix_millis, Handout, MessageId, Record};
 use crate::headers;
 
 /// How long one poll waits for a record before housekeeping runs.
@@ -80,13 +80,13 @@ impl Shared {
                 let wait = due.saturating_sub(unix_millis());
                 (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
             });
-        let message_id = header(&s.message_id_header)
-            .filter(|v| !v.is_empty())
-            .map(str::to_owned)
-            .or_else(|| {
-                s.offset_message_ids
-                    .then(|| location(&topic, partition, offset))
-            });
+        let message_id = if header(&s.message_id_header).is_some_and(|v| !v.is_empty()) {
+            MessageId::Header
+        } else if s.offset_message_ids {
+            MessageId::Position
+        } else {
+            MessageId::None
+        };
         let payload = m.payload().unwrap_or_default();
         let bytes = payload.len() + m.key().map_or(0, <[u8]>::len) + header_bytes;
         // The key and the payload copied into one buffer, which both then slice.

@@ -37,8 +37,9 @@ pub(super) struct Record {
     /// The headers as librdkafka gave them, kept only where the text map does not hold
     /// exactly the same (see [`read_headers`]): retry and dead-letter copies carry these.
     pub(super) raw_headers: Option<RawHeaders>,
-    /// From the message id header, else (if configured) the record's position.
-    pub(super) message_id: Option<String>,
+    /// Where its message id comes from: read when a delivery or a copy needs it, so the
+    /// record does not hold a second copy of a header.
+    pub(super) message_id: MessageId,
     /// From the `x-attempt` header (1 without one).
     pub(super) attempt: u32,
     /// A retry copy this group wrote (on a retry topic, with this group's
@@ -46,6 +47,18 @@ pub(super) struct Record {
     pub(super) own_copy: bool,
     /// Payload, key and header bytes: what it counts against the partition's byte limit.
     pub(super) bytes: usize,
+}
+
+/// Where a record's message id comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MessageId {
+    /// The message id header (configured by name), not empty.
+    Header,
+    /// The record's position, `topic/partition@offset` (offset message ids are on and the
+    /// record has no id header).
+    Position,
+    /// It has none.
+    None,
 }
 
 /// `topic/partition@offset`: where a record is, and the message id derived from it.
@@ -64,12 +77,22 @@ impl Record {
         location(&self.topic, self.partition, self.offset)
     }
 
-    /// The envelope handed to the worker.
+    /// Its message id: the header named `header`, or its position (see [`MessageId`]).
+    pub(super) fn message_id(&self, header: &str) -> Option<String> {
+        match self.message_id {
+            MessageId::Header => self.headers.get(header).cloned(),
+            MessageId::Position => Some(self.location()),
+            MessageId::None => None,
+        }
+    }
+
+    /// The envelope handed to the worker; `id_header` names the message id header.
     pub(super) fn delivery(
         &self,
         attempt: u32,
         redelivered: bool,
         position: LogPosition,
+        id_header: &str,
     ) -> Delivery {
         let mut headers = self.headers.clone();
         if attempt > 1 {
@@ -80,7 +103,7 @@ impl Record {
             }
         }
         Delivery {
-            message_id: self.message_id.clone(),
+            message_id: self.message_id(id_header),
             payload: self.payload.clone(),
             headers,
             redelivered,
@@ -229,6 +252,49 @@ mod tests {
                 let (_, value) = last(k).expect("a header of the record");
                 assert_eq!(*v, String::from_utf8_lossy(value.unwrap_or_default()));
             }
+        }
+    }
+
+    fn record(message_id: MessageId) -> Record {
+        Record {
+            topic: Arc::from("jobs"),
+            partition: 3,
+            offset: 41,
+            origin: Arc::from("jobs"),
+            key: None,
+            payload: Bytes::from_static(b"{}"),
+            null_payload: false,
+            headers: Arc::new(text(&[("message_id", "m-1")])),
+            raw_headers: None,
+            message_id,
+            attempt: 1,
+            own_copy: false,
+            bytes: 2,
+        }
+    }
+
+    #[test]
+    fn the_message_id_is_read_where_the_record_says() {
+        let position = LogPosition {
+            log: Arc::from("g/jobs/3"),
+            epoch: 1,
+            offset: 41,
+        };
+        let cases = [
+            (MessageId::Header, Some("m-1")),
+            (MessageId::Position, Some("jobs/3@41")),
+            (MessageId::None, None),
+        ];
+        for (source, expected) in cases {
+            let r = record(source);
+            assert_eq!(
+                r.message_id("message_id").as_deref(),
+                expected,
+                "{source:?}"
+            );
+            let d = r.delivery(1, false, position.clone(), "message_id");
+            assert_eq!(d.message_id.as_deref(), expected, "{source:?}");
+            assert_eq!(d.source.location, "jobs/3@41");
         }
     }
 }
