@@ -16,7 +16,7 @@ use futures::StreamExt;
 use sqlx::Sqlite;
 
 use crate::env::{unique, SqliteEnv, DEADLINE};
-use crate::jobs::{bulk_sqlite, record_sqlite};
+use crate::jobs::{bulk_sqlite, record_sqlite, sqlite_ledger};
 
 /// Batches big enough to hold several of a scenario's messages at once.
 pub const BATCHED: Option<BatchConfig> = Some(BatchConfig::new(16, Duration::from_millis(20)));
@@ -72,15 +72,7 @@ pub async fn sqlite_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> H
                 Inbox::new(env.inbox.pool().clone(), config).await.unwrap()
             })
         }),
-        ledger: |inbox, id| {
-            Box::pin(async move {
-                sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = ?1")
-                    .bind(id)
-                    .fetch_one(inbox.pool())
-                    .await
-                    .expect("count ledger")
-            })
-        },
+        ledger: sqlite_ledger,
         order: |inbox, id, create| {
             Box::pin(async move {
                 if create {

@@ -15,6 +15,8 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::{Postgres, Sqlite};
 
+pub use crate::jobs::{pg_ledger, sqlite_ledger};
+
 use crate::env::unique;
 
 /// How long a queue of a few messages may take to drain. A stalled queue never drains.
@@ -125,36 +127,8 @@ pub fn assert_invalid_key(broker: &MemoryBroker, queue: &str, expect: &str) {
     assert!(d.error.contains(expect), "{:?} lacks {expect:?}", d.error);
 }
 
-/// Counts a job's rows in `ledger`.
-pub type Ledger<DB> = fn(Inbox<DB>, &'static str) -> futures::future::BoxFuture<'static, i64>;
-
-/// [`Ledger`] on PostgreSQL.
-pub fn pg_ledger(
-    inbox: Inbox<Postgres>,
-    id: &'static str,
-) -> futures::future::BoxFuture<'static, i64> {
-    Box::pin(async move {
-        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = $1")
-            .bind(id)
-            .fetch_one(inbox.pool())
-            .await
-            .unwrap()
-    })
-}
-
-/// [`Ledger`] on SQLite.
-pub fn sqlite_ledger(
-    inbox: Inbox<Sqlite>,
-    id: &'static str,
-) -> futures::future::BoxFuture<'static, i64> {
-    Box::pin(async move {
-        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = ?1")
-            .bind(id)
-            .fetch_one(inbox.pool())
-            .await
-            .unwrap()
-    })
-}
+/// Counts a job's rows in `ledger` ([`crate::jobs::pg_ledger`], [`crate::jobs::sqlite_ledger`]).
+pub type Ledger<DB> = fn(Inbox<DB>, String) -> futures::future::BoxFuture<'static, i64>;
 
 /// A message id with a NUL is dead-lettered `invalid_key` at once, naming the character;
 /// the messages beside it (in batched mode: in its batch) complete.
@@ -176,9 +150,9 @@ pub async fn key_with_nul<DB: Backend, H: Handler<DB>>(
         (2, 1, 0),
         "{s:?}"
     );
-    assert_eq!(ledger(inbox.clone(), "ok-1").await, 1);
-    assert_eq!(ledger(inbox.clone(), "ok-2").await, 1);
-    assert_eq!(ledger(inbox, "bad").await, 0);
+    assert_eq!(ledger(inbox.clone(), "ok-1".into()).await, 1);
+    assert_eq!(ledger(inbox.clone(), "ok-2".into()).await, 1);
+    assert_eq!(ledger(inbox, "bad".into()).await, 0);
 }
 
 /// A templated key longer than a btree index entry holds is dead-lettered `invalid_key` at
@@ -203,6 +177,6 @@ pub async fn overlong_key<DB: Backend, H: Handler<DB>>(
         (2, 1, 0),
         "{s:?}"
     );
-    assert_eq!(ledger(inbox.clone(), "ok-1").await, 1);
-    assert_eq!(ledger(inbox, "ok-2").await, 1);
+    assert_eq!(ledger(inbox.clone(), "ok-1".into()).await, 1);
+    assert_eq!(ledger(inbox, "ok-2".into()).await, 1);
 }

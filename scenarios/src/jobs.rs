@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use consumer_core::{handler, Backend, BatchContext, Context, FlagGuard, HandlerError, Transition};
+use consumer_core::{
+    handler, Backend, BatchContext, Context, FlagGuard, HandlerError, Inbox, Transition,
+};
+use futures::future::BoxFuture;
 use serde::Deserialize;
 use sqlx::{Postgres, Sqlite};
 
@@ -173,4 +176,26 @@ async fn record_sqlite_batch(
     .execute(ctx.db())
     .await?;
     Ok(())
+}
+
+/// The number of `ledger` rows of job `id`, on PostgreSQL.
+pub fn pg_ledger(inbox: Inbox<Postgres>, id: String) -> BoxFuture<'static, i64> {
+    Box::pin(async move {
+        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = $1")
+            .bind(id)
+            .fetch_one(inbox.pool())
+            .await
+            .expect("count ledger")
+    })
+}
+
+/// The number of `ledger` rows of job `id`, on SQLite.
+pub fn sqlite_ledger(inbox: Inbox<Sqlite>, id: String) -> BoxFuture<'static, i64> {
+    Box::pin(async move {
+        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = ?1")
+            .bind(id)
+            .fetch_one(inbox.pool())
+            .await
+            .expect("count ledger")
+    })
 }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use consumer_core::{BatchConfig, InboxConfig};
-use consumer_scenarios::jobs::{bulk_pg, record_pg};
+use consumer_scenarios::jobs::{bulk_pg, pg_ledger, record_pg};
 use consumer_scenarios::{scenarios, Harness, BATCHED};
 use consumer_tests::common::PgEnv;
 use sqlx::Postgres;
@@ -42,15 +42,7 @@ async fn pg_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> Harness<P
                     .await
             })
         }),
-        ledger: |inbox, id| {
-            Box::pin(async move {
-                sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = $1")
-                    .bind(id)
-                    .fetch_one(inbox.pool())
-                    .await
-                    .expect("count ledger")
-            })
-        },
+        ledger: pg_ledger,
         order: |inbox, id, create| {
             Box::pin(async move {
                 if create {

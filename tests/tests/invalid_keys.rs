@@ -71,10 +71,10 @@ async fn data_exception_from_the_inbox(batch: Option<BatchConfig>) {
         ]
     );
     assert_eq!((s.completed, s.dead_lettered), (2, 2), "{s:?}");
-    assert_eq!(pg_ledger(inbox.clone(), "ok-1").await, 1);
-    assert_eq!(pg_ledger(inbox.clone(), "ok-2").await, 1);
-    assert_eq!(pg_ledger(inbox.clone(), "reject-1").await, 0);
-    assert_eq!(pg_ledger(inbox, "limit-1").await, 0);
+    assert_eq!(pg_ledger(inbox.clone(), "ok-1".into()).await, 1);
+    assert_eq!(pg_ledger(inbox.clone(), "ok-2".into()).await, 1);
+    assert_eq!(pg_ledger(inbox.clone(), "reject-1".into()).await, 0);
+    assert_eq!(pg_ledger(inbox, "limit-1".into()).await, 0);
 }
 
 macro_rules! scenarios {

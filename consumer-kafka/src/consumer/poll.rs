@@ -88,9 +88,9 @@ impl Shared {
             MessageId::None
         };
         let payload = m.payload().unwrap_or_default();
-        let bytes = payload.len() + m.key().map_or(0, <[u8]>::len) + header_bytes;
-        // The key and the payload copied into one buffer, which both then slice.
         let key_len = m.key().map_or(0, <[u8]>::len);
+        let bytes = payload.len() + key_len + header_bytes;
+        // The key and the payload copied into one buffer, which both then slice.
         let buffer = Bytes::from([m.key().unwrap_or_default(), payload].concat());
         let record = Arc::new(Record {
             bytes,
