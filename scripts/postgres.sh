@@ -51,13 +51,7 @@ DB_USER=consumer
 DB_PASS=consumer
 TIMEOUT=60
 
-log() { printf 'postgres.sh: %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-usage() {
-    sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
-    exit 2
-}
+source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
 
 # Newest /usr/lib/postgresql/<ver>/bin; /usr/local/bin/pg_ctl may be a
 # wrapper or symlink, so the versioned directory is preferred.
@@ -95,24 +89,6 @@ as_pg() {
     else
         (cd "$PG_DIR" && "$@" 9>&-)
     fi
-}
-
-# Something already accepts connections on 127.0.0.1:$1 (bash /dev/tcp, no deps).
-port_in_use() {
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
-find_free_port() {
-    local p="$FIRST_PORT"
-    while port_in_use "$p"; do
-        p=$((p + 1))
-        ((p < FIRST_PORT + 200)) || die "no free port in $FIRST_PORT..$p"
-    done
-    printf '%s\n' "$p"
-}
-
-stored_port() {
-    [[ -s "$PORT_FILE" ]] && cat "$PORT_FILE"
 }
 
 database_url() {

@@ -55,13 +55,7 @@ AMQP_USER=consumer
 AMQP_PASS=consumer
 TIMEOUT=120
 
-log() { printf 'rabbitmq.sh: %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-usage() {
-    sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
-    exit 2
-}
+source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
 
 install_rabbitmq() {
     [[ $EUID -eq 0 ]] || die "rabbitmq-server is not installed; as root run: apt-get install rabbitmq-server"
@@ -142,28 +136,11 @@ ctl() {
     as_rmq "$RMQ_BIN/rabbitmqctl" "$@"
 }
 
-# Something already accepts connections on 127.0.0.1:$1 (bash /dev/tcp, no deps).
-port_in_use() {
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
+# The AMQP port $1, its distribution port and (with the management UI) its HTTP port are free.
 ports_free() {
     local p="$1"
     ! port_in_use "$p" && ! port_in_use "$((p + 20000))" &&
         { [[ "$MANAGEMENT" != 1 ]] || ! port_in_use "$((p + 10000))"; }
-}
-
-find_free_port() {
-    local p="$FIRST_PORT"
-    until ports_free "$p"; do
-        p=$((p + 1))
-        ((p < FIRST_PORT + 200)) || die "no free port in $FIRST_PORT..$p"
-    done
-    printf '%s\n' "$p"
-}
-
-stored_port() {
-    [[ -s "$PORT_FILE" ]] && cat "$PORT_FILE"
 }
 
 beam_pid() {

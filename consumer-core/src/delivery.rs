@@ -177,20 +177,21 @@ impl DeadLetterReason {
 
     /// Parses [`DeadLetterReason::as_str`] back.
     pub fn parse(s: &str) -> Option<Self> {
-        [
-            DeadLetterReason::Undecodable,
-            DeadLetterReason::PayloadTooLarge,
-            DeadLetterReason::MissingKey,
-            DeadLetterReason::InvalidKey,
-            DeadLetterReason::KeyConflict,
-            DeadLetterReason::PermanentError,
-            DeadLetterReason::MaxAttemptsExceeded,
-            DeadLetterReason::Quarantined,
-            DeadLetterReason::CopyTooLarge,
-        ]
-        .into_iter()
-        .find(|r| r.as_str() == s)
+        Self::ALL.into_iter().find(|r| r.as_str() == s)
     }
+
+    /// Every reason, in a stable order.
+    pub(crate) const ALL: [DeadLetterReason; 9] = [
+        DeadLetterReason::Undecodable,
+        DeadLetterReason::PayloadTooLarge,
+        DeadLetterReason::MissingKey,
+        DeadLetterReason::InvalidKey,
+        DeadLetterReason::KeyConflict,
+        DeadLetterReason::PermanentError,
+        DeadLetterReason::MaxAttemptsExceeded,
+        DeadLetterReason::Quarantined,
+        DeadLetterReason::CopyTooLarge,
+    ];
 }
 
 impl fmt::Display for DeadLetterReason {

@@ -51,6 +51,35 @@
 //!   `worker::attempt` computes the rest (the bounded number of a delivery, the number of a
 //!   retry copy, retry or dead letter after a failure) and nothing else does.
 //!
+//! # Metrics
+//!
+//! Every count of [`Stats`] is also exported through the [`metrics`] facade. The library
+//! never installs a recorder: install one (e.g. `metrics-exporter-prometheus`) **before**
+//! building the [`Worker`], whose handles are registered when it is built; without one,
+//! nothing is recorded and the counts cost an atomic add. Every metric carries the label
+//! `handler` (the handler's stable name); no label carries a key or a message id.
+//!
+//! | metric | type | labels | what |
+//! |---|---|---|---|
+//! | `consumer_received_total` | counter | | deliveries received |
+//! | `consumer_deliveries_total` | counter | `outcome`, `reason` | settled deliveries by outcome: `completed`, `duplicate`, `superseded`, `conflict_skipped`, `retried`, `dead_lettered` (with `reason`, a [`DeadLetterReason::as_str`]; `quarantined` is one) |
+//! | `consumer_conflicts_total` | counter | | key conflicts (same key, other payload), dead-lettered or skipped |
+//! | `consumer_handler_runs_total` | counter | | handler runs (attempts) |
+//! | `consumer_fresh_completed_total` | counter | | completions on the fresh path |
+//! | `consumer_handler_duration_seconds` | histogram | | time in the handler (a batch function's run once) |
+//! | `consumer_handler_panics_total`, `consumer_handler_timeouts_total` | counter | | caught panics, timeouts |
+//! | `consumer_batch_size` | histogram | | deliveries a batched worker took together |
+//! | `consumer_batches_total`, `consumer_batch_reruns_total` | counter | | committed batches; runs rolled back with a failed batch |
+//! | `consumer_db_errors_total` | counter | | inbox database errors outside handlers |
+//! | `consumer_settle_errors_total` | counter | | settlements the transport failed to apply |
+//! | `consumer_inbox_purged_total` | counter | | expired inbox rows deleted by retention |
+//! | `consumer_inbox_keys` | gauge | `status` | the handler's inbox rows: `pending`, `completed`, `dead` |
+//! | `consumer_inbox_stalest_pending_seconds` | gauge | | how long ago the stalest pending key last saw an attempt (0: none) |
+//!
+//! The inbox gauges are read by a background task every
+//! [`WorkerConfig::inbox_gauge_interval`] (30 s by default). The transports add their own
+//! (see their crate docs).
+//!
 //! # Features
 //!
 //! - `fault-injection`: fault points (`fault`), `WorkerConfig::faults`, the deliberately

@@ -110,7 +110,7 @@ impl ExponentialBackoff {
         })
     }
 
-    /// Replaces the randomness (e.g. [`NoJitter`] or a seeded [`ThreadSafeRng`]).
+    /// Replaces the randomness (e.g. [`NoJitter`] or a seeded `ThreadSafeRng`).
     pub fn with_jitter(mut self, jitter: impl Jitter) -> Self {
         self.jitter = Arc::new(jitter);
         self

@@ -1,8 +1,11 @@
 //! Shared fixtures of the cross-crate integration tests in `tests/`: the real servers
 //! (PostgreSQL, RabbitMQ, Kafka) with a schema, queue or topic unique to each test, workers
-//! running in tasks, and independent reads of what the transports left behind.
+//! running in tasks or as the example's processes, independent reads of what the transports
+//! left behind, and the Prometheus server that scrapes a worker.
 
 pub mod amqp;
 pub mod common;
 pub mod gauge;
 pub mod kafka;
+pub mod process;
+pub mod prometheus;

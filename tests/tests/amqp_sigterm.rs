@@ -8,117 +8,21 @@
 //! handler transactions they have open when it sends SIGTERM, and after the process exited
 //! PostgreSQL must report every one of them committed.
 //!
-//! The binary belongs to another package (`invoices`), so `CARGO_BIN_EXE_*` does not exist
-//! here and `cargo test` does not build it. The test builds it with
-//! `cargo build -p invoices --bin invoice_worker --message-format=json` and takes the
-//! executable's path from cargo's own report, which stays right under `CARGO_TARGET_DIR`
-//! or a configured target directory (no escargot, no guessed `target/debug` path).
+//! The binary is built by [`consumer_tests::process::example_binary`].
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use consumer_amqp::AmqpPublisher;
-use consumer_tests::amqp::{self, amqp_url, init_tracing, repo_root, wait_for, Db, Rabbit, LONG};
+use consumer_tests::amqp::{self, amqp_url, init_tracing, wait_for, Db, Rabbit, LONG};
 use consumer_tests::common::database_url;
+use consumer_tests::process::{example_binary, Process};
 use futures::{StreamExt, TryStreamExt};
 use invoices::settings::Settings;
 use invoices::InvoiceJob;
 use sqlx::PgPool;
 
 const JOBS: i64 = 300;
-
-/// Builds `invoice_worker` once per test process and returns its path.
-fn invoice_worker() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        let mut args = vec![
-            "build",
-            "-p",
-            "invoices",
-            "--bin",
-            "invoice_worker",
-            "--message-format=json",
-        ];
-        // The same profile as these tests, so `cargo test --release` builds nothing extra.
-        if !cfg!(debug_assertions) {
-            args.push("--release");
-        }
-        let out = Command::new(cargo)
-            .args(args)
-            .current_dir(repo_root())
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run cargo build");
-        assert!(out.status.success(), "cargo build -p invoices failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|m| {
-                m["reason"] == "compiler-artifact" && m["target"]["name"] == "invoice_worker"
-            })
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reports the invoice_worker executable")
-    })
-    .clone()
-}
-
-/// A worker process and the file its log goes to.
-struct Process {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Process {
-    fn spawn(vars: &HashMap<&'static str, String>, log: PathBuf) -> Process {
-        let file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(invoice_worker())
-            .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RUST_LOG", "info,sqlx=warn")
-            .stdout(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .expect("start invoice_worker");
-        Process { child, log }
-    }
-
-    fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM");
-    }
-
-    async fn exit(mut self) -> (ExitStatus, String) {
-        let start = tokio::time::Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait for invoice_worker") {
-                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-                return (status, strip_ansi(&log));
-            }
-            if start.elapsed() > Duration::from_secs(60) {
-                let _ = self.child.kill();
-                panic!(
-                    "invoice_worker did not exit within 60s of SIGTERM:\n{}",
-                    std::fs::read_to_string(&self.log).unwrap_or_default()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        // A failed assertion must not leave a worker behind.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// `DATABASE_URL` with `application_name` set, so the worker's connections can be told
 /// from every other test's.
@@ -160,27 +64,12 @@ async fn transaction_status(pool: &PgPool, xid: &str) -> String {
         .unwrap_or_else(|| format!("unknown (transaction {xid} is too old)"))
 }
 
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     init_tracing();
-    let binary = tokio::task::spawn_blocking(invoice_worker).await.unwrap();
+    let binary = tokio::task::spawn_blocking(|| example_binary("invoice_worker"))
+        .await
+        .unwrap();
     let db = Db::new().await;
     let queue = amqp::unique_name("sigterm");
     let vars: HashMap<&'static str, String> = HashMap::from([
@@ -223,7 +112,7 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     let invoices = || db.count("SELECT count(*) FROM invoices");
 
     // Run 1: SIGTERM once some jobs are done.
-    let first = Process::spawn(&vars, logs.join("first.log"));
+    let first = Process::spawn("invoice_worker", &vars, logs.join("first.log"));
     wait_for("the first 40 invoices", LONG, || async {
         invoices().await >= 40
     })
@@ -281,7 +170,7 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     }
 
     // Run 2: the rest, each exactly once.
-    let second = Process::spawn(&vars, logs.join("second.log"));
+    let second = Process::spawn("invoice_worker", &vars, logs.join("second.log"));
     wait_for("all invoices and an empty queue", LONG, || async {
         invoices().await >= JOBS && Rabbit::ready(&queue).await == 0
     })

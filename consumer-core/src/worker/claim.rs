@@ -132,11 +132,11 @@ mod tests {
         match d {
             Decision::Settle(Verdict {
                 settlement: Settlement::DeadLetter(dl),
-                outcome: Outcome::DeadLettered,
+                outcome: Outcome::DeadLettered(_),
             })
             | Decision::Conflict(Verdict {
                 settlement: Settlement::DeadLetter(dl),
-                outcome: Outcome::DeadLettered,
+                outcome: Outcome::DeadLettered(_),
             }) => (dl.reason, dl.attempts, dl.error),
             other => panic!("not a dead letter: {other:?}"),
         }

@@ -44,6 +44,10 @@ pub struct WorkerConfig {
     pub retention_interval: Option<Duration>,
     /// Rows deleted per purge statement (default 1000).
     pub retention_batch: u32,
+    /// How often the inbox gauges (the handler's rows by status, the stalest pending key's
+    /// age) are read from the database (default 30s; `None` disables the task). Each
+    /// reading counts the handler's rows, so a very large inbox may want it slower.
+    pub inbox_gauge_interval: Option<Duration>,
     /// Replaces the backoff's randomness (deterministic tests).
     pub jitter: Option<Arc<dyn Jitter>>,
     /// Payloads larger than this are dead-lettered (`payload_too_large`) without being
@@ -70,6 +74,7 @@ impl Default for WorkerConfig {
             retention: None,
             retention_interval: Some(Duration::from_secs(60)),
             retention_batch: 1000,
+            inbox_gauge_interval: Some(Duration::from_secs(30)),
             jitter: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             batch: None,
@@ -109,6 +114,12 @@ impl WorkerConfig {
     /// Sets [`WorkerConfig::retention_interval`] (`None`: no purge task).
     pub fn with_retention_interval(mut self, interval: Option<Duration>) -> Self {
         self.retention_interval = interval;
+        self
+    }
+
+    /// Sets [`WorkerConfig::inbox_gauge_interval`] (`None`: no gauge task).
+    pub fn with_inbox_gauge_interval(mut self, interval: Option<Duration>) -> Self {
+        self.inbox_gauge_interval = interval;
         self
     }
 
@@ -162,6 +173,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("retention", &self.retention)
             .field("retention_interval", &self.retention_interval)
             .field("retention_batch", &self.retention_batch)
+            .field("inbox_gauge_interval", &self.inbox_gauge_interval)
             .field("max_payload_bytes", &self.max_payload_bytes)
             .field("batch", &self.batch);
         #[cfg(feature = "fault-injection")]
@@ -246,6 +258,19 @@ impl Settings {
         }
         if config.concurrency == 0 {
             return Err(Error::config("concurrency", "must be at least 1"));
+        }
+        // A zero period would make the task's timer panic.
+        if config.retention_interval.is_some_and(|d| d.is_zero()) {
+            return Err(Error::config(
+                "retention_interval",
+                "must be greater than zero",
+            ));
+        }
+        if config.inbox_gauge_interval.is_some_and(|d| d.is_zero()) {
+            return Err(Error::config(
+                "inbox_gauge_interval",
+                "must be greater than zero",
+            ));
         }
         let timeout = config.handler_timeout.unwrap_or(o.timeout);
         if timeout.is_zero() {

@@ -14,7 +14,6 @@ use super::{Crash, Inner};
 use crate::fault::point::FaultPoint;
 use crate::handler::{BatchContext, BatchMember, Context, Handler};
 use crate::inbox::{Backend, Lease};
-use crate::stats::Stats;
 use crate::HandlerError;
 
 /// How a group's transaction ended.
@@ -78,7 +77,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             }
             Ended::Committed => {
                 if together {
-                    Stats::bump(&self.stats.batches);
+                    self.stats.batches.bump();
                 }
                 None
             }
@@ -256,7 +255,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 members: &members,
             };
             runs = messages.len() as u64;
-            Stats::add(&self.stats.handler_runs, runs);
+            self.stats.handler_runs.add(runs);
             self.invoke_batch(&mut ctx, messages).await
         } else {
             let mut result = Ok(());
@@ -293,7 +292,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 }
                 if tentative {
                     tracing::debug!(error = %e, "a handler of the batch failed: the batch runs again one by one");
-                    Stats::add(&self.stats.batch_reruns, runs);
+                    self.stats.batch_reruns.add(runs);
                 }
                 Ok(Err(e))
             }
@@ -311,13 +310,16 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         tentative: bool,
     ) -> Result<(), HandlerError> {
         let timeout = self.settings.timeout;
-        Stats::bump(&self.stats.handler_runs);
+        self.stats.handler_runs.bump();
         let run = AssertUnwindSafe(self.handler.handle(ctx, message)).catch_unwind();
-        match tokio::time::timeout(timeout, run).await {
+        let started = std::time::Instant::now();
+        let ran = tokio::time::timeout(timeout, run).await;
+        self.stats.handler_ran(started.elapsed());
+        match ran {
             Ok(Ok(result)) => result,
             Ok(Err(panic)) => {
                 if !tentative {
-                    Stats::bump(&self.stats.panics);
+                    self.stats.panics.bump();
                 }
                 Err(HandlerError::transient(format!(
                     "handler panicked: {}",
@@ -326,7 +328,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             }
             Err(_) => {
                 if !tentative {
-                    Stats::bump(&self.stats.timeouts);
+                    self.stats.timeouts.bump();
                 }
                 Err(HandlerError::transient(format!(
                     "handler timed out after {timeout:?}"
@@ -345,7 +347,10 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     ) -> Result<(), HandlerError> {
         let timeout = self.settings.timeout;
         let run = AssertUnwindSafe(self.handler.handle_batch(ctx, messages)).catch_unwind();
-        match tokio::time::timeout(timeout, run).await {
+        let started = std::time::Instant::now();
+        let ran = tokio::time::timeout(timeout, run).await;
+        self.stats.handler_ran(started.elapsed());
+        match ran {
             Ok(Ok(result)) => result,
             Ok(Err(panic)) => Err(HandlerError::transient(format!(
                 "batch function panicked: {}",

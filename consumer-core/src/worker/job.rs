@@ -55,7 +55,8 @@ pub(super) enum Outcome {
     Retry {
         counted: bool,
     },
-    DeadLettered,
+    /// Dead-lettered, for the reason.
+    DeadLettered(DeadLetterReason),
 }
 
 impl Outcome {
@@ -66,7 +67,7 @@ impl Outcome {
             Outcome::Superseded => "superseded",
             Outcome::ConflictSkipped => "conflict_skipped",
             Outcome::Retry { .. } => "retry",
-            Outcome::DeadLettered => "dead_lettered",
+            Outcome::DeadLettered(_) => "dead_lettered",
         }
     }
 }
@@ -106,7 +107,7 @@ impl Verdict {
                 error,
                 source: delivery.source.clone(),
             }),
-            outcome: Outcome::DeadLettered,
+            outcome: Outcome::DeadLettered(reason),
         }
     }
 }

@@ -73,6 +73,7 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     batch: Option<BatchConfig>,
     retention_interval: Option<std::time::Duration>,
     retention_batch: u32,
+    inbox_gauge_interval: Option<std::time::Duration>,
     stats: Arc<Stats>,
     freshness: Freshness<DB>,
     #[cfg(feature = "fault-injection")]
@@ -97,6 +98,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     pub fn with_config(inbox: Inbox<DB>, handler: H, config: WorkerConfig) -> Result<Self, Error> {
         let settings = Settings::validate(handler.options(), &config)?;
         let name: Arc<str> = Arc::from(settings.name.as_str());
+        let stats = Arc::new(Stats::new(&settings.name));
         Ok(Worker {
             inner: Arc::new(Inner {
                 freshness: Freshness::new(inbox.clone(), settings.name.clone()),
@@ -108,7 +110,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 batch: config.batch,
                 retention_interval: config.retention_interval,
                 retention_batch: config.retention_batch,
-                stats: Arc::new(Stats::default()),
+                inbox_gauge_interval: config.inbox_gauge_interval,
+                stats,
                 #[cfg(feature = "fault-injection")]
                 faults: config.faults,
                 #[cfg(feature = "fault-injection")]
@@ -152,6 +155,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let (crash_tx, mut crash_rx) = watch::channel(None::<FaultPoint>);
         let mut tasks = JoinSet::new();
         let retention = self.spawn_retention();
+        let gauges = self.spawn_inbox_gauges();
         let shutdown = shutdown.fuse();
         futures::pin_mut!(shutdown);
 
@@ -183,6 +187,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     batch.push(incoming);
                     if let Some(b) = batching {
                         ended = gather(&mut transport, &mut batch, b).await;
+                        #[allow(clippy::cast_precision_loss)] // at most max_messages
+                        self.inner.stats.batch_size.record(batch.len() as f64);
                     }
                     let worker = self.clone();
                     let crash_tx = crash_tx.clone();
@@ -218,8 +224,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 }
             }
         };
-        if let Some(r) = retention {
-            r.abort();
+        for task in [retention, gauges].into_iter().flatten() {
+            task.abort();
         }
         if let Some(point) = crashed {
             tasks.abort_all();
@@ -232,23 +238,59 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         Ok(())
     }
 
+    /// The task that purges expired inbox rows every [`WorkerConfig::retention_interval`].
     fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
-        let interval = self.inner.retention_interval?;
         let inbox = self.inner.inbox.clone();
         let batch = self.inner.retention_batch;
-        Some(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
+        let stats = self.inner.stats.clone();
+        every(self.inner.retention_interval?, move || {
+            let (inbox, stats) = (inbox.clone(), stats.clone());
+            async move {
                 match inbox.purge_expired(batch).await {
                     Ok(0) => {}
-                    Ok(n) => tracing::debug!(deleted = n, "purged expired inbox rows"),
+                    Ok(n) => {
+                        stats.purged.add(n);
+                        tracing::debug!(deleted = n, "purged expired inbox rows");
+                    }
                     Err(e) => tracing::warn!(error = %e, "inbox retention purge failed"),
                 }
             }
-        }))
+        })
     }
+
+    /// The task that sets the inbox gauges (rows by status, the stalest pending key's age)
+    /// every [`WorkerConfig::inbox_gauge_interval`].
+    fn spawn_inbox_gauges(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let inbox = self.inner.inbox.clone();
+        let name = self.inner.name.clone();
+        let stats = self.inner.stats.clone();
+        every(self.inner.inbox_gauge_interval?, move || {
+            let (inbox, name, stats) = (inbox.clone(), name.clone(), stats.clone());
+            async move {
+                match inbox.counts(&name).await {
+                    Ok(counts) => stats.inbox.set(&counts),
+                    Err(e) => tracing::debug!(error = %e, "could not count the inbox's rows"),
+                }
+            }
+        })
+    }
+}
+
+/// A background task running `task` every `interval`, the first time at once; a run that
+/// overruns delays the next instead of bunching them.
+fn every<F, Fut>(interval: std::time::Duration, task: F) -> Option<tokio::task::JoinHandle<()>>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            task().await;
+        }
+    }))
 }
 
 #[cfg(feature = "fault-injection")]
@@ -340,7 +382,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             let incoming = self.broken_early_ack(incoming).await;
             match job::prepare::<H::Message>(&self.settings, incoming) {
                 Err((incoming, verdict)) => {
-                    Stats::bump(&self.stats.received);
+                    self.stats.received.bump();
                     settled.push(Settled {
                         acker: incoming.acker,
                         verdict,
@@ -350,7 +392,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     repeats.push(job)
                 }
                 Ok(job) => {
-                    Stats::bump(&self.stats.received);
+                    self.stats.received.bump();
                     jobs.push(job);
                 }
             }
@@ -387,7 +429,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         for (outcome, result) in settle_all(settled).await {
             self.count(outcome);
             if let Err(e) = result {
-                Stats::bump(&self.stats.settle_errors);
+                self.stats.settle_errors.bump();
                 tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
             }
         }
@@ -461,14 +503,14 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     Decision::Conflict(verdict) => {
                         // Counted here: its outcome is a dead letter. A skipped conflict is
                         // counted by its outcome.
-                        Stats::bump(&self.stats.conflicts);
+                        self.stats.conflicts.bump();
                         settled.push(self.settled(job, verdict));
                     }
                     Decision::Quarantine { attempts, error } => {
                         let reason = DeadLetterReason::Quarantined;
                         self.record_failure(lease.conn(), &job.key, Some(reason), &error)
                             .await;
-                        Stats::bump(&self.stats.quarantined);
+                        self.stats.quarantined.bump();
                         let verdict = Verdict::dead_letter(
                             &self.name,
                             &job.delivery,

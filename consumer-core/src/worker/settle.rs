@@ -15,7 +15,6 @@ use crate::delivery::{Acknowledger, DeadLetterReason, Delivery, Settlement};
 use crate::handler::Handler;
 use crate::inbox::{Backend, Inbox};
 use crate::key::refused_by_database;
-use crate::stats::Stats;
 use crate::{HandlerError, TransportError};
 
 /// How one job's attempt in a transaction ended.
@@ -178,7 +177,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         match attempted {
             Attempted::Committed => {
                 if job.fresh {
-                    Stats::bump(&self.stats.fresh_completed);
+                    self.stats.fresh_completed.bump();
                 }
                 Verdict::ack(Outcome::Completed)
             }
@@ -194,7 +193,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     )
                     .await
                     {
-                        Stats::bump(&self.stats.db_errors);
+                        self.stats.db_errors.bump();
                         tracing::warn!(key = job.key, error = %e, "could not count a failed attempt");
                     }
                 }
@@ -272,7 +271,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         if let Err(e) =
             DB::record_failure(conn, names, &self.name, key, &text, dead, retention).await
         {
-            Stats::bump(&self.stats.db_errors);
+            self.stats.db_errors.bump();
             tracing::warn!(error = %e, "could not record the failure in the inbox");
         }
     }
@@ -292,7 +291,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 )
             }
             Err(e) => {
-                Stats::bump(&self.stats.db_errors);
+                self.stats.db_errors.bump();
                 tracing::warn!(key, attempt, error = %e, "commit failed, and its attempt could not be given back");
             }
         }
@@ -303,7 +302,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// [`refused_by_database`]) would repeat on every retry: the message is dead-lettered
     /// `invalid_key` instead.
     pub(super) fn retry_after_db_error(&self, delivery: &Delivery, e: &sqlx::Error) -> Verdict {
-        Stats::bump(&self.stats.db_errors);
+        self.stats.db_errors.bump();
         if let Some(reason) = refused_by_database(e) {
             let (name, why) = (&self.settings.name, DeadLetterReason::InvalidKey);
             return Verdict::dead_letter(name, delivery, why, None, 0, reason);
@@ -347,13 +346,16 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// Counts an outcome.
     pub(super) fn count(&self, outcome: Outcome) {
         let stats = &self.stats;
-        Stats::bump(match outcome {
-            Outcome::Completed => &stats.completed,
-            Outcome::Duplicate => &stats.duplicates,
-            Outcome::Superseded => &stats.superseded,
-            Outcome::ConflictSkipped => &stats.conflicts,
-            Outcome::Retry { .. } => &stats.retries,
-            Outcome::DeadLettered => &stats.dead_lettered,
-        });
+        match outcome {
+            Outcome::Completed => stats.completed.bump(),
+            Outcome::Duplicate => stats.duplicates.bump(),
+            Outcome::Superseded => stats.superseded.bump(),
+            Outcome::ConflictSkipped => {
+                stats.conflicts.bump();
+                stats.conflicts_skipped.bump();
+            }
+            Outcome::Retry { .. } => stats.retries.bump(),
+            Outcome::DeadLettered(reason) => stats.dead_letter(reason),
+        }
     }
 }

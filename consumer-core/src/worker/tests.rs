@@ -148,11 +148,23 @@ async fn run(
     batch: Option<BatchConfig>,
     jobs: &[(&str, serde_json::Value)],
 ) -> (StatsSnapshot, MemoryBroker) {
+    let broker = published(jobs);
+    let worker = Worker::with_config(inbox.clone(), handler.clone(), config(batch)).unwrap();
+    drain(&worker, &broker).await;
+    (worker.snapshot(), broker)
+}
+
+/// A broker with `jobs` (id, body) on the queue `q`.
+fn published(jobs: &[(&str, serde_json::Value)]) -> MemoryBroker {
     let broker = MemoryBroker::new();
     for (id, body) in jobs {
         broker.publish("q", Message::json(*id, body));
     }
-    let worker = Worker::with_config(inbox.clone(), handler.clone(), config(batch)).unwrap();
+    broker
+}
+
+/// Runs `worker` on the queue `q` of `broker` until it is drained.
+async fn drain(worker: &Worker<Sqlite, Recorder>, broker: &MemoryBroker) {
     tokio::time::timeout(
         Duration::from_secs(30),
         worker.run(broker.consume("q"), broker.drained("q")),
@@ -160,7 +172,6 @@ async fn run(
     .await
     .expect("the queue drains in time")
     .expect("the worker runs");
-    (worker.snapshot(), broker)
 }
 
 const BATCH: BatchConfig = BatchConfig::new(8, Duration::from_millis(200));
@@ -274,4 +285,82 @@ async fn a_message_that_cannot_run_is_dead_lettered_once_with_its_reason() {
         [DeadLetterReason::MissingKey, DeadLetterReason::Undecodable]
     );
     assert!(handler.runs.lock().unwrap().is_empty());
+}
+
+/// The value of the counter `name` with `labels` (besides `handler="unit"`), if registered.
+fn counter(
+    snapshot: &[(
+        metrics_util::CompositeKey,
+        metrics_util::debugging::DebugValue,
+    )],
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<u64> {
+    snapshot.iter().find_map(|(key, value)| {
+        let key = key.key();
+        let mut want: Vec<(&str, &str)> = vec![("handler", "unit")];
+        want.extend_from_slice(labels);
+        let got: Vec<(&str, &str)> = key.labels().map(|l| (l.key(), l.value())).collect();
+        let same = key.name() == name && got.len() == want.len();
+        match value {
+            metrics_util::debugging::DebugValue::Counter(n)
+                if same && want.iter().all(|l| got.contains(l)) =>
+            {
+                Some(*n)
+            }
+            _ => None,
+        }
+    })
+}
+
+#[tokio::test]
+async fn the_counts_are_exported_through_the_metrics_facade() {
+    for batch in [None, Some(BATCH)] {
+        let (inbox, _dir) = inbox().await;
+        let handler = Recorder::default();
+        let broker = published(&[
+            ("a", json!({"id": "a"})),
+            ("a", json!({"id": "a"})),
+            ("p", json!({"id": "p", "permanent": true})),
+            ("r", json!({"id": "r", "fail": 1})),
+        ]);
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // The handles are registered when the worker is built: a recorder in scope then is
+        // the one the worker feeds.
+        let worker = metrics::with_local_recorder(&recorder, || {
+            Worker::with_config(inbox.clone(), handler.clone(), config(batch))
+        })
+        .unwrap();
+        drain(&worker, &broker).await;
+        let snapshot: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| (key, value))
+            .collect();
+        let stats = worker.snapshot();
+        let deliveries = "consumer_deliveries_total";
+        let outcome = |o| counter(&snapshot, deliveries, &[("outcome", o)]);
+        assert_eq!(outcome("completed"), Some(2), "{batch:?}: {snapshot:?}");
+        assert_eq!(outcome("duplicate"), Some(1), "{batch:?}");
+        assert_eq!(outcome("retried"), Some(1), "{batch:?}");
+        let permanent = [("outcome", "dead_lettered"), ("reason", "permanent_error")];
+        assert_eq!(counter(&snapshot, deliveries, &permanent), Some(1));
+        let quarantined = [("outcome", "dead_lettered"), ("reason", "quarantined")];
+        assert_eq!(counter(&snapshot, deliveries, &quarantined), Some(0));
+        let received = counter(&snapshot, "consumer_received_total", &[]);
+        assert_eq!(received, Some(stats.received), "{batch:?}");
+        let runs = counter(&snapshot, "consumer_handler_runs_total", &[]);
+        assert_eq!(runs, Some(stats.handler_runs), "{batch:?}");
+        let durations = snapshot.iter().find_map(|(key, value)| match value {
+            metrics_util::debugging::DebugValue::Histogram(v)
+                if key.key().name() == "consumer_handler_duration_seconds" =>
+            {
+                Some(v.len())
+            }
+            _ => None,
+        });
+        assert!(durations.is_some_and(|n| n > 0), "{batch:?}: {snapshot:?}");
+    }
 }

@@ -11,6 +11,7 @@ use futures::StreamExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
+use crate::ops::Ops;
 use crate::provider::EmailProvider;
 use crate::settings::Settings;
 use crate::{handlers, schema, transport};
@@ -136,6 +137,16 @@ pub async fn run_worker<H: Handler<Postgres>>(
     let settings = Settings::from_env(default_queue)?;
     handlers::set_simulated_work(settings.work);
     handlers::set_slow_jobs(settings.slow_job);
+    // Before the worker is built: it registers its metric handles then.
+    let ops = match settings.metrics_addr {
+        Some(addr) => {
+            let ops = Ops::install()?;
+            let bound = ops.serve(addr).await?;
+            tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
+            Some(ops)
+        }
+        None => None,
+    };
     let pool = connect_db(&settings).await?;
     schema::migrate(&pool, &settings.schema).await?;
     EmailProvider::install(&settings.schema, pool.clone())?;
@@ -148,7 +159,8 @@ pub async fn run_worker<H: Handler<Postgres>>(
         &settings,
         WorkerConfig::default()
             .with_concurrency(settings.concurrency)
-            .with_batch(settings.batch),
+            .with_batch(settings.batch)
+            .with_inbox_gauge_interval(settings.inbox_gauge_interval),
     )?;
     let worker = Worker::with_config(inbox, handler, config)?;
     let (transport, closed) = transport::consumer(&settings).await?;
@@ -188,7 +200,18 @@ pub async fn run_worker<H: Handler<Postgres>>(
         database = %settings.database_url,
         "worker started"
     );
-    worker.run(transport, shutdown_signal()).await?;
+    let ready = ops.clone();
+    if let Some(ops) = &ops {
+        ops.set_ready(true);
+    }
+    // Not ready once draining: a load balancer or orchestrator stops waiting on it.
+    let shutdown = async move {
+        shutdown_signal().await;
+        if let Some(ops) = ready {
+            ops.set_ready(false);
+        }
+    };
+    worker.run(transport, shutdown).await?;
     // The transport is dropped: let it close its connection, so the last acks reach the
     // broker before the process exits.
     if tokio::time::timeout(Duration::from_secs(5), closed)

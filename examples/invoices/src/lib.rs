@@ -9,7 +9,8 @@
 //!   [`send_email`] sends the "invoice ready" email through the [`provider`] stand-in, guarded
 //!   by `orders.email_sent`, with a stable idempotency key.
 //! - [`settings`] reads the environment; [`transport`] is the one place that picks the
-//!   broker; [`app`] runs a worker until SIGTERM or Ctrl-C.
+//!   broker; [`app`] runs a worker until SIGTERM or Ctrl-C; [`ops`] serves its metrics and
+//!   health endpoints.
 //!
 //! `publish_jobs` publishes each job once to a fanout exchange (`invoice_jobs`) bound to
 //! both queues, so each worker gets its own copy. The email worker retries (transiently)
@@ -17,6 +18,7 @@
 
 pub mod app;
 pub mod handlers;
+pub mod ops;
 pub mod provider;
 pub mod schema;
 pub mod settings;

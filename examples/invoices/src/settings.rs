@@ -18,6 +18,8 @@
 //! | `SLOW_JOB_MS` | `0` | extra sleep on slow jobs (order ids ending in 37), chaos suite |
 //! | `BATCH_SIZE` | `0` (off) | batched mode: up to this many deliveries per transaction (`consumer_core::BatchConfig`) |
 //! | `BATCH_WAIT_MS` | `5` | batched mode: how long to wait for more deliveries after the first |
+//! | `METRICS_ADDR` | unset (off) | serve `/metrics` (Prometheus), `/healthz` and `/readyz` on this address, e.g. `0.0.0.0:9100` ([`crate::ops`]) |
+//! | `INBOX_GAUGE_MS` | `30000` | how often the inbox gauges are read (`consumer_core::WorkerConfig::inbox_gauge_interval`; `0`: never) |
 //! | `STATS_INTERVAL_MS` | `0` (off) | write this process's counters to `worker_stats` this often and at shutdown |
 //! | `CONSUMER_FAULTS`, `CONSUMER_FAULT_SEED` | unset (off) | fault points that abort the process (`consumer_core::fault`), chaos suite |
 //! | `CONSUMER_BROKEN_ACK_BEFORE_COMMIT` | unset | **test-only, never in production**: `1` acks every delivery before its handler runs, to prove the chaos suite can fail |
@@ -61,6 +63,10 @@ pub struct Settings {
     pub slow_job: Duration,
     /// Batched mode (`None`: one transaction per delivery).
     pub batch: Option<BatchConfig>,
+    /// Where to serve the metrics and health endpoints (`None`: nowhere).
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// How often the inbox gauges are read (`None`: never).
+    pub inbox_gauge_interval: Option<Duration>,
     /// How often to write this process's counters to `worker_stats` (`None`: never).
     pub stats_interval: Option<Duration>,
     /// DELIBERATELY BROKEN, test-only: ack before the handler runs. Never in production.
@@ -118,6 +124,13 @@ impl Settings {
                 Duration::from_millis(number("BATCH_WAIT_MS", 5)?),
             )),
         };
+        let metrics_addr = get("METRICS_ADDR")
+            .map(|v| {
+                v.trim().parse().with_context(|| {
+                    format!("METRICS_ADDR={v:?} is not an address and port, e.g. 0.0.0.0:9100")
+                })
+            })
+            .transpose()?;
         Ok(Settings {
             transport,
             amqp_url,
@@ -133,6 +146,10 @@ impl Settings {
             work: Duration::from_millis(number("WORK_MS", 0)?),
             slow_job: Duration::from_millis(number("SLOW_JOB_MS", 0)?),
             batch,
+            metrics_addr,
+            inbox_gauge_interval: Some(number("INBOX_GAUGE_MS", 30_000)?)
+                .filter(|ms| *ms > 0)
+                .map(Duration::from_millis),
             stats_interval: Some(number("STATS_INTERVAL_MS", 0)?)
                 .filter(|ms| *ms > 0)
                 .map(Duration::from_millis),

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Throwaway Prometheus server for tests (Debian's `prometheus` package, no Docker).
+#
+# Design: an executable with subcommands, like scripts/kafka.sh (never `source` it).
+# Logs go to stderr; `start`/`env` print only `export ...` lines on stdout:
+#
+#   eval "$(scripts/prometheus.sh env)"   # start or reuse; export PROMETHEUS_URL, PROMETHEUS_TARGETS
+#   scripts/prometheus.sh status          # exit 0 and print the URL if running
+#   scripts/prometheus.sh restart | stop
+#
+# Exports:
+#   PROMETHEUS_URL=http://127.0.0.1:PORT   the HTTP API (e.g. /api/v1/query)
+#   PROMETHEUS_TARGETS=DIR                 a test writes DIR/NAME.json (Prometheus' file
+#                                          service discovery format) naming its worker's
+#                                          address and a label of its own; Prometheus picks
+#                                          the file up at once and scrapes it every second
+#
+# State lives in ${CONSUMER_STATE_DIR:-/tmp/consumer-test}/prometheus:
+#   prometheus.pid, port, env, prometheus.yml, data/, targets/, prometheus.log
+#
+# Knobs (all optional):
+#   CONSUMER_STATE_DIR         state root (default /tmp/consumer-test)
+#   CONSUMER_PROMETHEUS_PORT   first port to try (default 59090)
+set -euo pipefail
+
+STATE_DIR="$(realpath -m "${CONSUMER_STATE_DIR:-/tmp/consumer-test}")"
+PROM_DIR="$STATE_DIR/prometheus"
+PID_FILE="$PROM_DIR/prometheus.pid"
+PORT_FILE="$PROM_DIR/port"
+ENV_FILE="$PROM_DIR/env"
+LOG_FILE="$PROM_DIR/prometheus.log"
+CONFIG="$PROM_DIR/prometheus.yml"
+TARGETS="$PROM_DIR/targets"
+FIRST_PORT="${CONSUMER_PROMETHEUS_PORT:-59090}"
+TIMEOUT=60
+
+source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
+
+# The pid in the pid file is alive and is our prometheus (not a recycled pid).
+server_pid() {
+    local pid
+    [[ -s "$PID_FILE" ]] || return 1
+    pid=$(cat "$PID_FILE")
+    [[ -r "/proc/$pid/cmdline" ]] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "prometheus.*$CONFIG" || return 1
+    printf '%s\n' "$pid"
+}
+
+server_ready() {
+    python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+        "http://127.0.0.1:$1/-/ready" >/dev/null 2>&1
+}
+
+server_running() {
+    local port
+    server_pid >/dev/null || return 1
+    port=$(stored_port) || return 1
+    server_ready "$port"
+}
+
+write_config() {
+    mkdir -p "$TARGETS" "$PROM_DIR/data"
+    cat >"$CONFIG" <<EOF
+# Written by scripts/prometheus.sh: every target a test names in $TARGETS/*.json,
+# scraped every second.
+global:
+  scrape_interval: 1s
+  scrape_timeout: 900ms
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: tests
+    file_sd_configs:
+      - files: ['$TARGETS/*.json']
+        refresh_interval: 1s
+EOF
+}
+
+start_server() {
+    local policy="$1" port pid deadline
+    command -v prometheus >/dev/null ||
+        die "prometheus is not installed (scripts/install-packages.sh test)"
+    if server_running; then
+        log "reusing running Prometheus on port $(stored_port)"
+        return 0
+    fi
+    if pid=$(server_pid); then
+        log "Prometheus pid $pid does not answer; stopping it"
+        stop_server
+    fi
+    port=$(stored_port || true)
+    if [[ -n "$port" ]] && port_in_use "$port"; then
+        [[ "$policy" == any ]] || die "port $port is taken by another process"
+        port=""
+    fi
+    [[ -n "$port" ]] || port=$(find_free_port)
+    write_config
+    printf '%s\n' "$port" >"$PORT_FILE"
+    printf "export PROMETHEUS_URL='http://127.0.0.1:%s'\nexport PROMETHEUS_TARGETS='%s'\n" \
+        "$port" "$TARGETS" >"$ENV_FILE"
+    log "starting $(prometheus --version 2>&1 | head -n 1) on 127.0.0.1:$port (log: $LOG_FILE)"
+    (
+        exec setsid nohup prometheus \
+            --config.file="$CONFIG" \
+            --storage.tsdb.path="$PROM_DIR/data" \
+            --storage.tsdb.retention.time=1d \
+            --web.listen-address="127.0.0.1:$port" \
+            </dev/null >>"$LOG_FILE" 2>&1 9>&-
+    ) &
+    printf '%s\n' "$!" >"$PID_FILE"
+    deadline=$((SECONDS + TIMEOUT))
+    until server_ready "$port"; do
+        if ! server_pid >/dev/null; then
+            tail -n 20 "$LOG_FILE" >&2 || true
+            die "prometheus exited during start"
+        fi
+        ((SECONDS < deadline)) || { tail -n 20 "$LOG_FILE" >&2 || true; die "prometheus not ready after ${TIMEOUT}s"; }
+        sleep 0.2
+    done
+}
+
+stop_server() {
+    local pid
+    if ! pid=$(server_pid); then
+        log "not running"
+        rm -f "$PID_FILE"
+        return 0
+    fi
+    log "stopping pid $pid"
+    kill -TERM "$pid" 2>/dev/null || true
+    wait_or_kill "$pid" 15
+    rm -f "$PID_FILE"
+}
+
+main() {
+    local cmd="${1:-start}"
+    [[ $# -gt 0 ]] && shift
+    case "$cmd" in
+        start | env | stop | restart | status) ;;
+        -h | --help | help) usage ;;
+        *) log "unknown command: $cmd"; usage ;;
+    esac
+    mkdir -p "$PROM_DIR"
+    exec 9>"$STATE_DIR/.prometheus.lock"
+    flock -w 300 9 || die "timed out waiting for $STATE_DIR/.prometheus.lock"
+    case "$cmd" in
+        start | env)
+            start_server any
+            cat "$ENV_FILE"
+            ;;
+        restart)
+            stop_server
+            start_server keep
+            cat "$ENV_FILE"
+            ;;
+        stop) stop_server ;;
+        status)
+            if server_running; then
+                printf 'http://127.0.0.1:%s\n' "$(stored_port)"
+            else
+                log "not running"
+                exit 3
+            fi
+            ;;
+    esac
+}
+
+main "$@"

@@ -1,0 +1,51 @@
+# Shared by the service scripts (postgres.sh, rabbitmq.sh, kafka.sh, prometheus.sh): their
+# logging, usage text, ports and pid handling. Sourced, never run. Before sourcing, a script
+# sets FIRST_PORT (the first port to try) and PORT_FILE (where its port is kept).
+
+# Messages go to stderr, prefixed with the script's name: stdout is for `export` lines.
+log() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# The script's header comment, as its help.
+usage() {
+    sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+# Something already accepts connections on 127.0.0.1:$1 (bash /dev/tcp, no deps).
+port_in_use() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+# Port $1 is free; a script that needs more than one port redefines it after sourcing.
+ports_free() {
+    ! port_in_use "$1"
+}
+
+# The first port from FIRST_PORT on that ports_free accepts.
+find_free_port() {
+    local p="$FIRST_PORT"
+    until ports_free "$p"; do
+        p=$((p + 1))
+        ((p < FIRST_PORT + 200)) || die "no free port in $FIRST_PORT..$p"
+    done
+    printf '%s\n' "$p"
+}
+
+# The port kept in PORT_FILE, if any.
+stored_port() {
+    [[ -s "$PORT_FILE" ]] && cat "$PORT_FILE"
+}
+
+# Waits up to $2 seconds for pid $1 to exit, then sends it SIGKILL.
+wait_or_kill() {
+    local pid="$1" deadline=$((SECONDS + $2))
+    while kill -0 "$pid" 2>/dev/null; do
+        if ((SECONDS >= deadline)); then
+            log "pid $pid still alive after ${2}s; sending SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+            break
+        fi
+        sleep 0.1
+    done
+}
