@@ -24,6 +24,8 @@ pub(crate) struct AckBook<A = lapin::Acker> {
     /// Held while an ack or nack is being sent, so that frames leave in the order they were
     /// planned in: a `multiple` ack never overtakes a requeue it must not cover.
     pub(crate) sending: tokio::sync::Mutex<()>,
+    /// The number of deliveries in the book, exported (`consumer_amqp_unacked`).
+    unacked: metrics::Gauge,
     /// Signalled whenever deliveries leave the book (acked, or requeued), so that those
     /// waiting behind an older delivery plan again.
     changed: tokio::sync::Notify,
@@ -36,11 +38,27 @@ pub(crate) const ACK_WAIT_FOR_OLDER: std::time::Duration = std::time::Duration::
 
 impl<A> Default for AckBook<A> {
     fn default() -> Self {
+        Self::counted_by(metrics::Gauge::noop())
+    }
+}
+
+impl<A> AckBook<A> {
+    /// An empty book whose size `unacked` follows.
+    pub(crate) fn counted_by(unacked: metrics::Gauge) -> Self {
+        unacked.set(0.0);
         AckBook {
             pending: Mutex::new(BTreeMap::new()),
             sending: tokio::sync::Mutex::new(()),
             changed: tokio::sync::Notify::new(),
+            unacked,
         }
+    }
+
+    /// Sets the gauge to the book's size (called with the entries locked).
+    fn count(&self, entries: &BTreeMap<u64, Option<A>>) {
+        // A channel's deliveries in flight: far below 2^53.
+        #[allow(clippy::cast_precision_loss)]
+        self.unacked.set(entries.len() as f64);
     }
 }
 
@@ -57,7 +75,9 @@ pub(crate) enum AckPlan<A> {
 
 impl<A: Clone> AckBook<A> {
     pub(crate) fn delivered(&self, tag: u64) {
-        self.entries().insert(tag, None);
+        let mut entries = self.entries();
+        entries.insert(tag, None);
+        self.count(&entries);
     }
 
     fn entries(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Option<A>>> {
@@ -116,12 +136,18 @@ impl<A: Clone> AckBook<A> {
 
     /// Forgets the deliveries up to and including `tag` (settled by one `multiple` frame).
     pub(crate) fn settled_through(&self, tag: u64) {
-        self.entries().retain(|t, _| *t > tag);
+        let mut entries = self.entries();
+        entries.retain(|t, _| *t > tag);
+        self.count(&entries);
+        drop(entries);
         self.changed.notify_waiters();
     }
 
     pub(crate) fn settled(&self, tag: u64) {
-        self.entries().remove(&tag);
+        let mut entries = self.entries();
+        entries.remove(&tag);
+        self.count(&entries);
+        drop(entries);
         self.changed.notify_waiters();
     }
 }

@@ -21,7 +21,7 @@ use crate::topology::{short, Topology};
 use crate::Error;
 
 /// A live view of a consumer's connection, usable after the consumer moved into a worker.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ConsumerHealth(Arc<HealthCounters>);
 
 #[derive(Debug)]
@@ -31,16 +31,27 @@ struct HealthCounters {
     stale: AtomicU64,
     /// Set once the background task has ended (its connection closed).
     finished: watch::Sender<bool>,
+    /// `connected`, exported (`consumer_amqp_connected`).
+    connected_gauge: metrics::Gauge,
 }
 
-impl Default for HealthCounters {
-    fn default() -> Self {
-        HealthCounters {
+impl HealthCounters {
+    fn set_connected(&self, connected: bool) {
+        self.connected.store(connected, Ordering::Release);
+        self.connected_gauge.set(if connected { 1.0 } else { 0.0 });
+    }
+}
+
+impl ConsumerHealth {
+    /// The health of a consumer of `queue`, not connected yet.
+    fn of_queue(queue: &str) -> Self {
+        ConsumerHealth(Arc::new(HealthCounters {
             connected: AtomicBool::new(false),
             sessions: AtomicU64::new(0),
             stale: AtomicU64::new(0),
             finished: watch::Sender::new(false),
-        }
+            connected_gauge: metrics::gauge!("consumer_amqp_connected", "queue" => queue.to_owned()),
+        }))
     }
 }
 
@@ -49,7 +60,7 @@ struct FinishedOnDrop(ConsumerHealth);
 
 impl Drop for FinishedOnDrop {
     fn drop(&mut self) {
-        self.0 .0.connected.store(false, Ordering::Release);
+        self.0 .0.set_connected(false);
         self.0 .0.finished.send_replace(true);
     }
 }
@@ -129,12 +140,12 @@ impl AmqpConsumer {
         config.validate()?;
         let config = Arc::new(config);
         let topology = Arc::new(Topology::new(&config));
-        let health = ConsumerHealth::default();
+        let health = ConsumerHealth::of_queue(&config.queue);
         let session =
             link::with_startup_retry(&config, "consumer", || Session::open(&config, &topology, 1))
                 .await?;
         health.0.sessions.store(1, Ordering::Release);
-        health.0.connected.store(true, Ordering::Release);
+        health.0.set_connected(true);
         tracing::info!(url = %config.url, queue = %config.queue, prefetch = config.prefetch, "consuming");
         // One slot: an item carries every delivery the background task holds (at most
         // `prefetch`, the broker sends no more unacked).
@@ -331,7 +342,7 @@ async fn run(
     let queue = config.queue.as_str();
     loop {
         let stop = pump(&mut session, &tx, queue).await;
-        health.0.connected.store(false, Ordering::Release);
+        health.0.set_connected(false);
         let generation = session.link.generation();
         session.close("consumer stopping").await;
         let loss = match stop {
@@ -380,7 +391,9 @@ async fn run(
             }
         };
         health.0.sessions.fetch_add(1, Ordering::AcqRel);
-        health.0.connected.store(true, Ordering::Release);
+        health.0.set_connected(true);
+        metrics::counter!("consumer_amqp_reconnects_total", "queue" => queue.to_owned())
+            .increment(1);
         tracing::info!(url = %config.url, queue = %queue, attempts, generation = generation + 1, "reconnected; consuming again");
     }
 }

@@ -108,6 +108,17 @@
 //! URL to notice within 10 to 20 seconds, rather than about a minute with RabbitMQ's default
 //! timeout of 60 seconds.
 //!
+//! # Metrics
+//!
+//! Through the `metrics` facade, as consumer-core's (whose crate doc has the table), labelled
+//! with the `queue`:
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `consumer_amqp_unacked` | gauge | deliveries of the consuming channel not settled yet |
+//! | `consumer_amqp_connected` | gauge | 1 while the consumer is connected and consuming, else 0 |
+//! | `consumer_amqp_reconnects_total` | counter | reconnections after a lost connection or a cancelled consumer |
+//!
 //! # Layout
 //!
 //! `config` (configuration; `validate` checks it), `redacted_url` (the URL shown without

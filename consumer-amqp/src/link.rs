@@ -133,13 +133,14 @@ pub(crate) struct Link {
 impl Link {
     /// The link of connection `generation` (1 for the first), alive until it is retired.
     pub(crate) fn new(generation: u64, publisher: ConfirmChannel, topology: Arc<Topology>) -> Self {
+        let unacked = metrics::gauge!("consumer_amqp_unacked", "queue" => topology.queue.clone());
         Link {
             generation,
             alive: AtomicBool::new(true),
             retired: watch::Sender::new(false),
             publisher,
             topology,
-            acks: AckBook::default(),
+            acks: AckBook::counted_by(unacked),
             reset: Notify::new(),
         }
     }

@@ -78,7 +78,8 @@
 //!
 //! The inbox gauges are read by a background task every
 //! [`WorkerConfig::inbox_gauge_interval`] (30 s by default). The transports add their own
-//! (see their crate docs).
+//! (unacked deliveries and reconnections on RabbitMQ, lag per partition on Kafka: see
+//! their crate docs).
 //!
 //! # Features
 //!

@@ -43,6 +43,19 @@
 //! # }
 //! ```
 //!
+//! # Metrics
+//!
+//! Through the `metrics` facade, as consumer-core's (whose crate doc has the table), labelled
+//! with the consumer `group`:
+//!
+//! | metric | type | labels | what |
+//! |---|---|---|---|
+//! | `consumer_kafka_lag` | gauge | `topic`, `partition` | of each partition this consumer is assigned, the high watermark minus the group's committed position (before the first commit, the low watermark); 0 once it is no longer assigned |
+//! | `consumer_kafka_paused_partitions` | gauge | | assigned partitions paused (a full buffer, or a retry copy not due yet) |
+//!
+//! The lag comes from librdkafka's statistics, which the consumer asks for every 5 s
+//! (`statistics.interval.ms`; a consumer property overrides it, `0` turns the lag off).
+//!
 //! # Layout
 //!
 //! `config` (the configuration; `validate` checks it, `env` reads `KAFKA_*` variables,

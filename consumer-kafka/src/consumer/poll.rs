@@ -28,6 +28,8 @@ const POLL_BATCH: usize = 500;
 /// unchanged (see [`Shared::commit`]), but not more often than [`MIN_COMMIT_REFRESH`].
 const COMMIT_REFRESH_FACTOR: u32 = 10;
 const MIN_COMMIT_REFRESH: Duration = Duration::from_secs(1);
+/// How often the paused-partition gauge is set.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
 impl Shared {
     /// Turns a fetched message into a tracked record of its partition (if still owned), and
@@ -206,12 +208,33 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Sets the gauge of how many of the partitions this consumer owns are paused (a full
+    /// buffer, or a retry copy not due yet). The lag gauges come from librdkafka's
+    /// statistics (see [`ConsumerCtx`]).
+    fn set_gauges(&self) {
+        let paused = {
+            let state = self.lock();
+            state
+                .partitions
+                .values()
+                .filter(|p| p.paused && !p.revoking)
+                .count()
+        };
+        // A handful of partitions: exact as f64.
+        #[allow(clippy::cast_precision_loss)]
+        metrics::gauge!("consumer_kafka_paused_partitions", "group" => self.settings.group_id.clone())
+            .set(paused as f64);
+    }
+}
+
 pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
     let mut last_commit = Instant::now();
     let mut last_refresh = Instant::now();
     let refresh_interval =
         (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR).max(MIN_COMMIT_REFRESH);
     let mut last_summary = Instant::now();
+    let mut last_gauges = Instant::now();
     let mut any_full = false;
     let mut topics = Vec::new();
     let mut retired = Vec::new();
@@ -253,6 +276,10 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
                     p.committed
                 );
             }
+        }
+        if last_gauges.elapsed() >= GAUGE_INTERVAL {
+            last_gauges = Instant::now();
+            shared.set_gauges();
         }
         if last_commit.elapsed() >= shared.settings.commit_interval {
             let refresh = last_refresh.elapsed() >= refresh_interval;

@@ -32,6 +32,39 @@ impl ClientContext for ConsumerCtx {
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         tracing::warn!(error = %error, reason, "librdkafka consumer error");
     }
+
+    /// librdkafka's statistics (every `statistics.interval.ms`): the lag of each partition
+    /// assigned to this consumer (its high watermark minus the group's committed position),
+    /// as a gauge; 0 once a partition is no longer assigned.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let group = &self.shared.settings.group_id;
+        for (topic, t) in &statistics.topics {
+            // Partition -1 is librdkafka's internal "unassigned" queue.
+            for p in t.partitions.values().filter(|p| p.partition >= 0) {
+                // The committed position, or where the group starts reading before its
+                // first commit (earliest).
+                let from = if p.committed_offset >= 0 {
+                    p.committed_offset
+                } else {
+                    p.lo_offset
+                };
+                let lag = if p.desired && p.hi_offset >= 0 && from >= 0 {
+                    (p.hi_offset - from).max(0)
+                } else {
+                    0
+                };
+                // Offsets far below 2^53.
+                #[allow(clippy::cast_precision_loss)]
+                metrics::gauge!(
+                    "consumer_kafka_lag",
+                    "group" => group.clone(),
+                    "topic" => topic.clone(),
+                    "partition" => p.partition.to_string(),
+                )
+                .set(lag as f64);
+            }
+        }
+    }
 }
 
 impl ConsumerContext for ConsumerCtx {
