@@ -113,9 +113,11 @@ async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Res
     }
 }
 
-/// Claims the key, or reads its record and decides; waits (polling, up to the configured
-/// wait) while another request holds it. The fingerprint is compared on every path that
-/// reads a record: a claim that lost a race, a wait, a replay.
+/// Reads the key's record and decides, or claims the key; waits (polling, up to the
+/// configured wait) while another request holds it. The fingerprint is compared on every
+/// path that reads a record: a replay, a wait, a claim that lost a race, a takeover. The
+/// record is read before any claim, so a replay or a wait writes nothing (on SQLite it
+/// need not wait for the write lock a running handler's transaction holds).
 async fn decide<DB: StoreBackend>(
     shared: &Shared<DB>,
     claim: &ClaimRequest<'_>,
@@ -125,9 +127,6 @@ async fn decide<DB: StoreBackend>(
     let deadline = Instant::now() + config.wait;
     let mut retry_at_once = true;
     loop {
-        if store.claim(claim).await? {
-            return Ok(Decision::Run);
-        }
         match store.fetch(claim.scope, claim.key).await? {
             Some(record) if !record.expired => {
                 if record.fingerprint != claim.fingerprint {
@@ -136,15 +135,22 @@ async fn decide<DB: StoreBackend>(
                 if let (true, Some(stored)) = (record.completed, record.response) {
                     return Ok(Decision::Replay(stored));
                 }
-                // In progress: wait for it below.
+                // In progress: take it over if its lease ran out, else wait below.
+                if record.lease_expired && store.claim(claim).await? {
+                    return Ok(Decision::Run);
+                }
             }
-            // Released or expired since the claim statement ran: claim again, at once
-            // the first time.
-            _ if retry_at_once => {
-                retry_at_once = false;
-                continue;
+            // No record, or an expired one: claim it. A claim that lost a race reads the
+            // winner's record next, at once the first time.
+            _ => {
+                if store.claim(claim).await? {
+                    return Ok(Decision::Run);
+                }
+                if retry_at_once {
+                    retry_at_once = false;
+                    continue;
+                }
             }
-            _ => {}
         }
         let now = Instant::now();
         if now >= deadline {

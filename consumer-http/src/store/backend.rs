@@ -66,6 +66,9 @@ pub struct Record {
     pub(crate) completed: bool,
     /// The claim statement would take it over whatever its fingerprint: gone, in effect.
     pub(crate) expired: bool,
+    /// An in-progress record whose lease ran out: a request of its fingerprint may take it
+    /// over.
+    pub(crate) lease_expired: bool,
     /// A completed record's answer.
     pub(crate) response: Option<StoredResponse>,
 }
@@ -94,6 +97,7 @@ impl Record {
             fingerprint,
             completed: completed && response.is_some(),
             expired: ttl_left_ms <= 0 && (completed || lease_left_ms <= 0),
+            lease_expired: !completed && lease_left_ms <= 0,
             response,
         })
     }
