@@ -17,12 +17,23 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 use tower::Service;
 
-use crate::layer::Shared;
+use crate::config::IdempotencyConfig;
 use crate::problem;
 use crate::request;
 use crate::store::{ClaimRequest, IdempotencyStore, StoreBackend};
 use crate::stored::StoredResponse;
 use crate::tx::TxSlot;
+
+/// The tenant of a request, from its parts (e.g. an account id an authentication layer put
+/// in the extensions, or a header): part of every record's scope.
+pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// What every clone of the layer and its services share.
+pub(crate) struct Shared<DB: StoreBackend> {
+    pub(crate) store: IdempotencyStore<DB>,
+    pub(crate) config: IdempotencyConfig,
+    pub(crate) tenant: Option<Box<ScopeFn>>,
+}
 
 /// What a request with a key gets, once its record has been read or claimed.
 enum Decision {

@@ -12,19 +12,8 @@ use http::Request;
 use tower::{Layer, Service};
 
 use crate::config::IdempotencyConfig;
-use crate::flow;
+use crate::flow::{self, Shared};
 use crate::store::{IdempotencyStore, StoreBackend};
-
-/// The tenant of a request, from its parts (e.g. an account id an authentication layer put
-/// in the extensions, or a header): part of every record's scope.
-pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-
-/// What every clone of the layer and its services share.
-pub(crate) struct Shared<DB: StoreBackend> {
-    pub(crate) store: IdempotencyStore<DB>,
-    pub(crate) config: IdempotencyConfig,
-    pub(crate) tenant: Option<Box<ScopeFn>>,
-}
 
 /// A tower [`Layer`] that makes a service's requests idempotent by their
 /// `Idempotency-Key`, recording them in an [`IdempotencyStore`]. See the crate doc for what

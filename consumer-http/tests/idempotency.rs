@@ -2,6 +2,9 @@
 //! (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file). Every scenario
 //! runs on both.
 
+// A scenario's setup failing is the test failing.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::atomic::Ordering;

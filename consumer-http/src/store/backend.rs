@@ -131,11 +131,11 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     fn statements(names: &Names) -> Statements {
         Statements {
-            claim: names.render::<Self>(CLAIM),
-            fetch: names.render::<Self>(FETCH),
-            complete: names.render::<Self>(COMPLETE),
-            release: names.render::<Self>(RELEASE),
-            purge: names.render::<Self>(&Self::purge_template()),
+            claim: render::<Self>(names, CLAIM),
+            fetch: render::<Self>(names, FETCH),
+            complete: render::<Self>(names, COMPLETE),
+            release: render::<Self>(names, RELEASE),
+            purge: render::<Self>(names, &Self::purge_template()),
         }
     }
 
@@ -184,6 +184,16 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
 }
 
+/// `template` with `{table}`, `{expires_index}` and `{now}` (the database's clock in Unix
+/// milliseconds) filled in, and its `$n` placeholders in the database's form.
+pub(crate) fn render<DB: StoreBackend>(names: &Names, template: &str) -> String {
+    let sql = template
+        .replace("{table}", &names.table)
+        .replace("{expires_index}", &names.expires_index)
+        .replace("{now}", DB::NOW_MS);
+    DB::placeholders(&sql)
+}
+
 /// The bodies of [`StoreBackend`]'s statement methods for the database `$db`: the same code
 /// for both, which sqlx's per-database types make simpler to expand twice than to bound
 /// generically.
@@ -191,8 +201,8 @@ macro_rules! store_ops {
     ($db:ty) => {
         fn claim<'a>(
             pool: &'a sqlx::Pool<$db>,
-            sql: &'a $crate::store::Statements,
-            r: &'a $crate::store::ClaimRequest<'a>,
+            sql: &'a $crate::store::config::Statements,
+            r: &'a $crate::store::backend::ClaimRequest<'a>,
         ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
             Box::pin(async move {
                 let row: Option<(String,)> = sqlx::query_as(&sql.claim)
@@ -210,10 +220,13 @@ macro_rules! store_ops {
 
         fn fetch<'a>(
             pool: &'a sqlx::Pool<$db>,
-            sql: &'a $crate::store::Statements,
+            sql: &'a $crate::store::config::Statements,
             scope: &'a str,
             key: &'a str,
-        ) -> futures::future::BoxFuture<'a, Result<Option<$crate::store::Record>, sqlx::Error>> {
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<Option<$crate::store::backend::Record>, sqlx::Error>,
+        > {
             Box::pin(async move {
                 use sqlx::Row;
                 let Some(row) = sqlx::query(&sql.fetch)
@@ -231,7 +244,7 @@ macro_rules! store_ops {
                     (Some(s), Some(h), Some(b)) => Some((s, h, b)),
                     _ => None,
                 };
-                $crate::store::Record::from_columns(
+                $crate::store::backend::Record::from_columns(
                     row.try_get("fingerprint")?,
                     row.try_get::<&str, _>("status")?,
                     response,
@@ -244,8 +257,8 @@ macro_rules! store_ops {
 
         fn complete<'a>(
             conn: &'a mut <$db as sqlx::Database>::Connection,
-            sql: &'a $crate::store::Statements,
-            r: &'a $crate::store::ClaimRequest<'a>,
+            sql: &'a $crate::store::config::Statements,
+            r: &'a $crate::store::backend::ClaimRequest<'a>,
             response: &'a $crate::stored::StoredResponse,
         ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
             Box::pin(async move {
@@ -265,8 +278,8 @@ macro_rules! store_ops {
 
         fn release<'a>(
             pool: &'a sqlx::Pool<$db>,
-            sql: &'a $crate::store::Statements,
-            r: &'a $crate::store::ClaimRequest<'a>,
+            sql: &'a $crate::store::config::Statements,
+            r: &'a $crate::store::backend::ClaimRequest<'a>,
         ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
             Box::pin(async move {
                 let done = sqlx::query(&sql.release)
@@ -281,7 +294,7 @@ macro_rules! store_ops {
 
         fn purge<'a>(
             pool: &'a sqlx::Pool<$db>,
-            sql: &'a $crate::store::Statements,
+            sql: &'a $crate::store::config::Statements,
             batch: i64,
         ) -> futures::future::BoxFuture<'a, Result<u64, sqlx::Error>> {
             Box::pin(async move {

@@ -3,7 +3,6 @@
 
 use consumer_core::Identifier;
 
-use super::backend::StoreBackend;
 use crate::Error;
 
 /// Where the store's table lives. Build one with [`StoreConfig::builder`];
@@ -97,11 +96,17 @@ pub struct Statements {
 }
 
 impl Names {
-    pub(crate) fn new<DB: StoreBackend>(config: &StoreConfig) -> Result<Self, Error> {
-        if config.schema.is_some() && !DB::HAS_SCHEMAS {
+    /// The names `config` gives, for a database that has schemas or not (`backend` names
+    /// it in the error); the statements are left empty.
+    pub(crate) fn new(
+        config: &StoreConfig,
+        has_schemas: bool,
+        backend: &str,
+    ) -> Result<Self, Error> {
+        if config.schema.is_some() && !has_schemas {
             return Err(Error::config(
                 "store.schema",
-                format!("{} has no schemas; leave it unset", DB::BACKEND),
+                format!("{backend} has no schemas; leave it unset"),
             ));
         }
         let table = config.table.as_str();
@@ -109,25 +114,13 @@ impl Names {
             Some(s) => format!("{}.\"{name}\"", s.quoted()),
             None => format!("\"{name}\""),
         };
-        let mut names = Names {
+        Ok(Names {
             schema: config.schema.clone(),
             table: qualify(table),
             migrations: qualify(&format!("{table}_migrations")),
             expires_index: format!("\"{table}_expires_at\""),
             sql: Statements::default(),
-        };
-        names.sql = DB::statements(&names);
-        Ok(names)
-    }
-
-    /// `template` with `{table}`, `{expires_index}` and `{now}` (the database's clock in
-    /// Unix milliseconds) filled in, and its `$n` placeholders in the database's form.
-    pub(crate) fn render<DB: StoreBackend>(&self, template: &str) -> String {
-        let sql = template
-            .replace("{table}", &self.table)
-            .replace("{expires_index}", &self.expires_index)
-            .replace("{now}", DB::NOW_MS);
-        DB::placeholders(&sql)
+        })
     }
 }
 
@@ -144,10 +137,10 @@ mod tests {
         assert!(err.to_string().contains("store.table"), "{err}");
         let err = StoreConfig::builder().schema("a-b").build().unwrap_err();
         assert!(err.to_string().contains("store.schema"), "{err}");
-        let sqlite_schema = StoreConfig::builder().schema("s").build().unwrap();
-        let err = Names::new::<sqlx::Sqlite>(&sqlite_schema).unwrap_err();
+        let with_schema = StoreConfig::builder().schema("s").build().unwrap();
+        let err = Names::new(&with_schema, false, "SQLite").unwrap_err();
         assert!(err.to_string().contains("store.schema"), "{err}");
-        let pg = Names::new::<sqlx::Postgres>(&sqlite_schema).unwrap();
+        let pg = Names::new(&with_schema, true, "PostgreSQL").unwrap();
         assert_eq!(pg.table, "\"s\".\"http_idempotency\"");
     }
 }

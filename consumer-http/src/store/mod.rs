@@ -19,7 +19,7 @@ use sqlx::Pool;
 
 pub use backend::StoreBackend;
 pub(crate) use backend::{ClaimRequest, Record};
-pub(crate) use config::{Names, Statements};
+use config::Names;
 pub use config::{StoreConfig, StoreConfigBuilder};
 
 use crate::stored::StoredResponse;
@@ -53,7 +53,8 @@ impl<DB: StoreBackend> IdempotencyStore<DB> {
     /// Validates `config`, runs the shipped migrations (idempotent, safe to race between
     /// processes) and returns the store. A bad name fails here, naming the field.
     pub async fn new(pool: Pool<DB>, config: StoreConfig) -> Result<Self, Error> {
-        let names = Names::new::<DB>(&config)?;
+        let mut names = Names::new(&config, DB::HAS_SCHEMAS, DB::BACKEND)?;
+        names.sql = DB::statements(&names);
         DB::migrate(&pool, &names).await?;
         Ok(IdempotencyStore {
             pool,

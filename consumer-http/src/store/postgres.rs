@@ -4,7 +4,7 @@ use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use sqlx::{Pool, Postgres};
 
-use super::backend::{store_ops, StoreBackend, EXPIRED};
+use super::backend::{render, store_ops, StoreBackend, EXPIRED};
 use super::config::Names;
 use crate::Error;
 
@@ -74,7 +74,7 @@ async fn migrate(pool: &Pool<Postgres>, names: &Names) -> Result<(), Error> {
         if current.is_some_and(|c| c >= *version) {
             continue;
         }
-        let script = names.render::<Postgres>(sql);
+        let script = render::<Postgres>(names, sql);
         // A plain string runs unprepared, so the script may hold several statements.
         sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
         sqlx::query(&format!(

@@ -3,7 +3,7 @@
 use futures::future::BoxFuture;
 use sqlx::{Pool, Sqlite};
 
-use super::backend::{store_ops, StoreBackend, EXPIRED};
+use super::backend::{render, store_ops, StoreBackend, EXPIRED};
 use super::config::Names;
 use crate::Error;
 
@@ -59,7 +59,7 @@ async fn migrate(pool: &Pool<Sqlite>, names: &Names) -> Result<(), Error> {
         if current.is_some_and(|c| c >= *version) {
             continue;
         }
-        let script = names.render::<Sqlite>(sql);
+        let script = render::<Sqlite>(names, sql);
         sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
         sqlx::query(&format!(
             "INSERT INTO {} (version, applied_at) VALUES (?1, {})",
