@@ -377,3 +377,54 @@ on_both!(
     an_expired_key_runs_again_and_is_purged,
     a_killed_request_is_taken_over_after_its_lease,
 );
+
+/// PostgreSQL, two processes, the other order: the stalled run finishes while the run that
+/// took its claim over is still running. The stalled run's answer is refused (the claim is
+/// no longer its), the current holder's is stored: one effect, and it is the holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_only_the_current_claim_stores_its_answer() {
+    let db = Db::postgres().await;
+    let config = || {
+        config()
+            .lease(Duration::from_secs(2))
+            .wait(Duration::ZERO)
+            .build()
+            .unwrap()
+    };
+    let (stalling, other) = (
+        Arc::new(App::serve(&db, config()).await),
+        Arc::new(App::serve(&db, config()).await),
+    );
+    stalling.handlers.hold_next.store(true, Ordering::SeqCst);
+    other.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 9});
+    let stalled = tokio::spawn({
+        let (app, body) = (stalling.clone(), body.clone());
+        async move { app.post("/payments", Some("c"), &body).await }
+    });
+    stalling.wait_held(1).await;
+    // Retries until the lease runs out; the one that takes the claim over holds at the gate.
+    let taking_over = tokio::spawn({
+        let (app, body) = (other.clone(), body.clone());
+        async move {
+            loop {
+                let answer = app.post("/payments", Some("c"), &body).await;
+                if answer.status != 409 {
+                    return answer;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    other.wait_held(1).await;
+    stalling.open_gate();
+    stalled.await.unwrap().assert_problem(409);
+    other.open_gate();
+    let holder = taking_over.await.unwrap();
+    assert_eq!(holder.status, 201, "{holder:?}");
+    assert!(!holder.replayed());
+    assert_eq!(db.effects().await, 1);
+    let replay = stalling.post("/payments", Some("c"), &body).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, holder.body);
+}
