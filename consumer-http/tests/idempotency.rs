@@ -191,6 +191,28 @@ async fn bad_requests_are_refused_before_running(db: Db) {
     assert_eq!(db.effects().await, 1);
 }
 
+/// With the key optional, a request without one passes through and runs every time; a
+/// handler that takes an `IdempotentTx` then has none (500). Other methods pass through.
+async fn an_optional_key_passes_through(db: Db) {
+    let app = App::serve(&db, config().key_required(false).build().unwrap()).await;
+    let first = app.post("/reject", None, &json!({})).await;
+    let second = app.post("/reject", None, &json!({})).await;
+    assert!(!first.replayed() && !second.replayed());
+    assert_eq!(app.runs(), 2);
+    app.post("/payments", None, &json!({"amount": 1}))
+        .await
+        .assert_problem(500);
+    let get = app
+        .client
+        .get(format!("{}/reject", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 405);
+    assert_eq!(db.records().await, 0);
+    assert_eq!(db.effects().await, 0);
+}
+
 /// A 5xx rolls back the handler's row and releases the key: no row, no record; the retry
 /// runs again, and its answer is stored.
 async fn a_5xx_rolls_back_and_a_retry_runs(db: Db) {
@@ -370,6 +392,7 @@ on_both!(
     a_request_in_progress_is_waited_for,
     the_key_is_bound_to_its_request_route_and_tenant,
     bad_requests_are_refused_before_running,
+    an_optional_key_passes_through,
     a_5xx_rolls_back_and_a_retry_runs,
     a_panic_rolls_back_and_a_retry_runs,
     an_answer_not_stored_rolls_back_the_effect,
