@@ -35,20 +35,31 @@
 //!
 //! # The claim and the transaction
 //!
-//! A request runs in two steps:
+//! A request first reads the key's record: a live record of another fingerprint is 422, a
+//! completed one is replayed, one in progress is waited for. Only a request that finds no
+//! live record (or an in-progress one of its fingerprint whose lease ran out) claims, so a
+//! replay or a wait writes nothing. Then:
 //!
 //! 1. **Claim**, one statement committed on its own: insert (scope, key) as `in_progress`
 //!    with the fingerprint, a claim token unique to this request and a lease (default 60 s).
 //!    The statement takes over a row that expired, or an in-progress row of the same
-//!    fingerprint whose lease ran out. Committing the claim makes it visible: a second
-//!    request sees it in progress and polls, holding no lock and no connection between
-//!    polls.
+//!    fingerprint whose lease ran out, and nothing else. Committing the claim makes it
+//!    visible: a second request sees it in progress and polls, holding no lock and no
+//!    connection between polls.
 //! 2. **Run**, in one transaction: the handler runs with it ([`IdempotentTx`]); the layer
 //!    then stores the answer in it — `UPDATE ... SET status = 'completed' ... WHERE claim =
 //!    <this request's token> AND status = 'in_progress'` — and commits. The handler's rows
 //!    and the stored answer commit together or not at all. 5xx, a panic, an error or a
 //!    failure to store rolls the transaction back and deletes the claim (only this
 //!    request's, only in progress).
+//!
+//! Why a committed claim rather than an uncommitted row that a second request blocks on (a
+//! unique key held by the running transaction): a waiting request then holds neither a
+//! connection nor a lock while it waits, can tell "in progress" from "gone" and compare the
+//! fingerprint at once, and SQLite, which has no row locks, works the same way. The price
+//! is one more small commit per first request, and a claim left by a killed process that
+//! blocks its key until the lease runs out (the transaction's row would have vanished at
+//! once).
 //!
 //! What follows:
 //!
@@ -70,10 +81,15 @@
 //!   slowest handler, and hand the provider a key of its own.
 //! - **Clocks**: leases and TTLs are measured by the database's clock, so processes with
 //!   skewed clocks agree.
+//! - **The store fails** (a read, the claim, the transaction's begin or commit): 503 with
+//!   `Retry-After`, and the claim released if this request held it; a commit whose outcome
+//!   is unknown leaves a stored answer in place, since the release deletes only a claim
+//!   still in progress.
 //!
 //! Every claimed request holds a database connection while its handler runs, and a waiting
 //! request takes one per poll. On SQLite the request's transaction begins `IMMEDIATE`, so
-//! idempotent requests' transactions run one at a time (SQLite has one writer), and a
+//! idempotent requests' transactions run one at a time (SQLite has one writer): a claim of
+//! another key waits for the running handler's commit (the pool's busy timeout), and a
 //! database file must not be shared by two processes.
 //!
 //! # Layout
