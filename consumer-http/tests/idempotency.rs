@@ -296,7 +296,8 @@ async fn an_expired_key_runs_again_and_is_purged(db: Db) {
 /// claim in progress and no effect: the next request with the key is 409 until the lease
 /// runs out, then takes the claim over and runs once.
 async fn a_killed_request_is_taken_over_after_its_lease(db: Db) {
-    let lease = Duration::from_secs(2);
+    // Long enough that the first retry surely comes before it runs out.
+    let lease = Duration::from_secs(4);
     let config = || config().lease(lease).wait(Duration::ZERO).build().unwrap();
     let (doomed, server) = App::serve_killable(&db, config()).await;
     doomed.handlers.hold_next.store(true, Ordering::SeqCst);
