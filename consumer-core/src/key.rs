@@ -140,7 +140,11 @@ impl KeyTemplate {
 
 /// SHA-256 (hex) of the payload's canonical JSON: object keys sorted, no insignificant
 /// white space. Two payloads that differ only in key order or spacing hash the same.
-pub(crate) fn canonical_hash(payload: &Value) -> String {
+///
+/// The one owner of the canonical form: the inbox's payload hash of a message, and the
+/// request fingerprint of `consumer-http`, are both this function. Stored hashes depend on
+/// its exact bytes, so it never changes.
+pub fn canonical_hash(payload: &Value) -> String {
     // Serialised straight into the hasher: no sorted copy of the payload, no byte buffer.
     // serde_json's `Map` is a BTreeMap unless `preserve_order` is on; `Canonical` sorts the
     // keys itself, so the bytes do not depend on that feature.

@@ -114,7 +114,7 @@ pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
-pub use key::{KeyTemplate, MAX_KEY_BYTES};
+pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
 pub use retry::{ExponentialBackoff, Jitter, NoJitter};
 pub use stats::{Stats, StatsSnapshot};
 pub use worker::{BatchConfig, Worker, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};

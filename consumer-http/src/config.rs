@@ -1,0 +1,234 @@
+//! [`IdempotencyConfig`]: which requests the layer handles and how it waits, stores and
+//! forgets; built and validated by [`IdempotencyConfigBuilder`].
+
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+
+use crate::Error;
+
+/// The longest `Idempotency-Key` accepted, in bytes.
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
+
+/// How the [`IdempotencyLayer`](crate::IdempotencyLayer) treats requests. Build one with
+/// [`IdempotencyConfig::builder`]; [`IdempotencyConfig::default`] is the builder's defaults.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct IdempotencyConfig {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_required: bool,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) wait: Duration,
+    pub(crate) poll_interval: Duration,
+    pub(crate) retry_after: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    pub(crate) store_client_errors: bool,
+    pub(crate) stored_headers: Vec<HeaderName>,
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        IdempotencyConfig {
+            methods: vec![Method::POST, Method::PATCH],
+            key_required: true,
+            max_body_bytes: 1024 * 1024,
+            max_response_bytes: 1024 * 1024,
+            wait: Duration::from_secs(5),
+            poll_interval: Duration::from_millis(50),
+            retry_after: Duration::from_secs(1),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(24 * 60 * 60),
+            store_client_errors: true,
+            stored_headers: vec![http::header::CONTENT_TYPE],
+        }
+    }
+}
+
+impl IdempotencyConfig {
+    /// A builder with the defaults: POST and PATCH, key required, 1 MiB request and
+    /// response bodies, wait 5 s polling every 50 ms, `Retry-After: 1`, lease 60 s, TTL
+    /// 24 h, 4xx answers stored, `content-type` stored.
+    pub fn builder() -> IdempotencyConfigBuilder {
+        IdempotencyConfigBuilder {
+            config: IdempotencyConfig::default(),
+        }
+    }
+
+    /// Whether the layer handles requests with this method.
+    pub(crate) fn handles(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+}
+
+/// Builds an [`IdempotencyConfig`]; [`IdempotencyConfigBuilder::build`] checks it.
+#[derive(Debug, Clone)]
+pub struct IdempotencyConfigBuilder {
+    config: IdempotencyConfig,
+}
+
+impl IdempotencyConfigBuilder {
+    /// The methods whose requests are made idempotent (default POST, PATCH); others pass
+    /// through untouched.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a request without `Idempotency-Key` is refused with 400 (default `true`).
+    /// When `false` it passes through, without a record and without an
+    /// [`IdempotentTx`](crate::IdempotentTx).
+    pub fn key_required(mut self, required: bool) -> Self {
+        self.config.key_required = required;
+        self
+    }
+
+    /// The largest request body read for the fingerprint (default 1 MiB); a larger one is
+    /// refused with 413.
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_body_bytes = bytes;
+        self
+    }
+
+    /// The largest response body stored (default 1 MiB); a larger answer is not stored:
+    /// the transaction rolls back, the key is released and the client gets 500.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_response_bytes = bytes;
+        self
+    }
+
+    /// How long a request waits for another one with the same key to finish (default 5 s)
+    /// before it is answered 409; `0` answers 409 at once.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
+        self
+    }
+
+    /// How often a waiting request reads the record (default 50 ms).
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval;
+        self
+    }
+
+    /// The `Retry-After` of a 409 answer, rounded up to whole seconds (default 1 s).
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.config.retry_after = after;
+        self
+    }
+
+    /// How long a claim stays in progress before the next request with the key may take it
+    /// over (default 60 s): the time a process killed mid-request blocks its key. Choose it
+    /// above the slowest handler's running time (see the crate doc).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// How long a completed record is kept and replayed (default 24 h); after it the key
+    /// runs again, and [`IdempotencyStore::purge_expired`](crate::IdempotencyStore::purge_expired)
+    /// deletes the row.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// Whether a 4xx answer is stored and replayed (default `true`); when `false` it
+    /// releases the key like a 5xx does.
+    pub fn store_client_errors(mut self, store: bool) -> Self {
+        self.config.store_client_errors = store;
+        self
+    }
+
+    /// Response headers stored and replayed besides `content-type` (which always is).
+    pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let mut names = vec![http::header::CONTENT_TYPE];
+        for h in headers {
+            if !names.contains(&h) {
+                names.push(h);
+            }
+        }
+        self.config.stored_headers = names;
+        self
+    }
+
+    /// Checks the configuration; the error names the field.
+    pub fn build(self) -> Result<IdempotencyConfig, Error> {
+        let c = self.config;
+        if c.methods.is_empty() {
+            return Err(Error::config("methods", "name at least one method"));
+        }
+        if c.max_body_bytes == 0 {
+            return Err(Error::config("max_body_bytes", "must be above 0"));
+        }
+        if c.max_response_bytes == 0 {
+            return Err(Error::config("max_response_bytes", "must be above 0"));
+        }
+        if c.poll_interval.is_zero() {
+            return Err(Error::config("poll_interval", "must be above 0"));
+        }
+        if c.lease < Duration::from_millis(1) {
+            return Err(Error::config("lease", "must be at least 1 ms"));
+        }
+        if c.ttl < c.lease {
+            return Err(Error::config(
+                "ttl",
+                format!(
+                    "{:?} is shorter than the lease ({:?}): a record would expire while its claim holds",
+                    c.ttl, c.lease
+                ),
+            ));
+        }
+        for d in [c.lease, c.ttl] {
+            if i64::try_from(d.as_millis()).is_err() {
+                return Err(Error::config("ttl", "too long to store in milliseconds"));
+            }
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_build_and_bad_values_name_the_field() {
+        assert!(IdempotencyConfig::builder().build().is_ok());
+        let field = |b: IdempotencyConfigBuilder| match b.build() {
+            Err(Error::Config { field, .. }) => field,
+            other => panic!("expected a config error, got {other:?}"),
+        };
+        assert_eq!(field(IdempotencyConfig::builder().methods([])), "methods");
+        assert_eq!(
+            field(IdempotencyConfig::builder().poll_interval(Duration::ZERO)),
+            "poll_interval"
+        );
+        assert_eq!(
+            field(IdempotencyConfig::builder().lease(Duration::ZERO)),
+            "lease"
+        );
+        assert_eq!(
+            field(
+                IdempotencyConfig::builder()
+                    .lease(Duration::from_secs(10))
+                    .ttl(Duration::from_secs(5))
+            ),
+            "ttl"
+        );
+        assert_eq!(
+            field(IdempotencyConfig::builder().max_body_bytes(0)),
+            "max_body_bytes"
+        );
+    }
+
+    #[test]
+    fn content_type_is_always_stored() {
+        let c = IdempotencyConfig::builder()
+            .stored_headers([HeaderName::from_static("location")])
+            .build()
+            .unwrap();
+        assert_eq!(c.stored_headers[0], http::header::CONTENT_TYPE);
+        assert_eq!(c.stored_headers.len(), 2);
+    }
+}

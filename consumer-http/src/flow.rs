@@ -1,0 +1,314 @@
+//! One request through the layer: check the key, read the body, decide (run, replay, 422,
+//! 409), and for a run: the handler in the request's transaction, then the answer stored in
+//! it and committed, or the key released.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, HttpBody};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::FutureExt;
+use http::request::Parts;
+use http::Request;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::time::Instant;
+use tower::Service;
+
+use crate::config::IdempotencyConfig;
+use crate::problem;
+use crate::request;
+use crate::store::{ClaimRequest, IdempotencyStore, StoreBackend};
+use crate::stored::StoredResponse;
+use crate::tx::TxSlot;
+
+/// The tenant of a request, from its parts (e.g. an account id an authentication layer put
+/// in the extensions, or a header): part of every record's scope.
+pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// What every clone of the layer and its services share.
+pub(crate) struct Shared<DB: StoreBackend> {
+    pub(crate) store: IdempotencyStore<DB>,
+    pub(crate) config: IdempotencyConfig,
+    pub(crate) tenant: Option<Box<ScopeFn>>,
+}
+
+/// What a request with a key gets, once its record has been read or claimed.
+enum Decision {
+    /// This request holds the claim: run the handler.
+    Run,
+    /// The key completed with this request's fingerprint: its answer.
+    Replay(StoredResponse),
+    /// The key belongs to another request (method, path or body): 422.
+    Mismatch,
+    /// The key's request was still in progress at the deadline: 409.
+    InProgress,
+}
+
+pub(crate) async fn handle<S, DB, ResBody>(
+    shared: Arc<Shared<DB>>,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response, S::Error>
+where
+    DB: StoreBackend,
+    S: Service<Request<Body>, Response = http::Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    let config = &shared.config;
+    if !config.handles(request.method()) {
+        return Ok(inner.call(request).await?.map(Body::new));
+    }
+    let (parts, body) = request.into_parts();
+    let key = match request::idempotency_key(&parts) {
+        Ok(Some(key)) => key,
+        Ok(None) if config.key_required => {
+            return Ok(problem::bad_key(
+                "the request has no Idempotency-Key header",
+            ))
+        }
+        Ok(None) => {
+            let request = Request::from_parts(parts, body);
+            return Ok(inner.call(request).await?.map(Body::new));
+        }
+        Err(invalid) => return Ok(problem::bad_key(&invalid.0)),
+    };
+    let body = match read_body(&parts, body, config.max_body_bytes).await {
+        Ok(body) => body,
+        Err(answer) => return Ok(answer),
+    };
+    let tenant = shared.tenant.as_ref().and_then(|f| f(&parts));
+    let scope = request::scope(&parts, tenant.as_deref());
+    let fingerprint = request::fingerprint(&parts, &body);
+    let claim = claim_token();
+    let claim = ClaimRequest {
+        scope: &scope,
+        key: &key,
+        fingerprint: &fingerprint,
+        claim: &claim,
+        lease_ms: millis(config.lease),
+        ttl_ms: millis(config.ttl),
+    };
+    match decide(&shared, &claim).await {
+        Ok(Decision::Run) => run(&shared, inner, parts, body, &claim).await,
+        Ok(Decision::Replay(stored)) => Ok(stored.replay()),
+        Ok(Decision::Mismatch) => Ok(problem::mismatch()),
+        Ok(Decision::InProgress) => Ok(problem::in_progress(config.retry_after)),
+        Err(e) => {
+            tracing::warn!(error = %e, "idempotency store failed reading a key");
+            Ok(problem::store_unavailable(config.retry_after))
+        }
+    }
+}
+
+/// The body, up to `limit` bytes: 413 above it (by `Content-Length` before reading, or
+/// while reading), 400 if it cannot be read.
+async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Response> {
+    let declared = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(problem::too_large(limit));
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(problem::too_large(limit)),
+        Err(_) => Err(problem::unreadable_body()),
+    }
+}
+
+/// Reads the key's record and decides, or claims the key; waits (polling, up to the
+/// configured wait) while another request holds it. The fingerprint is compared on every
+/// path that reads a record: a replay, a wait, a claim that lost a race, a takeover. The
+/// record is read before any claim, so a replay or a wait writes nothing (on SQLite it
+/// need not wait for the write lock a running handler's transaction holds).
+async fn decide<DB: StoreBackend>(
+    shared: &Shared<DB>,
+    claim: &ClaimRequest<'_>,
+) -> Result<Decision, sqlx::Error> {
+    let store: &IdempotencyStore<DB> = &shared.store;
+    let config = &shared.config;
+    let deadline = Instant::now() + config.wait;
+    let mut retry_at_once = true;
+    loop {
+        match store.fetch(claim.scope, claim.key).await? {
+            Some(record) if !record.expired => {
+                if record.fingerprint != claim.fingerprint {
+                    return Ok(Decision::Mismatch);
+                }
+                if let (true, Some(stored)) = (record.completed, record.response) {
+                    return Ok(Decision::Replay(stored));
+                }
+                // In progress: take it over if its lease ran out, else wait below.
+                if record.lease_expired && store.claim(claim).await? {
+                    return Ok(Decision::Run);
+                }
+            }
+            // No record, or an expired one: claim it. A claim that lost a race reads the
+            // winner's record next, at once the first time.
+            _ => {
+                if store.claim(claim).await? {
+                    return Ok(Decision::Run);
+                }
+                if retry_at_once {
+                    retry_at_once = false;
+                    continue;
+                }
+            }
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(Decision::InProgress);
+        }
+        tokio::time::sleep(config.poll_interval.min(deadline - now)).await;
+    }
+}
+
+/// Runs the handler with the request's transaction, then stores the answer in it and
+/// commits; any other end rolls the transaction back and releases the key.
+async fn run<S, DB, ResBody>(
+    shared: &Shared<DB>,
+    inner: S,
+    mut parts: Parts,
+    body: Bytes,
+    claim: &ClaimRequest<'_>,
+) -> Result<Response, S::Error>
+where
+    DB: StoreBackend,
+    S: Service<Request<Body>, Response = http::Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    let store = &shared.store;
+    let config = &shared.config;
+    let unavailable = || problem::store_unavailable(config.retry_after);
+    let tx = match store.begin().await {
+        Ok(tx) => tx,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not begin the request's transaction");
+            release(store, claim).await;
+            return Ok(unavailable());
+        }
+    };
+    let slot = TxSlot::new(tx);
+    parts.extensions.insert(slot.clone());
+    let request = Request::from_parts(parts, Body::from(body));
+    let mut inner = inner;
+    let called = AssertUnwindSafe(async move { inner.call(request).await })
+        .catch_unwind()
+        .await;
+    let response = match called {
+        Ok(Ok(response)) => response,
+        Ok(Err(e)) => {
+            abandon(store, &slot, claim).await;
+            return Err(e);
+        }
+        Err(_panic) => {
+            abandon(store, &slot, claim).await;
+            return Ok(problem::internal("the handler panicked"));
+        }
+    };
+    let (head, response_body) = response.into_parts();
+    let status = head.status;
+    let stored_kind = !status.is_server_error()
+        && !status.is_informational()
+        && (config.store_client_errors || !status.is_client_error());
+    if !stored_kind {
+        abandon(store, &slot, claim).await;
+        return Ok(http::Response::from_parts(head, Body::new(response_body)));
+    }
+    let response_body = match Limited::new(response_body, config.max_response_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            abandon(store, &slot, claim).await;
+            return Ok(problem::internal(
+                "the answer could not be stored: its body failed or is over the limit",
+            ));
+        }
+    };
+    let Some(mut tx) = slot.take() else {
+        // The handler kept its `IdempotentTx` (a spawned task): its transaction rolls back
+        // when that ends.
+        release(store, claim).await;
+        return Ok(problem::internal(
+            "the handler kept its IdempotentTx past its answer",
+        ));
+    };
+    let stored =
+        StoredResponse::capture(status, &head.headers, &config.stored_headers, response_body);
+    match store.complete(&mut tx, claim, &stored).await {
+        Ok(true) => {}
+        Ok(false) => {
+            // The lease ran out and another request took the key over: this run's writes
+            // must not commit; that request's answer is the key's.
+            let _ = tx.rollback().await;
+            tracing::warn!("an idempotent request outlived its lease and was taken over");
+            return Ok(problem::in_progress(config.retry_after));
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not store an idempotent answer");
+            let _ = tx.rollback().await;
+            release(store, claim).await;
+            return Ok(unavailable());
+        }
+    }
+    if let Err(e) = tx.commit().await {
+        // Unknown whether it committed: the release deletes only a claim still in
+        // progress, so a committed answer stays.
+        tracing::warn!(error = %e, "could not commit an idempotent request");
+        release(store, claim).await;
+        return Ok(unavailable());
+    }
+    Ok(http::Response::from_parts(head, Body::from(stored.body)))
+}
+
+/// Rolls the request's transaction back and releases the key.
+async fn abandon<DB: StoreBackend>(
+    store: &IdempotencyStore<DB>,
+    slot: &TxSlot<DB>,
+    claim: &ClaimRequest<'_>,
+) {
+    if let Some(tx) = slot.take() {
+        let _ = tx.rollback().await;
+    }
+    release(store, claim).await;
+}
+
+/// Releases the key; if that fails, the claim's lease frees it later.
+async fn release<DB: StoreBackend>(store: &IdempotencyStore<DB>, claim: &ClaimRequest<'_>) {
+    if let Err(e) = store.release(claim).await {
+        tracing::warn!(error = %e, "could not release an idempotency key; its lease will");
+    }
+}
+
+/// A claim token unique across processes: the process's random hasher keys (seeded from the
+/// OS), the time and a counter.
+fn claim_token() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(n);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("{:016x}-{nanos:x}-{n:x}", h.finish())
+}
+
+/// A duration in milliseconds, as the store binds it (the config checked the range).
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

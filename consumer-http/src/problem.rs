@@ -1,0 +1,95 @@
+//! The layer's own answers: `application/problem+json` bodies (RFC 9457).
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::Response;
+use http::{header, HeaderValue, StatusCode};
+
+/// The content type of the layer's own answers.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// A problem answer with `status`, a `title` and a `detail`.
+pub(crate) fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = Response::new(Body::from(body.to_string()));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    response
+}
+
+/// 400: the key is missing or unusable.
+pub(crate) fn bad_key(detail: &str) -> Response {
+    problem(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", detail)
+}
+
+/// 413: the body is over the limit.
+pub(crate) fn too_large(limit: usize) -> Response {
+    problem(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "Request body too large",
+        &format!("the body is over the limit of {limit} bytes"),
+    )
+}
+
+/// 400: the body could not be read.
+pub(crate) fn unreadable_body() -> Response {
+    problem(
+        StatusCode::BAD_REQUEST,
+        "Unreadable request body",
+        "the request body could not be read",
+    )
+}
+
+/// 422: the key was used with another request.
+pub(crate) fn mismatch() -> Response {
+    problem(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Idempotency-Key reused",
+        "this Idempotency-Key was used with another request (method, path or body)",
+    )
+}
+
+/// 409 with `Retry-After`: a request with the key is still in progress.
+pub(crate) fn in_progress(retry_after: Duration) -> Response {
+    let mut response = problem(
+        StatusCode::CONFLICT,
+        "Request in progress",
+        "a request with this Idempotency-Key is still in progress; retry later",
+    );
+    let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    response
+}
+
+/// 503 with `Retry-After`: the store failed; the request may be retried with the same key.
+pub(crate) fn store_unavailable(retry_after: Duration) -> Response {
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Idempotency store unavailable",
+        "the request's record could not be read or written; retry with the same key",
+    );
+    let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    response
+}
+
+/// 500: the handler panicked, or its answer could not be stored.
+pub(crate) fn internal(detail: &str) -> Response {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Internal Server Error",
+        detail,
+    )
+}

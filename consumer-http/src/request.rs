@@ -1,0 +1,168 @@
+//! What the layer reads from a request: the `Idempotency-Key` (checked), the record's scope
+//! (route and tenant) and the request's fingerprint.
+
+use http::request::Parts;
+use sha2::{Digest, Sha256};
+
+use crate::config::MAX_IDEMPOTENCY_KEY_BYTES;
+
+/// The request header that carries the key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Why a request's key was refused (a 400).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct InvalidKey(pub(crate) String);
+
+/// The request's `Idempotency-Key`: `Ok(None)` if it has none; refused if it is repeated,
+/// empty, longer than [`MAX_IDEMPOTENCY_KEY_BYTES`], or holds anything but printable
+/// ASCII (space to `~`).
+pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKey> {
+    let mut values = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(InvalidKey(
+            "the request has more than one Idempotency-Key header".to_owned(),
+        ));
+    }
+    let bytes = value.as_bytes();
+    if bytes.is_empty() {
+        return Err(InvalidKey("the Idempotency-Key is empty".to_owned()));
+    }
+    if bytes.len() > MAX_IDEMPOTENCY_KEY_BYTES {
+        return Err(InvalidKey(format!(
+            "the Idempotency-Key is {} bytes, over the limit of {MAX_IDEMPOTENCY_KEY_BYTES}",
+            bytes.len()
+        )));
+    }
+    if let Some(at) = bytes.iter().position(|b| !(0x20..=0x7e).contains(b)) {
+        return Err(InvalidKey(format!(
+            "the Idempotency-Key holds a byte that is not printable ASCII at {at}"
+        )));
+    }
+    // Checked above: every byte is printable ASCII.
+    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// The record's scope: the route (method and path) and the tenant, if the scope function
+/// gave one. The tenant is length-prefixed, so no tenant and path can make another pair's
+/// scope; a request without a tenant starts with `-`, one with a tenant with a digit.
+pub(crate) fn scope(parts: &Parts, tenant: Option<&str>) -> String {
+    let route = format!("{} {}", parts.method, parts.uri.path());
+    match tenant {
+        Some(t) => format!("{}:{t}|{route}", t.len()),
+        None => format!("-|{route}"),
+    }
+}
+
+/// The request's fingerprint, SHA-256 (hex) of the length-prefixed method, path and query,
+/// and body. A JSON body (`application/json` or `+json`, and parsable) counts by its
+/// canonical form ([`consumer_core::canonical_hash`]: key order and white space do not
+/// matter); any other body by its bytes.
+pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> String {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let body_form = match json_body(parts, body) {
+        Some(value) => format!("json:{}", consumer_core::canonical_hash(&value)),
+        None => format!("raw:{}", hex::encode(Sha256::digest(body))),
+    };
+    let mut h = Sha256::new();
+    for part in [parts.method.as_str(), target, &body_form] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// The body as JSON, if the request says it is JSON and it parses.
+fn json_body(parts: &Parts, body: &[u8]) -> Option<serde_json::Value> {
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)?
+        .to_str()
+        .ok()?;
+    let essence = content_type.split(';').next()?.trim().to_ascii_lowercase();
+    let is_json = essence == "application/json" || essence.ends_with("+json");
+    if !is_json {
+        return None;
+    }
+    serde_json::from_slice(body).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut b = http::Request::builder().method(method).uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn keys_are_checked() {
+        assert_eq!(idempotency_key(&parts("POST", "/", &[])), Ok(None));
+        let ok = parts("POST", "/", &[("Idempotency-Key", "abc-123 x")]);
+        assert_eq!(idempotency_key(&ok), Ok(Some("abc-123 x".to_owned())));
+        let long = "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES + 1);
+        let too_long = parts("POST", "/", &[("Idempotency-Key", &long)]);
+        assert!(matches!(idempotency_key(&too_long), Err(InvalidKey(_))));
+        let max = "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES);
+        assert!(idempotency_key(&parts("POST", "/", &[("Idempotency-Key", &max)])).is_ok());
+        let mut tab = parts("POST", "/", &[]);
+        tab.headers.insert(
+            IDEMPOTENCY_KEY,
+            http::HeaderValue::from_bytes(b"a\tb").unwrap(),
+        );
+        assert!(matches!(idempotency_key(&tab), Err(InvalidKey(_))));
+        let mut high = parts("POST", "/", &[]);
+        high.headers.insert(
+            IDEMPOTENCY_KEY,
+            http::HeaderValue::from_bytes("é".as_bytes()).unwrap(),
+        );
+        assert!(matches!(idempotency_key(&high), Err(InvalidKey(_))));
+    }
+
+    #[test]
+    fn scopes_of_tenants_and_routes_differ() {
+        let p = parts("POST", "/a/b?x=1", &[]);
+        assert_eq!(scope(&p, None), "-|POST /a/b");
+        assert_ne!(scope(&p, Some("t1")), scope(&p, Some("t2")));
+        assert_ne!(scope(&p, Some("t1")), scope(&p, None));
+        // A tenant cannot spell another tenant's route.
+        let q = parts("POST", "/b", &[]);
+        assert_ne!(scope(&p, Some("x")), scope(&q, Some("x|POST /a")));
+    }
+
+    #[test]
+    fn json_bodies_count_by_canonical_form() {
+        let json = parts("POST", "/p", &[("content-type", "application/json")]);
+        assert_eq!(
+            fingerprint(&json, br#"{"a":1,"b":[1,2]}"#),
+            fingerprint(&json, br#"{ "b": [1, 2], "a": 1 }"#)
+        );
+        assert_ne!(
+            fingerprint(&json, br#"{"a":1}"#),
+            fingerprint(&json, br#"{"a":2}"#)
+        );
+        let text = parts("POST", "/p", &[("content-type", "text/plain")]);
+        assert_ne!(
+            fingerprint(&text, b"{\"a\":1}"),
+            fingerprint(&text, b"{ \"a\":1}")
+        );
+        assert_ne!(
+            fingerprint(&parts("POST", "/p?x=1", &[]), b""),
+            fingerprint(&parts("POST", "/p?x=2", &[]), b"")
+        );
+        assert_ne!(
+            fingerprint(&parts("POST", "/p", &[]), b""),
+            fingerprint(&parts("PATCH", "/p", &[]), b"")
+        );
+    }
+}

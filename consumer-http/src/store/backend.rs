@@ -1,0 +1,308 @@
+//! The sealed [`StoreBackend`] trait, the statements both databases run (written once, with
+//! `$n` placeholders and `{now}` for the database's clock), and the code that runs them,
+//! expanded once per database by `store_ops!`.
+
+use futures::future::BoxFuture;
+use sqlx::Pool;
+
+use super::config::{Names, Statements};
+use crate::stored::StoredResponse;
+use crate::Error;
+
+/// Claims the key: a new row, or takes over a row that has expired (its TTL passed and it
+/// is completed or its lease ran out), or an in-progress row *of the same fingerprint*
+/// whose lease ran out (a request whose process died). A row of another fingerprint is
+/// never taken over while it lives: that request gets 422. Returns a row only if claimed.
+pub(crate) const CLAIM: &str = "INSERT INTO {table} AS r \
+     (scope, key, fingerprint, claim, status, lease_until_ms, expires_at_ms) \
+     VALUES ($1, $2, $3, $4, 'in_progress', {now} + $5, {now} + $6) \
+     ON CONFLICT (scope, key) DO UPDATE SET fingerprint = excluded.fingerprint, \
+       claim = excluded.claim, status = 'in_progress', \
+       lease_until_ms = excluded.lease_until_ms, expires_at_ms = excluded.expires_at_ms, \
+       response_status = NULL, response_headers = NULL, response_body = NULL \
+     WHERE (r.expires_at_ms <= {now} AND (r.status = 'completed' OR r.lease_until_ms <= {now})) \
+       OR (r.status = 'in_progress' AND r.lease_until_ms <= {now} \
+           AND r.fingerprint = excluded.fingerprint) \
+     RETURNING claim";
+
+/// A record, with how long its TTL and lease have left (negative: passed).
+pub(crate) const FETCH: &str = "SELECT fingerprint, status, response_status, response_headers, \
+     response_body, expires_at_ms - {now} AS ttl_left_ms, lease_until_ms - {now} AS lease_left_ms \
+     FROM {table} WHERE scope = $1 AND key = $2";
+
+/// In the request's transaction: the answer, only under this request's claim.
+pub(crate) const COMPLETE: &str = "UPDATE {table} SET status = 'completed', \
+     response_status = $4, response_headers = $5, response_body = $6, \
+     expires_at_ms = {now} + $7 \
+     WHERE scope = $1 AND key = $2 AND claim = $3 AND status = 'in_progress'";
+
+/// Gives the key back (5xx, panic, failure to store): only this request's in-progress claim.
+pub(crate) const RELEASE: &str = "DELETE FROM {table} \
+     WHERE scope = $1 AND key = $2 AND claim = $3 AND status = 'in_progress'";
+
+/// The condition [`CLAIM`] takes a row over on regardless of its fingerprint.
+pub(crate) const EXPIRED: &str =
+    "expires_at_ms <= {now} AND (status = 'completed' OR lease_until_ms <= {now})";
+
+/// What the layer binds to claim, complete and release a key.
+#[derive(Debug, Clone)]
+#[doc(hidden)]
+pub struct ClaimRequest<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) fingerprint: &'a str,
+    /// Unique to this request: the completion and the release match it, so a request whose
+    /// claim was taken over can neither complete nor release the new claim.
+    pub(crate) claim: &'a str,
+    pub(crate) lease_ms: i64,
+    pub(crate) ttl_ms: i64,
+}
+
+/// A record as the layer reads it.
+#[derive(Debug, Clone)]
+#[doc(hidden)]
+pub struct Record {
+    pub(crate) fingerprint: String,
+    pub(crate) completed: bool,
+    /// The claim statement would take it over whatever its fingerprint: gone, in effect.
+    pub(crate) expired: bool,
+    /// An in-progress record whose lease ran out: a request of its fingerprint may take it
+    /// over.
+    pub(crate) lease_expired: bool,
+    /// A completed record's answer.
+    pub(crate) response: Option<StoredResponse>,
+}
+
+impl Record {
+    /// A record from a [`FETCH`] row's columns.
+    pub(crate) fn from_columns(
+        fingerprint: String,
+        status: &str,
+        response: Option<(i32, Vec<u8>, Vec<u8>)>,
+        ttl_left_ms: i64,
+        lease_left_ms: i64,
+    ) -> Result<Self, sqlx::Error> {
+        let completed = status == "completed";
+        let response = match response {
+            Some((status, headers, body)) if completed => Some(StoredResponse {
+                status: u16::try_from(status).unwrap_or(500),
+                headers: StoredResponse::decode_headers(&headers).ok_or_else(|| {
+                    sqlx::Error::Decode("a stored response's headers are malformed".into())
+                })?,
+                body: body.into(),
+            }),
+            _ => None,
+        };
+        Ok(Record {
+            fingerprint,
+            completed: completed && response.is_some(),
+            expired: ttl_left_ms <= 0 && (completed || lease_left_ms <= 0),
+            lease_expired: !completed && lease_left_ms <= 0,
+            response,
+        })
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for sqlx::Postgres {}
+    impl Sealed for sqlx::Sqlite {}
+}
+
+/// A database the store supports: PostgreSQL (many processes) or SQLite (one process).
+/// Sealed; its items are the store's, not part of the public API.
+pub trait StoreBackend: sqlx::Database + sealed::Sealed {
+    #[doc(hidden)]
+    const BACKEND: &'static str;
+    #[doc(hidden)]
+    const HAS_SCHEMAS: bool;
+    /// The database's clock as Unix milliseconds, an SQL expression.
+    #[doc(hidden)]
+    const NOW_MS: &'static str;
+
+    /// How a request's transaction begins (`None`: a plain `BEGIN`).
+    #[doc(hidden)]
+    const BEGIN: Option<&'static str>;
+
+    /// `sql` with its `$n` placeholders in this database's form.
+    #[doc(hidden)]
+    fn placeholders(sql: &str) -> String;
+
+    #[doc(hidden)]
+    fn statements(names: &Names) -> Statements {
+        Statements {
+            claim: render::<Self>(names, CLAIM),
+            fetch: render::<Self>(names, FETCH),
+            complete: render::<Self>(names, COMPLETE),
+            release: render::<Self>(names, RELEASE),
+            purge: render::<Self>(names, &Self::purge_template()),
+        }
+    }
+
+    /// Deletes up to `$1` expired rows.
+    #[doc(hidden)]
+    fn purge_template() -> String;
+
+    #[doc(hidden)]
+    fn migrate<'a>(pool: &'a Pool<Self>, names: &'a Names) -> BoxFuture<'a, Result<(), Error>>;
+
+    #[doc(hidden)]
+    fn claim<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Statements,
+        request: &'a ClaimRequest<'a>,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn fetch<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Statements,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn complete<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a Statements,
+        request: &'a ClaimRequest<'a>,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn release<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Statements,
+        request: &'a ClaimRequest<'a>,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn purge<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Statements,
+        batch: i64,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+}
+
+/// `template` with `{table}`, `{expires_index}` and `{now}` (the database's clock in Unix
+/// milliseconds) filled in, and its `$n` placeholders in the database's form.
+pub(crate) fn render<DB: StoreBackend>(names: &Names, template: &str) -> String {
+    let sql = template
+        .replace("{table}", &names.table)
+        .replace("{expires_index}", &names.expires_index)
+        .replace("{now}", DB::NOW_MS);
+    DB::placeholders(&sql)
+}
+
+/// The bodies of [`StoreBackend`]'s statement methods for the database `$db`: the same code
+/// for both, which sqlx's per-database types make simpler to expand twice than to bound
+/// generically.
+macro_rules! store_ops {
+    ($db:ty) => {
+        fn claim<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            sql: &'a $crate::store::config::Statements,
+            r: &'a $crate::store::backend::ClaimRequest<'a>,
+        ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
+            Box::pin(async move {
+                let row: Option<(String,)> = sqlx::query_as(&sql.claim)
+                    .bind(r.scope)
+                    .bind(r.key)
+                    .bind(r.fingerprint)
+                    .bind(r.claim)
+                    .bind(r.lease_ms)
+                    .bind(r.ttl_ms)
+                    .fetch_optional(pool)
+                    .await?;
+                Ok(row.is_some())
+            })
+        }
+
+        fn fetch<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            sql: &'a $crate::store::config::Statements,
+            scope: &'a str,
+            key: &'a str,
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<Option<$crate::store::backend::Record>, sqlx::Error>,
+        > {
+            Box::pin(async move {
+                use sqlx::Row;
+                let Some(row) = sqlx::query(&sql.fetch)
+                    .bind(scope)
+                    .bind(key)
+                    .fetch_optional(pool)
+                    .await?
+                else {
+                    return Ok(None);
+                };
+                let status: Option<i32> = row.try_get("response_status")?;
+                let headers: Option<Vec<u8>> = row.try_get("response_headers")?;
+                let body: Option<Vec<u8>> = row.try_get("response_body")?;
+                let response = match (status, headers, body) {
+                    (Some(s), Some(h), Some(b)) => Some((s, h, b)),
+                    _ => None,
+                };
+                $crate::store::backend::Record::from_columns(
+                    row.try_get("fingerprint")?,
+                    row.try_get::<&str, _>("status")?,
+                    response,
+                    row.try_get("ttl_left_ms")?,
+                    row.try_get("lease_left_ms")?,
+                )
+                .map(Some)
+            })
+        }
+
+        fn complete<'a>(
+            conn: &'a mut <$db as sqlx::Database>::Connection,
+            sql: &'a $crate::store::config::Statements,
+            r: &'a $crate::store::backend::ClaimRequest<'a>,
+            response: &'a $crate::stored::StoredResponse,
+        ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
+            Box::pin(async move {
+                let done = sqlx::query(&sql.complete)
+                    .bind(r.scope)
+                    .bind(r.key)
+                    .bind(r.claim)
+                    .bind(i32::from(response.status))
+                    .bind(response.encode_headers())
+                    .bind(response.body.to_vec())
+                    .bind(r.ttl_ms)
+                    .execute(conn)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        }
+
+        fn release<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            sql: &'a $crate::store::config::Statements,
+            r: &'a $crate::store::backend::ClaimRequest<'a>,
+        ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
+            Box::pin(async move {
+                let done = sqlx::query(&sql.release)
+                    .bind(r.scope)
+                    .bind(r.key)
+                    .bind(r.claim)
+                    .execute(pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        }
+
+        fn purge<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            sql: &'a $crate::store::config::Statements,
+            batch: i64,
+        ) -> futures::future::BoxFuture<'a, Result<u64, sqlx::Error>> {
+            Box::pin(async move {
+                let done = sqlx::query(&sql.purge).bind(batch).execute(pool).await?;
+                Ok(done.rows_affected())
+            })
+        }
+    };
+}
+
+pub(crate) use store_ops;

@@ -1,0 +1,90 @@
+//! PostgreSQL: many processes share the table; the clock is the server's.
+
+use futures::future::BoxFuture;
+use sha2::{Digest, Sha256};
+use sqlx::{Pool, Postgres};
+
+use super::backend::{render, store_ops, StoreBackend, EXPIRED};
+use super::config::Names;
+use crate::Error;
+
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    include_str!("../../migrations/postgres/0001_idempotency.sql"),
+)];
+
+impl StoreBackend for Postgres {
+    const BACKEND: &'static str = "PostgreSQL";
+    const HAS_SCHEMAS: bool = true;
+    const BEGIN: Option<&'static str> = None;
+    // `clock_timestamp()`, not `now()`: a request's transaction lives as long as its
+    // handler, and its completion's TTL counts from when it is stored.
+    const NOW_MS: &'static str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+    fn placeholders(sql: &str) -> String {
+        sql.to_owned()
+    }
+
+    fn purge_template() -> String {
+        format!(
+            "DELETE FROM {{table}} WHERE ctid = ANY(ARRAY(\
+             SELECT ctid FROM {{table}} WHERE {EXPIRED} LIMIT $1))"
+        )
+    }
+
+    fn migrate<'a>(pool: &'a Pool<Self>, names: &'a Names) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(migrate(pool, names))
+    }
+
+    store_ops!(Postgres);
+}
+
+/// The migration lock of a table: processes starting together would race on
+/// `CREATE ... IF NOT EXISTS`, which is not atomic in PostgreSQL.
+fn migration_lock(names: &Names) -> i64 {
+    let digest = Sha256::digest(format!("consumer-http migrate {}", names.table));
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(id)
+}
+
+async fn migrate(pool: &Pool<Postgres>, names: &Names) -> Result<(), Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(migration_lock(names))
+        .execute(&mut *tx)
+        .await?;
+    if let Some(schema) = &names.schema {
+        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {}", schema.quoted()))
+            .execute(&mut *tx)
+            .await?;
+    }
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, \
+         applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        names.migrations
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let current: Option<i32> =
+        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
+            .fetch_one(&mut *tx)
+            .await?;
+    for (version, sql) in MIGRATIONS {
+        if current.is_some_and(|c| c >= *version) {
+            continue;
+        }
+        let script = render::<Postgres>(names, sql);
+        // A plain string runs unprepared, so the script may hold several statements.
+        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
+        sqlx::query(&format!(
+            "INSERT INTO {} (version) VALUES ($1)",
+            names.migrations
+        ))
+        .bind(version)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

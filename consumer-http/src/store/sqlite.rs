@@ -1,0 +1,75 @@
+//! SQLite: one process (a database file must not be shared by two); the clock is SQLite's.
+
+use futures::future::BoxFuture;
+use sqlx::{Pool, Sqlite};
+
+use super::backend::{render, store_ops, StoreBackend, EXPIRED};
+use super::config::Names;
+use crate::Error;
+
+const MIGRATIONS: &[(i64, &str)] = &[(
+    1,
+    include_str!("../../migrations/sqlite/0001_idempotency.sql"),
+)];
+
+impl StoreBackend for Sqlite {
+    const BACKEND: &'static str = "SQLite";
+    const HAS_SCHEMAS: bool = false;
+    // The write lock first: a deferred transaction that read before the answer is stored
+    // would fail to upgrade (`SQLITE_BUSY_SNAPSHOT`) once another request had written.
+    const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
+    // Julian days to Unix milliseconds; `'now'` has millisecond precision and is the same
+    // throughout one statement.
+    const NOW_MS: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
+    fn placeholders(sql: &str) -> String {
+        // `$n` to `?n`: the statements hold no other `$`.
+        sql.replace('$', "?")
+    }
+
+    fn purge_template() -> String {
+        format!(
+            "DELETE FROM {{table}} WHERE rowid IN (\
+             SELECT rowid FROM {{table}} WHERE {EXPIRED} LIMIT $1)"
+        )
+    }
+
+    fn migrate<'a>(pool: &'a Pool<Self>, names: &'a Names) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(migrate(pool, names))
+    }
+
+    store_ops!(Sqlite);
+}
+
+async fn migrate(pool: &Pool<Sqlite>, names: &Names) -> Result<(), Error> {
+    // `BEGIN IMMEDIATE` takes the write lock first, so two pools migrating one file wait on
+    // each other instead of both creating.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, applied_at INTEGER)",
+        names.migrations
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let current: Option<i64> =
+        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
+            .fetch_one(&mut *tx)
+            .await?;
+    for (version, sql) in MIGRATIONS {
+        if current.is_some_and(|c| c >= *version) {
+            continue;
+        }
+        let script = render::<Sqlite>(names, sql);
+        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
+        sqlx::query(&format!(
+            "INSERT INTO {} (version, applied_at) VALUES (?1, {})",
+            names.migrations,
+            Sqlite::NOW_MS
+        ))
+        .bind(version)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

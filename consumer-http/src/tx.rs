@@ -1,0 +1,102 @@
+//! [`IdempotentTx`]: the request's transaction, in which the layer stores the answer.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use axum::extract::FromRequestParts;
+use axum::response::Response;
+use http::request::Parts;
+use sqlx::Transaction;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use crate::problem;
+use crate::store::StoreBackend;
+
+/// Where the layer keeps the request's transaction while the handler runs: the handler
+/// borrows it through [`IdempotentTx`], the layer takes it back to store the answer and
+/// commit.
+pub(crate) struct TxSlot<DB: StoreBackend>(Arc<Mutex<Option<Transaction<'static, DB>>>>);
+
+impl<DB: StoreBackend> Clone for TxSlot<DB> {
+    fn clone(&self) -> Self {
+        TxSlot(self.0.clone())
+    }
+}
+
+impl<DB: StoreBackend> TxSlot<DB> {
+    pub(crate) fn new(tx: Transaction<'static, DB>) -> Self {
+        TxSlot(Arc::new(Mutex::new(Some(tx))))
+    }
+
+    /// The transaction back from the handler; `None` if the handler still holds it (it
+    /// kept its [`IdempotentTx`] past its answer, e.g. in a spawned task).
+    pub(crate) fn take(&self) -> Option<Transaction<'static, DB>> {
+        self.0.try_lock().ok().and_then(|mut slot| slot.take())
+    }
+}
+
+/// The transaction the [`IdempotencyLayer`](crate::IdempotencyLayer) stores the answer in,
+/// for a handler's writes: they commit together with the stored answer, or neither does.
+///
+/// Dereferences to the database connection, so `sqlx::query(..).execute(&mut *tx)` runs in
+/// it. Do not commit it: the layer commits after storing the answer, and rolls back if the
+/// handler answers 5xx (or 4xx with
+/// [`store_client_errors(false)`](crate::IdempotencyConfigBuilder::store_client_errors)),
+/// panics, or the answer cannot be stored.
+///
+/// Extracting it on a request the layer did not claim (another method, no key where the
+/// key is optional, a route without the layer) is answered 500.
+pub struct IdempotentTx<DB: StoreBackend> {
+    guard: OwnedMutexGuard<Option<Transaction<'static, DB>>>,
+}
+
+impl<DB: StoreBackend> std::fmt::Debug for IdempotentTx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentTx")
+            .field("backend", &DB::BACKEND)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Send + Sync, DB: StoreBackend> FromRequestParts<S> for IdempotentTx<DB> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let missing = || {
+            problem::internal(
+                "this request has no idempotency transaction: the route lacks the \
+                 IdempotencyLayer, or the request is not one it claims",
+            )
+        };
+        let slot = parts
+            .extensions
+            .get::<TxSlot<DB>>()
+            .cloned()
+            .ok_or_else(missing)?;
+        let guard = slot.0.lock_owned().await;
+        if guard.is_none() {
+            return Err(missing());
+        }
+        Ok(IdempotentTx { guard })
+    }
+}
+
+impl<DB: StoreBackend> Deref for IdempotentTx<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        match self.guard.as_ref() {
+            Some(tx) => tx,
+            None => unreachable!("checked when extracted; the layer takes it only after"),
+        }
+    }
+}
+
+impl<DB: StoreBackend> DerefMut for IdempotentTx<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        match self.guard.as_mut() {
+            Some(tx) => tx,
+            None => unreachable!("checked when extracted; the layer takes it only after"),
+        }
+    }
+}

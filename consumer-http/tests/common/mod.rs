@@ -1,0 +1,425 @@
+//! Shared by the HTTP tests: a database (a fresh PostgreSQL schema or a temporary SQLite
+//! file), an axum app with the layer served on `127.0.0.1:0`, and a reqwest client.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use consumer_http::{IdempotencyConfig, IdempotencyLayer, IdempotencyStore, StoreConfig};
+use serde_json::{json, Value};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{PgPool, SqlitePool};
+use tokio::sync::Notify;
+
+pub use consumer_scenarios::env::{unique, wait_until};
+
+/// The PostgreSQL URL the test command starts (see the README's test command).
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").expect(
+        "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
+    )
+}
+
+/// What the handlers share with the test: how often each ran, and switches.
+#[derive(Default)]
+pub struct Handlers {
+    pub runs: AtomicU32,
+    /// `/flaky` answers 500 (after its write) while set, and clears it.
+    pub fail_next: AtomicBool,
+    /// `/panic` panics while set, and clears it.
+    pub panic_next: AtomicBool,
+    /// `/payments` waits at the gate while set, and clears it: a request in progress.
+    pub hold_next: AtomicBool,
+    /// What a held `/payments` waits for.
+    pub gate: Notify,
+    /// How many handlers are waiting at the gate.
+    pub held: AtomicU32,
+}
+
+/// A database for one test.
+pub enum Db {
+    Pg {
+        pool: PgPool,
+        schema: String,
+    },
+    Sqlite {
+        pool: SqlitePool,
+        _dir: tempfile::TempDir,
+    },
+}
+
+impl Db {
+    /// A fresh PostgreSQL schema with the `effects` table; the pool's `search_path` is it.
+    pub async fn postgres() -> Db {
+        let schema = unique("http");
+        let options = PgConnectOptions::from_str(&database_url())
+            .expect("DATABASE_URL")
+            .options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await
+            .expect("connect to PostgreSQL");
+        sqlx::raw_sql(&format!(
+            "CREATE SCHEMA \"{schema}\"; \
+             CREATE TABLE \"{schema}\".effects (route TEXT NOT NULL, run INTEGER NOT NULL);"
+        ))
+        .execute(&pool)
+        .await
+        .expect("create the test schema");
+        Db::Pg { pool, schema }
+    }
+
+    /// A fresh SQLite file with the `effects` table.
+    pub async fn sqlite() -> Db {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let options = SqliteConnectOptions::new()
+            .filename(dir.path().join("http.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .expect("open SQLite");
+        sqlx::raw_sql("CREATE TABLE effects (route TEXT NOT NULL, run INTEGER NOT NULL)")
+            .execute(&pool)
+            .await
+            .expect("create the test table");
+        Db::Sqlite { pool, _dir: dir }
+    }
+
+    /// How many effect rows have committed.
+    pub async fn effects(&self) -> i64 {
+        self.count("effects").await
+    }
+
+    /// How many idempotency records the store holds.
+    pub async fn records(&self) -> i64 {
+        self.count("http_idempotency").await
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        let sql = format!("SELECT count(*) FROM {table}");
+        match self {
+            Db::Pg { pool, .. } => sqlx::query_scalar(&sql).fetch_one(pool).await,
+            Db::Sqlite { pool, .. } => sqlx::query_scalar(&sql).fetch_one(pool).await,
+        }
+        .expect("count rows")
+    }
+
+    /// Deletes expired records through the store; how many.
+    pub async fn purge_expired(&self) -> u64 {
+        match self {
+            Db::Pg { pool, schema } => pg_store(pool, schema).await.purge_expired(100).await,
+            Db::Sqlite { pool, .. } => sqlite_store(pool).await.purge_expired(100).await,
+        }
+        .expect("purge")
+    }
+}
+
+async fn pg_store(pool: &PgPool, schema: &str) -> IdempotencyStore<sqlx::Postgres> {
+    let config = StoreConfig::builder()
+        .schema(schema)
+        .build()
+        .expect("store config");
+    IdempotencyStore::new(pool.clone(), config)
+        .await
+        .expect("store")
+}
+
+async fn sqlite_store(pool: &SqlitePool) -> IdempotencyStore<sqlx::Sqlite> {
+    IdempotencyStore::new(pool.clone(), StoreConfig::default())
+        .await
+        .expect("store")
+}
+
+/// The handlers, for one database: each writes through its `IdempotentTx`.
+macro_rules! routes {
+    ($name:ident, $db:ty, $insert:literal) => {
+        mod $name {
+            use super::*;
+            use consumer_http::IdempotentTx;
+
+            async fn record(tx: &mut IdempotentTx<$db>, route: &str, run: u32) {
+                sqlx::query($insert)
+                    .bind(route)
+                    .bind(i64::from(run))
+                    .execute(&mut **tx)
+                    .await
+                    .expect("insert the effect");
+            }
+
+            async fn payments(
+                State(h): State<Arc<Handlers>>,
+                mut tx: IdempotentTx<$db>,
+                Json(body): Json<Value>,
+            ) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "payments", run).await;
+                if h.hold_next.swap(false, Ordering::SeqCst) {
+                    let notified = h.gate.notified();
+                    h.held.fetch_add(1, Ordering::SeqCst);
+                    notified.await;
+                }
+                let mut headers = HeaderMap::new();
+                headers.insert("location", format!("/payments/{run}").parse().expect("value"));
+                headers.insert("x-not-stored", "1".parse().expect("value"));
+                let answer = json!({"payment": run, "amount": body["amount"]});
+                (StatusCode::CREATED, headers, Json(answer)).into_response()
+            }
+
+            async fn flaky(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "flaky", run).await;
+                if h.fail_next.swap(false, Ordering::SeqCst) {
+                    return (StatusCode::BAD_GATEWAY, "provider down").into_response();
+                }
+                (StatusCode::CREATED, Json(json!({"run": run}))).into_response()
+            }
+
+            async fn reject(State(h): State<Arc<Handlers>>) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                (StatusCode::NOT_FOUND, Json(json!({"missing": run}))).into_response()
+            }
+
+            async fn panics(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "panic", run).await;
+                if h.panic_next.swap(false, Ordering::SeqCst) {
+                    panic!("the handler panics on purpose");
+                }
+                (StatusCode::OK, Json(json!({"run": run}))).into_response()
+            }
+
+            async fn big(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "big", run).await;
+                (StatusCode::OK, "x".repeat(4096)).into_response()
+            }
+
+            pub fn router(h: Arc<Handlers>) -> Router {
+                Router::new()
+                    .route("/payments", post(payments))
+                    .route("/flaky", post(flaky))
+                    .route("/reject", post(reject))
+                    .route("/panic", post(panics))
+                    .route("/big", post(big))
+                    .with_state(h)
+            }
+        }
+    };
+}
+
+routes!(
+    pg_routes,
+    sqlx::Postgres,
+    "INSERT INTO effects (route, run) VALUES ($1, $2)"
+);
+routes!(
+    sqlite_routes,
+    sqlx::Sqlite,
+    "INSERT INTO effects (route, run) VALUES (?1, ?2)"
+);
+
+/// The app on `127.0.0.1:0`.
+pub struct App {
+    pub base: String,
+    pub handlers: Arc<Handlers>,
+    pub client: reqwest::Client,
+}
+
+impl App {
+    /// Serves the routes behind the layer with `config`; the tenant is the `x-tenant` header.
+    pub async fn serve(db: &Db, config: IdempotencyConfig) -> App {
+        let handlers = Arc::new(Handlers::default());
+        let router = router(db, config, handlers.clone()).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        App::at(addr, handlers)
+    }
+
+    /// [`App::serve`] on a runtime of its own, which [`Killed::kill`] drops with every
+    /// request in flight: what a killed process leaves behind (claims, no commits).
+    pub async fn serve_killable(db: &Db, config: IdempotencyConfig) -> (App, Killable) {
+        let handlers = Arc::new(Handlers::default());
+        let router = router(db, config, handlers.clone()).await;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("address");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                tokio::select! {
+                    _ = axum::serve(listener, router) => {}
+                    _ = stopped => {}
+                }
+            });
+            // Dropping the runtime drops every connection task, and the handlers in them.
+            drop(runtime);
+        });
+        (
+            App::at(addr, handlers),
+            Killable {
+                stop,
+                thread: Some(thread),
+            },
+        )
+    }
+
+    fn at(addr: std::net::SocketAddr, handlers: Arc<Handlers>) -> App {
+        App {
+            base: format!("http://{addr}"),
+            handlers,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    /// A POST of `body` (JSON) to `path`, with `key` if given.
+    pub async fn post(&self, path: &str, key: Option<&str>, body: &Value) -> Answer {
+        self.send(path, key, body.to_string(), &[]).await
+    }
+
+    /// A POST of the JSON text `body` to `path`, with `key` if given and `headers`.
+    pub async fn send(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        body: String,
+        headers: &[(&str, &str)],
+    ) -> Answer {
+        let mut request = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        Answer::read(request.send().await.expect("send")).await
+    }
+
+    /// Waits until `n` handlers wait at the gate.
+    pub async fn wait_held(&self, n: u32) {
+        wait_until("a handler waiting at the gate", || async {
+            self.handlers.held.load(Ordering::SeqCst) >= n
+        })
+        .await;
+    }
+
+    /// Lets the handlers waiting at the gate answer.
+    pub fn open_gate(&self) {
+        self.handlers.gate.notify_waiters();
+    }
+
+    /// How often the handlers ran.
+    pub fn runs(&self) -> u32 {
+        self.handlers.runs.load(Ordering::SeqCst)
+    }
+}
+
+/// A server on a runtime of its own (see [`App::serve_killable`]).
+pub struct Killable {
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Killable {
+    /// Stops the server at once, dropping its requests in flight.
+    pub fn kill(mut self) {
+        let _ = self.stop.send(());
+        if let Some(thread) = self.thread.take() {
+            thread.join().expect("the server thread");
+        }
+    }
+}
+
+/// The routes behind the layer with `config`; the tenant is the `x-tenant` header.
+async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> Router {
+    let tenant = |parts: &axum::http::request::Parts| {
+        parts
+            .headers
+            .get("x-tenant")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    match db {
+        Db::Pg { pool, schema } => {
+            let layer =
+                IdempotencyLayer::new(pg_store(pool, schema).await, config).with_tenant(tenant);
+            pg_routes::router(handlers).layer(layer)
+        }
+        Db::Sqlite { pool, .. } => {
+            let layer = IdempotencyLayer::new(sqlite_store(pool).await, config).with_tenant(tenant);
+            sqlite_routes::router(handlers).layer(layer)
+        }
+    }
+}
+
+/// A response, read whole.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Answer {
+    pub async fn read(r: reqwest::Response) -> Answer {
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let body = r.bytes().await.expect("body");
+        Answer {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).expect("a JSON body")
+    }
+
+    /// A problem+json answer with `status`.
+    pub fn assert_problem(&self, status: u16) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        assert_eq!(self.json()["status"], json!(status));
+    }
+}

@@ -1,0 +1,454 @@
+//! The layer end to end: an axum app on `127.0.0.1:0`, a reqwest client, PostgreSQL
+//! (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file). Every scenario
+//! runs on both.
+
+// A scenario's setup failing is the test failing.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{wait_until, App, Db};
+use consumer_http::IdempotencyConfig;
+use serde_json::json;
+
+fn config() -> consumer_http::IdempotencyConfigBuilder {
+    IdempotencyConfig::builder().stored_headers([axum::http::HeaderName::from_static("location")])
+}
+
+/// 100 concurrent requests with one key: the handler runs once and its row commits once;
+/// every other answer is the stored one, byte for byte, marked replayed, or a 409.
+async fn concurrent_requests_with_one_key_run_once(db: Db) {
+    let app =
+        Arc::new(App::serve(&db, config().wait(Duration::from_secs(30)).build().unwrap()).await);
+    app.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 100});
+    let requests: Vec<_> = (0..100)
+        .map(|_| {
+            let (app, body) = (app.clone(), body.clone());
+            tokio::spawn(async move { app.post("/payments", Some("pay-1"), &body).await })
+        })
+        .collect();
+    // The first run waits at the gate while the others arrive.
+    app.wait_held(1).await;
+    app.open_gate();
+    let mut answers = Vec::new();
+    for r in requests {
+        answers.push(r.await.expect("request task"));
+    }
+    assert_eq!(app.runs(), 1);
+    assert_eq!(db.effects().await, 1);
+    let first: Vec<_> = answers
+        .iter()
+        .filter(|a| !a.replayed() && a.status == 201)
+        .collect();
+    assert_eq!(first.len(), 1, "{answers:?}");
+    let first = first[0].clone();
+    assert_eq!(first.header("x-not-stored"), Some("1"));
+    let (mut replays, mut conflicts) = (0, 0);
+    for a in &answers {
+        match a.status {
+            201 if a.replayed() => {
+                replays += 1;
+                assert_eq!(a.body, first.body);
+                assert_eq!(a.header("content-type"), first.header("content-type"));
+                assert_eq!(a.header("location"), first.header("location"));
+                assert_eq!(a.header("x-not-stored"), None);
+            }
+            201 => {}
+            409 => {
+                conflicts += 1;
+                a.assert_problem(409);
+                assert!(a.header("retry-after").is_some(), "{a:?}");
+            }
+            _ => panic!("unexpected answer {a:?}"),
+        }
+    }
+    assert_eq!(replays + conflicts, 99);
+    let again = app.post("/payments", Some("pay-1"), &body).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(db.effects().await, 1);
+}
+
+/// A request that waits for the one in progress gets its answer; one with another body under
+/// the key is 422 at once, while the first is still in progress and after it completed.
+async fn a_request_in_progress_is_waited_for(db: Db) {
+    let app =
+        Arc::new(App::serve(&db, config().wait(Duration::from_secs(30)).build().unwrap()).await);
+    app.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 5});
+    let first = tokio::spawn({
+        let (app, body) = (app.clone(), body.clone());
+        async move { app.post("/payments", Some("k"), &body).await }
+    });
+    app.wait_held(1).await;
+    let second = tokio::spawn({
+        let (app, body) = (app.clone(), body.clone());
+        async move { app.post("/payments", Some("k"), &body).await }
+    });
+    let other = app
+        .post("/payments", Some("k"), &json!({"amount": 6}))
+        .await;
+    other.assert_problem(422);
+    app.open_gate();
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert!(second.replayed(), "{second:?}");
+    assert_eq!(second.body, first.body);
+    let other = app
+        .post("/payments", Some("k"), &json!({"amount": 6}))
+        .await;
+    other.assert_problem(422);
+    assert_eq!(app.runs(), 1);
+    assert_eq!(db.effects().await, 1);
+}
+
+/// The fingerprint: the same JSON in another key order and spacing is a replay; another
+/// body is 422 and runs nothing; the same key on another route or for another tenant is
+/// another record.
+async fn the_key_is_bound_to_its_request_route_and_tenant(db: Db) {
+    let app = App::serve(&db, config().build().unwrap()).await;
+    let first = app
+        .send(
+            "/payments",
+            Some("k"),
+            r#"{"amount":1,"currency":"EUR"}"#.into(),
+            &[],
+        )
+        .await;
+    assert_eq!(first.status, 201);
+    let reordered = app
+        .send(
+            "/payments",
+            Some("k"),
+            r#"{ "currency": "EUR",  "amount": 1 }"#.into(),
+            &[],
+        )
+        .await;
+    assert!(reordered.replayed(), "{reordered:?}");
+    assert_eq!(reordered.body, first.body);
+    let other = app
+        .post(
+            "/payments",
+            Some("k"),
+            &json!({"amount": 2, "currency": "EUR"}),
+        )
+        .await;
+    other.assert_problem(422);
+    assert_eq!(db.effects().await, 1);
+    let other_route = app.post("/flaky", Some("k"), &json!({})).await;
+    assert_eq!(other_route.status, 201);
+    assert!(!other_route.replayed());
+    let body = r#"{"amount":1,"currency":"EUR"}"#;
+    let tenant_a = app
+        .send("/payments", Some("k"), body.into(), &[("x-tenant", "a")])
+        .await;
+    let tenant_b = app
+        .send("/payments", Some("k"), body.into(), &[("x-tenant", "b")])
+        .await;
+    assert!(!tenant_a.replayed() && !tenant_b.replayed());
+    assert_ne!(tenant_a.body, tenant_b.body);
+    assert_eq!(db.effects().await, 4);
+}
+
+/// Missing, too long and unprintable keys are 400, a body over the limit 413; none runs.
+async fn bad_requests_are_refused_before_running(db: Db) {
+    let app = App::serve(&db, config().max_body_bytes(64).build().unwrap()).await;
+    let body = json!({"amount": 1});
+    app.post("/payments", None, &body).await.assert_problem(400);
+    let long = "k".repeat(256);
+    app.post("/payments", Some(&long), &body)
+        .await
+        .assert_problem(400);
+    let request = app
+        .client
+        .post(format!("{}/payments", app.base))
+        .header("content-type", "application/json")
+        .header(
+            "Idempotency-Key",
+            reqwest::header::HeaderValue::from_bytes(b"caf\xe9").unwrap(),
+        )
+        .body(body.to_string());
+    common::Answer::read(request.send().await.unwrap())
+        .await
+        .assert_problem(400);
+    let large = json!({"amount": 1, "note": "x".repeat(100)});
+    app.post("/payments", Some("big"), &large)
+        .await
+        .assert_problem(413);
+    assert_eq!(app.runs(), 0);
+    assert_eq!(db.records().await, 0);
+    let longest = "k".repeat(255);
+    assert_eq!(
+        app.post("/payments", Some(&longest), &body).await.status,
+        201
+    );
+    assert_eq!(db.effects().await, 1);
+}
+
+/// With the key optional, a request without one passes through and runs every time; a
+/// handler that takes an `IdempotentTx` then has none (500). Other methods pass through.
+async fn an_optional_key_passes_through(db: Db) {
+    let app = App::serve(&db, config().key_required(false).build().unwrap()).await;
+    let first = app.post("/reject", None, &json!({})).await;
+    let second = app.post("/reject", None, &json!({})).await;
+    assert!(!first.replayed() && !second.replayed());
+    assert_eq!(app.runs(), 2);
+    app.post("/payments", None, &json!({"amount": 1}))
+        .await
+        .assert_problem(500);
+    let get = app
+        .client
+        .get(format!("{}/reject", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 405);
+    assert_eq!(db.records().await, 0);
+    assert_eq!(db.effects().await, 0);
+}
+
+/// A 5xx rolls back the handler's row and releases the key: no row, no record; the retry
+/// runs again, and its answer is stored.
+async fn a_5xx_rolls_back_and_a_retry_runs(db: Db) {
+    let app = App::serve(&db, config().build().unwrap()).await;
+    app.handlers.fail_next.store(true, Ordering::SeqCst);
+    let failed = app.post("/flaky", Some("f"), &json!({})).await;
+    assert_eq!(failed.status, 502);
+    assert_eq!(db.effects().await, 0);
+    assert_eq!(db.records().await, 0);
+    let retried = app.post("/flaky", Some("f"), &json!({})).await;
+    assert_eq!(retried.status, 201);
+    assert!(!retried.replayed());
+    assert_eq!(app.runs(), 2);
+    let again = app.post("/flaky", Some("f"), &json!({})).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, retried.body);
+    assert_eq!(db.effects().await, 1);
+}
+
+/// A panicking handler: 500, its row rolled back, the key released; the retry runs.
+async fn a_panic_rolls_back_and_a_retry_runs(db: Db) {
+    let app = App::serve(&db, config().build().unwrap()).await;
+    app.handlers.panic_next.store(true, Ordering::SeqCst);
+    app.post("/panic", Some("p"), &json!({}))
+        .await
+        .assert_problem(500);
+    assert_eq!(db.effects().await, 0);
+    assert_eq!(db.records().await, 0);
+    assert_eq!(app.post("/panic", Some("p"), &json!({})).await.status, 200);
+    assert_eq!(db.effects().await, 1);
+}
+
+/// An answer that cannot be stored (over the limit) rolls back the row the handler wrote:
+/// neither the effect nor the record exists.
+async fn an_answer_not_stored_rolls_back_the_effect(db: Db) {
+    let app = App::serve(&db, config().max_response_bytes(1000).build().unwrap()).await;
+    app.post("/big", Some("b"), &json!({}))
+        .await
+        .assert_problem(500);
+    assert_eq!(app.runs(), 1);
+    assert_eq!(db.effects().await, 0);
+    assert_eq!(db.records().await, 0);
+}
+
+/// A 4xx is stored and replayed by default, and released when configured so.
+async fn a_4xx_is_stored_unless_configured_not_to(db: Db) {
+    let app = App::serve(&db, config().build().unwrap()).await;
+    let first = app.post("/reject", Some("r"), &json!({})).await;
+    let again = app.post("/reject", Some("r"), &json!({})).await;
+    assert_eq!((first.status, again.status), (404, 404));
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(app.runs(), 1);
+    let app = App::serve(&db, config().store_client_errors(false).build().unwrap()).await;
+    app.post("/reject", Some("r2"), &json!({})).await;
+    let again = app.post("/reject", Some("r2"), &json!({})).await;
+    assert!(!again.replayed());
+    assert_eq!(app.runs(), 2);
+}
+
+/// After its TTL a key runs again, and the expired records are purged.
+async fn an_expired_key_runs_again_and_is_purged(db: Db) {
+    let ttl = Duration::from_secs(2);
+    let app = App::serve(&db, config().lease(ttl).ttl(ttl).build().unwrap()).await;
+    let body = json!({"amount": 1});
+    assert_eq!(app.post("/payments", Some("t"), &body).await.status, 201);
+    wait_until("the key to run again after its TTL", || async {
+        !app.post("/payments", Some("t"), &body).await.replayed()
+    })
+    .await;
+    assert_eq!(app.runs(), 2);
+    assert_eq!(db.effects().await, 2);
+    wait_until("the expired record to be purged", || async {
+        db.purge_expired().await == 1
+    })
+    .await;
+    assert_eq!(db.records().await, 0);
+}
+
+/// A process killed mid-request (after its handler's write, before the commit) leaves its
+/// claim in progress and no effect: the next request with the key is 409 until the lease
+/// runs out, then takes the claim over and runs once.
+async fn a_killed_request_is_taken_over_after_its_lease(db: Db) {
+    // Long enough that the first retry surely comes before it runs out.
+    let lease = Duration::from_secs(4);
+    let config = || config().lease(lease).wait(Duration::ZERO).build().unwrap();
+    let (doomed, server) = App::serve_killable(&db, config()).await;
+    doomed.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 7});
+    let request = doomed
+        .client
+        .post(format!("{}/payments", doomed.base))
+        .header("Idempotency-Key", "l")
+        .json(&body)
+        .send();
+    let in_flight = tokio::spawn(request);
+    doomed.wait_held(1).await;
+    server.kill();
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the killed server answered"
+    );
+    assert_eq!(db.effects().await, 0);
+    let app = App::serve(&db, config()).await;
+    let early = app.post("/payments", Some("l"), &body).await;
+    early.assert_problem(409);
+    assert!(early.header("retry-after").is_some());
+    wait_until(
+        "the lease to run out and the key to be taken over",
+        || async { app.post("/payments", Some("l"), &body).await.status == 201 },
+    )
+    .await;
+    assert_eq!(app.runs(), 1);
+    assert_eq!(db.effects().await, 1);
+    let replay = app.post("/payments", Some("l"), &body).await;
+    assert!(replay.replayed());
+}
+
+/// PostgreSQL, two processes: a run that stalls past its lease is taken over; both handlers
+/// run, but only the claim's holder stores its answer, so the stalled run's row rolls back
+/// and its client gets 409: one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_stalled_run_taken_over_cannot_commit() {
+    let db = Db::postgres().await;
+    let config = || {
+        config()
+            .lease(Duration::from_secs(2))
+            .wait(Duration::ZERO)
+            .build()
+            .unwrap()
+    };
+    let (stalling, other) = (
+        Arc::new(App::serve(&db, config()).await),
+        App::serve(&db, config()).await,
+    );
+    stalling.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 7});
+    let stalled = tokio::spawn({
+        let (app, body) = (stalling.clone(), body.clone());
+        async move { app.post("/payments", Some("s"), &body).await }
+    });
+    stalling.wait_held(1).await;
+    wait_until("the other process to take the key over", || async {
+        other.post("/payments", Some("s"), &body).await.status == 201
+    })
+    .await;
+    stalling.open_gate();
+    stalled.await.unwrap().assert_problem(409);
+    assert_eq!(db.effects().await, 1);
+    let replay = stalling.post("/payments", Some("s"), &body).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.json()["payment"], json!(1));
+}
+
+macro_rules! on_both {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name(super::Db::postgres().await).await
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name(super::Db::sqlite().await).await
+                }
+            )*
+        }
+    };
+}
+
+on_both!(
+    concurrent_requests_with_one_key_run_once,
+    a_request_in_progress_is_waited_for,
+    the_key_is_bound_to_its_request_route_and_tenant,
+    bad_requests_are_refused_before_running,
+    an_optional_key_passes_through,
+    a_5xx_rolls_back_and_a_retry_runs,
+    a_panic_rolls_back_and_a_retry_runs,
+    an_answer_not_stored_rolls_back_the_effect,
+    a_4xx_is_stored_unless_configured_not_to,
+    an_expired_key_runs_again_and_is_purged,
+    a_killed_request_is_taken_over_after_its_lease,
+);
+
+/// PostgreSQL, two processes, the other order: the stalled run finishes while the run that
+/// took its claim over is still running. The stalled run's answer is refused (the claim is
+/// no longer its), the current holder's is stored: one effect, and it is the holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_only_the_current_claim_stores_its_answer() {
+    let db = Db::postgres().await;
+    let config = || {
+        config()
+            .lease(Duration::from_secs(2))
+            .wait(Duration::ZERO)
+            .build()
+            .unwrap()
+    };
+    let (stalling, other) = (
+        Arc::new(App::serve(&db, config()).await),
+        Arc::new(App::serve(&db, config()).await),
+    );
+    stalling.handlers.hold_next.store(true, Ordering::SeqCst);
+    other.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 9});
+    let stalled = tokio::spawn({
+        let (app, body) = (stalling.clone(), body.clone());
+        async move { app.post("/payments", Some("c"), &body).await }
+    });
+    stalling.wait_held(1).await;
+    // Retries until the lease runs out; the one that takes the claim over holds at the gate.
+    let taking_over = tokio::spawn({
+        let (app, body) = (other.clone(), body.clone());
+        async move {
+            loop {
+                let answer = app.post("/payments", Some("c"), &body).await;
+                if answer.status != 409 {
+                    return answer;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    other.wait_held(1).await;
+    stalling.open_gate();
+    stalled.await.unwrap().assert_problem(409);
+    other.open_gate();
+    let holder = taking_over.await.unwrap();
+    assert_eq!(holder.status, 201, "{holder:?}");
+    assert!(!holder.replayed());
+    assert_eq!(db.effects().await, 1);
+    let replay = stalling.post("/payments", Some("c"), &body).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, holder.body);
+}
