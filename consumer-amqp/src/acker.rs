@@ -304,6 +304,11 @@ impl AmqpAcker {
         if !table.contains_key(headers::FIRST_FAILURE) {
             headers::set_string(&mut table, headers::FIRST_FAILURE, &headers::rfc3339(now));
         }
+        // The delivery span's own trace context (with core's `opentelemetry` feature), so
+        // the copy's attempt is its child; else the message's header, carried above.
+        if let Some(parent) = consumer_core::trace::current_traceparent() {
+            headers::set_string(&mut table, consumer_core::trace::TRACEPARENT, &parent);
+        }
         table
     }
 

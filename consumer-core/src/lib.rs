@@ -31,7 +31,8 @@
 //!   fresh.
 //! - `handler`: the [`Handler`] trait, its options and the contexts a handler runs with;
 //!   `key`: key templates and the canonical payload hash; `retry`: the backoff policy;
-//!   `guard`: guards for effects outside the database; `stats`: the counters.
+//!   `guard`: guards for effects outside the database; `stats`: the counters and their
+//!   metrics; `trace`: W3C trace context from message headers.
 //! - `memory`: the in-memory broker; `fault` (feature `fault-injection`): fault points for
 //!   the chaos suite and the tests.
 //!
@@ -86,6 +87,10 @@
 //! - `fault-injection`: fault points (`fault`), `WorkerConfig::faults`, the deliberately
 //!   broken ack-before-commit switch and `Error::Crashed`. The chaos suite and the tests
 //!   enable it; a production build has none of them.
+//! - `opentelemetry`: a delivery's span gets the message's W3C trace context as its parent,
+//!   and the transports write the span's own context on the copies they publish
+//!   ([`trace`]). It pins `opentelemetry` 0.33 and `tracing-opentelemetry` 0.34; the
+//!   application installs the `tracing-opentelemetry` layer and its exporter.
 
 mod delivery;
 mod error;
@@ -102,6 +107,7 @@ mod log_marks;
 pub mod memory;
 mod retry;
 mod stats;
+pub mod trace;
 mod worker;
 
 pub use consumer_macros::handler;

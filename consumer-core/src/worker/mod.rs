@@ -356,16 +356,21 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// execute, settle. `Err` is a simulated crash: nothing of the batch was settled.
     async fn process(&self, batch: Vec<Incoming>) -> Result<(), Crash> {
         let span = if batch.len() == 1 {
-            tracing::info_span!(
+            let span = tracing::info_span!(
                 "delivery",
                 handler = %self.name,
                 source = %batch[0].delivery.source,
                 key = field::Empty,
                 attempt = field::Empty,
                 outcome = field::Empty,
-            )
+                trace_id = field::Empty,
+            );
+            crate::trace::join(&span, &batch[0].delivery);
+            span
         } else {
-            tracing::info_span!("batch", handler = %self.name, size = batch.len())
+            let span = tracing::info_span!("batch", handler = %self.name, size = batch.len());
+            crate::trace::link(&span, batch.iter().map(|i| &i.delivery));
+            span
         };
         self.stages(batch).instrument(span).await
     }

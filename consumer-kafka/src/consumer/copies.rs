@@ -32,6 +32,16 @@ fn has_header(hs: &[(String, Option<Vec<u8>>)], name: &str) -> bool {
     hs.iter().any(|(k, _)| k == name)
 }
 
+/// The delivery span's own trace context in place of the record's `traceparent` (with
+/// core's `opentelemetry` feature), so the copy's attempt is its child; without it, the
+/// record's header is carried as it is.
+fn inject_trace(hs: &mut Vec<(String, Option<Vec<u8>>)>) {
+    if let Some(parent) = consumer_core::trace::current_traceparent() {
+        hs.retain(|(k, _)| k != consumer_core::trace::TRACEPARENT);
+        hs.push(text(consumer_core::trace::TRACEPARENT, parent));
+    }
+}
+
 /// Where a record first came from: its own position, unless it is a retry copy that says.
 fn add_origin(hs: &mut Vec<(String, Option<Vec<u8>>)>, record: &Record) {
     if !has_header(hs, headers::ORIGINAL_TOPIC) {
@@ -59,6 +69,7 @@ pub(super) fn retry_copy(
     hs.push(text(headers::DUE_AT, due));
     hs.push(text(headers::RETRY_GROUP, &s.group_id));
     add_origin(&mut hs, record);
+    inject_trace(&mut hs);
     OutgoingRecord {
         key: record.key.as_deref().map(<[u8]>::to_vec),
         payload: (!record.null_payload).then(|| record.payload.to_vec()),
@@ -72,6 +83,7 @@ pub(super) fn dead_letter_copy(record: &Record, dl: &DeadLetter) -> OutgoingReco
         (!headers::MANAGED.contains(&k.as_str()) || k.as_str() == headers::ATTEMPT)
             && trusted_origin(record, k)
     });
+    inject_trace(&mut hs);
     hs.push(text(headers::DEAD_LETTER_REASON, dl.reason.as_str()));
     hs.push(text(headers::HANDLER, &dl.handler));
     if let Some(key) = &dl.key {
