@@ -28,7 +28,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
-use super::{DeadLetter, Done, Fate, Report};
+use super::letter::DeadLetter;
+use super::report::{Done, Fate, Report};
 use crate::output::Output;
 use crate::settings;
 use crate::{DbArgs, DlqArgs, Selection};

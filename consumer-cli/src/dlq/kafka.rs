@@ -28,7 +28,8 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 
-use super::{DeadLetter, Done, Fate, Report};
+use super::letter::DeadLetter;
+use super::report::{Done, Fate, Report};
 use crate::output::Output;
 use crate::settings;
 use crate::{DbArgs, DlqArgs, Selection};
