@@ -215,6 +215,38 @@ async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
     let all = json_of(&["inbox", "stats"], &env).await;
     assert_eq!(all.as_array().unwrap().len(), 1, "{all}");
 
+    // The inbox commands on the keys left dead.
+    let show = json_of(&["inbox", "show", HANDLER, &flaky[0]], &env).await;
+    assert_eq!(show["status"], "dead", "{show}");
+    assert!(
+        show["last_error"].as_str().unwrap().contains("timed out"),
+        "{show}"
+    );
+    let released = json_of(&["inbox", "release", HANDLER, &flaky[0]], &env).await;
+    assert_eq!(released["released"], true, "{released}");
+    assert_eq!(inbox.entry(HANDLER, &flaky[0]).await.unwrap(), None);
+    let again = json_of(&["inbox", "release", HANDLER, &rejected[0]], &env).await;
+    assert_eq!(again["released"], false, "a completed key stays: {again}");
+    let young = ["inbox", "purge", "--status", "dead", "--older-than", "30d"];
+    assert_eq!(json_of(&young, &env).await["rows"], 0);
+    let dry = [
+        "inbox",
+        "purge",
+        "--status",
+        "dead",
+        "--older-than",
+        "0s",
+        "--dry-run",
+    ];
+    assert_eq!(json_of(&dry, &env).await["rows"], 1);
+    assert!(inbox.entry(HANDLER, &flaky[1]).await.unwrap().is_some());
+    let purge = ["inbox", "purge", "--status", "dead", "--older-than", "0s"];
+    assert_eq!(json_of(&purge, &env).await["rows"], 1);
+    assert_eq!(inbox.entry(HANDLER, &flaky[1]).await.unwrap(), None);
+    let stats = json_of(&["inbox", "stats"], &env).await;
+    assert_eq!(stats[0]["completed"], 3, "{stats}");
+    assert_eq!(stats[0]["dead"], 0, "{stats}");
+
     // Purge what nobody will replay.
     let purged = json_of(&["dlq", "purge", "--broker", "amqp", "--all"], &env).await;
     assert_eq!(purged["purged"], 2, "{purged}");
@@ -225,6 +257,18 @@ async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
     publisher.close().await;
     running.stop().await;
     Rabbit::delete_topology(&cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_creates_the_inbox_in_the_schema() {
+    let schema = amqp::unique_name("cli_migrate");
+    let env = [("DB_SCHEMA", schema.as_str())];
+    let done = json_of(&["migrate"], &env).await;
+    assert_eq!(done["migrated"], format!("\"{schema}\".\"consumer_inbox\""));
+    // Idempotent; the table is there and empty.
+    json_of(&["migrate"], &env).await;
+    let stats = json_of(&["inbox", "stats"], &env).await;
+    assert_eq!(stats, json!([]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
