@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use consumer_core::{handler, Context, EntryStatus, HandlerError};
-use consumer_tests::kafka::{read_topic, wait_for, worker_config, KafkaEnv, Running};
+use consumer_kafka::headers;
+use consumer_tests::kafka::{header, read_topic, wait_for, worker_config, KafkaEnv, Running};
+use rdkafka::Message;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Postgres;
@@ -93,6 +95,14 @@ async fn kafka_dead_letters_are_grouped_and_replayed_once() {
     assert_eq!(groups[1]["reason"], "undecodable", "{list}");
     assert_eq!(groups[1]["count"], 2, "{list}");
 
+    let dry = json_of(
+        &["dlq", "replay", "--reason", "permanent_error", "--dry-run"],
+        &env_vars,
+    )
+    .await;
+    assert_eq!(dry["selected"], 3, "{dry}");
+    assert_eq!(dry["replayed"], 0, "{dry}");
+
     FIXED.store(true, Ordering::SeqCst);
     let replay = ["dlq", "replay", "--reason", "permanent_error"];
     let done = json_of(&replay, &env_vars).await;
@@ -112,6 +122,23 @@ async fn kafka_dead_letters_are_grouped_and_replayed_once() {
     for id in &rejected {
         let n = effects.iter().filter(|(j, _)| j == id).count();
         assert_eq!(n, 1, "{id} ran once: {effects:?}");
+    }
+
+    // The replayed copies went back to the topic, without the dead letter's headers.
+    let all = read_topic(&env.topic, 1, 8, WAIT).await;
+    assert_eq!(all.len(), 8, "5 records and 3 replayed copies");
+    for copy in &all[5..] {
+        let id = header(copy, "message-id").or_else(|| header(copy, "x-message-id"));
+        for name in [
+            headers::DEAD_LETTER_REASON,
+            headers::ERROR,
+            headers::ATTEMPT,
+            headers::ATTEMPTS,
+            headers::ORIGINAL_TOPIC,
+        ] {
+            assert_eq!(header(copy, name), None, "{name} on the copy of {id:?}");
+        }
+        assert!(copy.payload().is_some_and(|p| !p.is_empty()));
     }
 
     let list = json_of(&["dlq", "list"], &env_vars).await;
