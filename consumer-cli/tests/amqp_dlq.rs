@@ -183,6 +183,14 @@ async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
         "{list}"
     );
 
+    // The text forms, for people.
+    let text = consumer(&["dlq", "list", "--broker", "amqp"], &env).await;
+    assert!(text.status.success());
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("2 dead letters in 1 groups"), "{text}");
+    let text = consumer(&["inbox", "stats"], &env).await;
+    assert!(String::from_utf8_lossy(&text.stdout).contains(HANDLER));
+
     // The same replay again, and by id: nothing left to replay.
     let again = json_of(&replay, &env).await;
     assert_eq!(

@@ -148,6 +148,11 @@ async fn kafka_dead_letters_are_grouped_and_replayed_once() {
     assert_eq!(again["selected"], 0, "{again}");
     assert_eq!(again["replayed"], 0, "{again}");
 
+    let purged = json_of(&["dlq", "purge", "--all"], &env_vars).await;
+    assert_eq!(purged["purged"], 2, "{purged}");
+    let list = json_of(&["dlq", "list"], &env_vars).await;
+    assert_eq!(list["total"], 0, "{list}");
+
     running.stop().await;
     let effects = env.effects().await;
     assert_eq!(effects.len(), 3, "nothing ran twice: {effects:?}");

@@ -251,13 +251,7 @@ async fn republish(channel: &Channel, h: &Held) -> anyhow::Result<()> {
     let exchange = string_header(Some(&table), headers::ORIGINAL_EXCHANGE).unwrap_or_default();
     let routing_key = string_header(Some(&table), headers::ORIGINAL_ROUTING_KEY)
         .ok_or_else(|| anyhow!("no {} header", headers::ORIGINAL_ROUTING_KEY))?;
-    let mut kept = FieldTable::default();
-    for (k, v) in table.inner() {
-        if !STRIPPED.contains(&k.as_str()) {
-            kept.insert(k.clone(), v.clone());
-        }
-    }
-    let properties = h.properties.clone().with_headers(kept);
+    let properties = h.properties.clone().with_headers(replay_headers(&table));
     let confirm = channel
         .basic_publish(
             ShortString::from(exchange.as_str()),
@@ -281,6 +275,17 @@ async fn republish(channel: &Channel, h: &Held) -> anyhow::Result<()> {
         Confirmation::Nack(None) => bail!("the broker refused the republished copy"),
         Confirmation::NotRequested => bail!("the channel is not in confirm mode"),
     }
+}
+
+/// The headers of a replayed copy: the dead letter's without [`STRIPPED`].
+fn replay_headers(table: &FieldTable) -> FieldTable {
+    let mut kept = FieldTable::default();
+    for (k, v) in table.inner() {
+        if !STRIPPED.contains(&k.as_str()) {
+            kept.insert(k.clone(), v.clone());
+        }
+    }
+    kept
 }
 
 /// The message as the commands show it; `position` names one without a message id.
@@ -354,5 +359,58 @@ fn text(v: &AMQPValue) -> String {
         AMQPValue::ShortInt(n) => n.to_string(),
         AMQPValue::Boolean(b) => b.to_string(),
         other => format!("{other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replay_strips_the_framework_and_broker_headers_only() {
+        let mut t = FieldTable::default();
+        for name in STRIPPED {
+            t.insert((*name).into(), AMQPValue::LongString("x".into()));
+        }
+        t.insert("trace-id".into(), AMQPValue::LongString("t-1".into()));
+        t.insert("x-tenant".into(), AMQPValue::LongLongInt(7));
+        let kept = replay_headers(&t);
+        let names: Vec<&str> = kept.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["trace-id", "x-tenant"]);
+        assert!(STRIPPED.contains(&headers::ATTEMPT));
+        assert!(STRIPPED.contains(&headers::DEAD_LETTER_REASON));
+        assert!(STRIPPED.contains(&"x-death"));
+    }
+
+    #[test]
+    fn a_letter_names_its_origin_and_reason() {
+        let mut t = FieldTable::default();
+        t.insert(
+            headers::DEAD_LETTER_REASON.into(),
+            AMQPValue::LongString("permanent_error".into()),
+        );
+        t.insert(
+            headers::ORIGINAL_EXCHANGE.into(),
+            AMQPValue::LongString("".into()),
+        );
+        t.insert(
+            headers::ORIGINAL_ROUTING_KEY.into(),
+            AMQPValue::LongString("orders".into()),
+        );
+        let p = BasicProperties::default()
+            .with_headers(t)
+            .with_message_id("m-1".into());
+        let l = letter(&p, b"{}", 0);
+        assert_eq!(
+            (l.id.as_str(), l.reason.as_str()),
+            ("m-1", "permanent_error")
+        );
+        assert_eq!(l.origin.as_deref(), Some("/orders"));
+        let unnamed = letter(&BasicProperties::default(), b"", 3);
+        assert_eq!(
+            (unnamed.id.as_str(), unnamed.reason.as_str()),
+            ("#3", "unknown")
+        );
+        assert_eq!(unnamed.origin, None);
     }
 }
