@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail};
 use consumer_amqp::RedactedUrl;
 use consumer_core::{Inbox, InboxConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::Postgres;
+use sqlx::{ConnectOptions as _, Connection as _, Postgres};
 
 use crate::DbArgs;
 
@@ -51,17 +51,27 @@ pub(crate) async fn pool(db: &DbArgs) -> anyhow::Result<sqlx::PgPool> {
             scrub(&e.to_string(), url)
         )
     })?;
+    let cannot = |e: &dyn std::fmt::Display| {
+        anyhow!(
+            "DATABASE_URL (--database-url) {shown}: cannot connect: {}",
+            scrub(&e.to_string(), url)
+        )
+    };
+    // One connection first: a pool only says it timed out, this says why (refused, wrong
+    // password, no such database).
+    match tokio::time::timeout(CONNECT_TIMEOUT, options.connect()).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+        }
+        Ok(Err(e)) => return Err(cannot(&e)),
+        Err(_) => return Err(cannot(&format!("no connection within {CONNECT_TIMEOUT:?}"))),
+    }
     PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(CONNECT_TIMEOUT)
         .connect_with(options)
         .await
-        .map_err(|e| {
-            anyhow!(
-                "DATABASE_URL (--database-url) {shown}: cannot connect: {}",
-                scrub(&e.to_string(), url)
-            )
-        })
+        .map_err(|e| cannot(&e))
 }
 
 /// The inbox that `db` names (its migrations run, as [`Inbox::new`] always does).
