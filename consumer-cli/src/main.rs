@@ -42,9 +42,16 @@
 //! - `settings`: connecting to the database and the brokers, with errors that name the
 //!   setting and never show a credential.
 //! - `inbox`: `migrate` and the `inbox` commands.
-//! - `dlq`: what the dead-letter commands share (a dead letter, its fingerprint, the groups,
-//!   the selection, the headers a replay strips); `dlq::amqp` and `dlq::kafka`: reading,
-//!   republishing and settling on each broker.
+//! - `dlq`: the dead-letter commands. `dlq::letter` is what they share whatever the
+//!   broker (a dead letter, its error fingerprint, the groups, the selection),
+//!   `dlq::report` what a replay or purge did; `dlq::amqp` and `dlq::kafka` read,
+//!   republish and settle on each broker, and name the headers a replay strips.
+//!
+//! The inbox commands need no function beyond [`consumer_core::Inbox`]'s public ones:
+//! `inbox stats` lists the handlers and `inbox purge` deletes by status and age with one
+//! statement each on [`consumer_core::Inbox::table`], the validated and quoted table name.
+//! Only PostgreSQL is supported (`DATABASE_URL`); Kafka is reached with
+//! `bootstrap.servers` alone (no SASL or TLS settings yet).
 //! - `output`: printing text or JSON.
 
 mod dlq;
