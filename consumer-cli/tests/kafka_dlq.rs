@@ -157,3 +157,32 @@ async fn kafka_dead_letters_are_grouped_and_replayed_once() {
     let effects = env.effects().await;
     assert_eq!(effects.len(), 3, "nothing ran twice: {effects:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_or_topic_that_does_not_work_is_named() {
+    let out = support::consumer(
+        &["dlq", "list", "--broker", "kafka", "--topic", "t.dlq"],
+        &[("KAFKA_BROKERS", "127.0.0.1:1")],
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("KAFKA_BROKERS"), "{stderr}");
+
+    let schema = consumer_tests::common::unique("cli_kafka");
+    let out = support::consumer(
+        &[
+            "dlq",
+            "list",
+            "--broker",
+            "kafka",
+            "--topic",
+            "no_such_topic_cli.dlq",
+        ],
+        &[("DB_SCHEMA", schema.as_str())],
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("DLQ_TOPIC"), "{stderr}");
+}
