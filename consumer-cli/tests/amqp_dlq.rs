@@ -187,7 +187,7 @@ async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
     let text = consumer(&["dlq", "list", "--broker", "amqp"], &env).await;
     assert!(text.status.success());
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains("2 dead letters in 1 groups"), "{text}");
+    assert!(text.contains("2 dead letters in 1 group\n"), "{text}");
     let text = consumer(&["inbox", "stats"], &env).await;
     assert!(String::from_utf8_lossy(&text.stdout).contains(HANDLER));
 

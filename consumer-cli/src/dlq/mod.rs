@@ -95,9 +95,11 @@ fn print_groups(letters: &[DeadLetter], out: &Output) {
             &rows,
         );
         s.push_str(&format!(
-            "{} dead letters in {} groups\n",
+            "{} dead letter{} in {} group{}\n",
             letters.len(),
-            groups.len()
+            if letters.len() == 1 { "" } else { "s" },
+            groups.len(),
+            if groups.len() == 1 { "" } else { "s" },
         ));
         s
     });
