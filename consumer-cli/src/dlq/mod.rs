@@ -1,0 +1,120 @@
+//! The `dlq` commands: `letter` (a dead letter, its fingerprint, the groups, the
+//! selection) and `report` (what a replay or purge did) are shared; `amqp` and `kafka`
+//! read, republish and settle on each broker.
+
+mod amqp;
+mod kafka;
+mod letter;
+mod report;
+
+use anyhow::bail;
+
+use crate::output::{table, Output};
+use crate::{Broker, DlqCommand};
+use letter::{groups, DeadLetter};
+use report::Report;
+
+/// The `dlq` subcommands.
+pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()> {
+    let broker = match &command {
+        DlqCommand::List { dlq, .. }
+        | DlqCommand::Show { dlq, .. }
+        | DlqCommand::Replay { dlq, .. }
+        | DlqCommand::Purge { dlq, .. } => dlq.broker,
+    };
+    match command {
+        DlqCommand::List { dlq, db } => {
+            let letters = match broker {
+                Broker::Amqp => amqp::browse(&dlq, out).await?,
+                Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
+            };
+            print_groups(&letters, out);
+        }
+        DlqCommand::Show { dlq, db, id } => {
+            let letters = match broker {
+                Broker::Amqp => amqp::browse(&dlq, out).await?,
+                Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
+            };
+            let found: Vec<&DeadLetter> = letters.iter().filter(|l| l.id == id).collect();
+            if found.is_empty() {
+                bail!("no dead letter with id {id:?} in the DLQ");
+            }
+            out.result(&found, |found| {
+                found
+                    .iter()
+                    .map(|l| show_text(l))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        DlqCommand::Replay { dlq, db, selection } => {
+            selection.check()?;
+            let report = match broker {
+                Broker::Amqp => amqp::settle(&dlq, &db, &selection, true, out).await?,
+                Broker::Kafka => kafka::settle(&dlq, &db, &selection, true, out).await?,
+            };
+            finish(report, out)?;
+        }
+        DlqCommand::Purge { dlq, db, selection } => {
+            selection.check()?;
+            let report = match broker {
+                Broker::Amqp => amqp::settle(&dlq, &db, &selection, false, out).await?,
+                Broker::Kafka => kafka::settle(&dlq, &db, &selection, false, out).await?,
+            };
+            finish(report, out)?;
+        }
+    }
+    Ok(())
+}
+
+fn finish(report: Report, out: &Output) -> anyhow::Result<()> {
+    out.result(&report, Report::text);
+    if report.failed > 0 {
+        bail!("{} selected dead letters were not settled", report.failed);
+    }
+    Ok(())
+}
+
+fn print_groups(letters: &[DeadLetter], out: &Output) {
+    let groups = groups(letters);
+    let result = serde_json::json!({ "total": letters.len(), "groups": groups });
+    out.result(&result, |_| {
+        let rows: Vec<Vec<String>> = groups
+            .iter()
+            .map(|g| {
+                vec![
+                    g.count.to_string(),
+                    g.reason.clone(),
+                    g.handlers.join(","),
+                    g.fingerprint.clone(),
+                ]
+            })
+            .collect();
+        let mut s = table(
+            &["COUNT", "REASON", "HANDLER", "ERROR (fingerprint)"],
+            &rows,
+        );
+        s.push_str(&format!(
+            "{} dead letter{} in {} group{}\n",
+            letters.len(),
+            if letters.len() == 1 { "" } else { "s" },
+            groups.len(),
+            if groups.len() == 1 { "" } else { "s" },
+        ));
+        s
+    });
+}
+
+fn show_text(l: &DeadLetter) -> String {
+    let mut s = format!("id: {}\nreason: {}\n", l.id, l.reason);
+    s.push_str("properties:\n");
+    for (k, v) in &l.properties {
+        s.push_str(&format!("  {k}: {v}\n"));
+    }
+    s.push_str("headers:\n");
+    for (k, v) in &l.headers {
+        s.push_str(&format!("  {k}: {v}\n"));
+    }
+    s.push_str(&format!("payload:\n{}\n", l.payload));
+    s
+}
