@@ -101,11 +101,11 @@ impl HandlerStats {
 
 /// The handlers that have rows in the inbox, sorted.
 async fn handlers(inbox: &Inbox<Postgres>) -> anyhow::Result<Vec<String>> {
-    let sql = format!("SELECT DISTINCT handler FROM {} ORDER BY 1", inbox.table());
-    sqlx::query_scalar(&sql)
-        .fetch_all(inbox.pool())
+    let handlers = inbox
+        .handlers()
         .await
-        .context("list the inbox's handlers")
+        .context("list the inbox's handlers")?;
+    Ok(handlers.into_iter().map(|(h, _)| h).collect())
 }
 
 async fn stats(db: &DbArgs, handler: Option<String>, out: &Output) -> anyhow::Result<()> {
@@ -218,27 +218,18 @@ async fn purge(
     out: &Output,
 ) -> anyhow::Result<()> {
     let inbox = settings::inbox(db).await?;
-    let ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-    let filter = format!(
-        "FROM {} WHERE status = $1 AND updated_at < now() - $2 * interval '1 millisecond'",
-        inbox.table()
-    );
-    let n: i64 = if dry_run {
-        sqlx::query_scalar(&format!("SELECT count(*) {filter}"))
-            .bind(status.as_str())
-            .bind(ms)
-            .fetch_one(inbox.pool())
-            .await
-            .context("count the rows")?
-    } else {
-        let done = sqlx::query(&format!("DELETE {filter}"))
-            .bind(status.as_str())
-            .bind(ms)
-            .execute(inbox.pool())
-            .await
-            .context("delete the rows")?;
-        i64::try_from(done.rows_affected()).unwrap_or(i64::MAX)
+    let entry_status = match status {
+        PurgeStatus::Dead => EntryStatus::Dead,
+        PurgeStatus::Completed => EntryStatus::Completed,
     };
+    let n = inbox
+        .purge_older(entry_status, older_than, dry_run)
+        .await
+        .context(if dry_run {
+            "count the rows"
+        } else {
+            "delete the rows"
+        })?;
     let result = serde_json::json!({
         "status": status.as_str(),
         "older_than_secs": older_than.as_secs(),

@@ -46,13 +46,12 @@
 //!   broker (a dead letter, its error fingerprint, the groups, the selection),
 //!   `dlq::report` what a replay or purge did; `dlq::amqp` and `dlq::kafka` read,
 //!   republish and settle on each broker, and name the headers a replay strips.
+//! - `output`: printing text or JSON.
 //!
-//! The inbox commands need no function beyond [`consumer_core::Inbox`]'s public ones:
-//! `inbox stats` lists the handlers and `inbox purge` deletes by status and age with one
-//! statement each on [`consumer_core::Inbox::table`], the validated and quoted table name.
+//! The inbox commands go through [`consumer_core::Inbox`] alone (`counts`, `entry`,
+//! `release`, `handlers`, `purge_older`): the inbox's schema has one owner, core.
 //! Only PostgreSQL is supported (`DATABASE_URL`); Kafka is reached with
 //! `bootstrap.servers` alone (no SASL or TLS settings yet).
-//! - `output`: printing text or JSON.
 
 mod dlq;
 mod inbox;

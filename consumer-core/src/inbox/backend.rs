@@ -390,6 +390,27 @@ pub trait Backend: Execute {
         Box::pin(flow::counts(pool, names, handler))
     }
 
+    /// Every handler with rows, and how many.
+    #[doc(hidden)]
+    fn handlers<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<Vec<(String, u64)>, sqlx::Error>> {
+        Box::pin(flow::handlers(pool, names))
+    }
+
+    /// Deletes (or counts) the rows of one status not updated for a while.
+    #[doc(hidden)]
+    fn purge_older<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        status: &'a str,
+        older_than: Duration,
+        dry_run: bool,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(flow::purge_older(pool, names, status, older_than, dry_run))
+    }
+
     #[doc(hidden)]
     fn purge_expired<'a>(
         pool: &'a Pool<Self>,

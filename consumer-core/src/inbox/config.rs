@@ -107,6 +107,12 @@ pub struct Statements {
     pub(crate) uncount_attempt: String,
     pub(crate) release_dead: String,
     pub(crate) counts: String,
+    /// Every handler with rows, and how many (the `counts` row shape, no idle time).
+    pub(crate) handlers: String,
+    /// Deletes the rows of one status not updated for a while.
+    pub(crate) purge_older: String,
+    /// Counts them (the `counts` row shape).
+    pub(crate) count_older: String,
     pub(crate) purge_expired: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,

@@ -255,6 +255,40 @@ pub(super) async fn counts<DB: Execute>(
     Ok(InboxCounts::from_rows(rows))
 }
 
+/// Every handler with rows in the inbox, and how many rows it has, by name.
+pub(super) async fn handlers<DB: Execute>(
+    pool: &Pool<DB>,
+    names: &TableNames,
+) -> Result<Vec<(String, u64)>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let rows = DB::fetch_counts(&mut conn, &names.sql.handlers, &[]).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(h, n, _)| (h, u64::try_from(n).unwrap_or(0)))
+        .collect())
+}
+
+/// Deletes (or, with `dry_run`, counts) the rows of `status` not updated for `older_than`.
+pub(super) async fn purge_older<DB: Execute>(
+    pool: &Pool<DB>,
+    names: &TableNames,
+    status: &str,
+    older_than: std::time::Duration,
+    dry_run: bool,
+) -> Result<u64, sqlx::Error> {
+    let ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    let args = [Arg::Text(status), Arg::Now(Clock::read()), Arg::Int(ms)];
+    let mut conn = pool.acquire().await?;
+    if dry_run {
+        let rows = DB::fetch_counts(&mut conn, &names.sql.count_older, &args).await?;
+        Ok(rows
+            .first()
+            .map_or(0, |(_, n, _)| u64::try_from(*n).unwrap_or(0)))
+    } else {
+        DB::execute(&mut conn, &names.sql.purge_older, &args).await
+    }
+}
+
 /// Deletes up to `batch` expired rows; how many it deleted.
 pub(super) async fn purge_expired<DB: Execute>(
     pool: &Pool<DB>,

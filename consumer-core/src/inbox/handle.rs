@@ -7,7 +7,7 @@ use sqlx::Pool;
 
 use super::backend::Backend;
 use super::config::{InboxConfig, TableNames};
-use super::entry::{InboxCounts, InboxEntry};
+use super::entry::{EntryStatus, InboxCounts, InboxEntry};
 use super::locks::KeyLocks;
 use crate::Error;
 
@@ -88,6 +88,34 @@ impl<DB: Backend> Inbox<DB> {
     /// operator's call, not one for a hot path.
     pub async fn counts(&self, handler: &str) -> Result<InboxCounts, Error> {
         Ok(DB::counts(&self.pool, &self.names, handler).await?)
+    }
+
+    /// Every handler with rows in the inbox, sorted by name, with how many rows it has.
+    pub async fn handlers(&self) -> Result<Vec<(String, u64)>, Error> {
+        Ok(DB::handlers(&self.pool, &self.names).await?)
+    }
+
+    /// Deletes the rows of `status` (completed or dead) that nothing has updated for
+    /// `older_than`, whatever their retention, and returns how many; with `dry_run` only
+    /// counts them. Pending rows are refused: they belong to messages still on their way
+    /// (use [`Inbox::release`] for one dead key).
+    pub async fn purge_older(
+        &self,
+        status: EntryStatus,
+        older_than: std::time::Duration,
+        dry_run: bool,
+    ) -> Result<u64, Error> {
+        let status = match status {
+            EntryStatus::Completed => "completed",
+            EntryStatus::Dead => "dead",
+            EntryStatus::Pending => {
+                return Err(Error::config(
+                    "status",
+                    "pending rows cannot be purged: their messages are still on their way",
+                ))
+            }
+        };
+        Ok(DB::purge_older(&self.pool, &self.names, status, older_than, dry_run).await?)
     }
 
     /// Deletes completed and dead rows whose retention has expired, `batch` rows per

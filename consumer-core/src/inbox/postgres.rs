@@ -190,6 +190,17 @@ impl Backend for Postgres {
                  (extract(epoch FROM now() - min(updated_at)) * 1000)::bigint \
                  FROM {inbox} WHERE handler = $1 GROUP BY status",
             ),
+            handlers: names.render(
+                "SELECT handler, count(*), NULL::bigint FROM {inbox} GROUP BY handler ORDER BY handler",
+            ),
+            purge_older: names.render(
+                "DELETE FROM {inbox} WHERE status = $1 \
+                 AND updated_at < now() - $2 * interval '1 millisecond'",
+            ),
+            count_older: names.render(
+                "SELECT status, count(*), NULL::bigint FROM {inbox} WHERE status = $1 \
+                 AND updated_at < now() - $2 * interval '1 millisecond' GROUP BY status",
+            ),
             release_dead: names.render(RELEASE_DEAD),
             purge_expired: names.render(PURGE_EXPIRED),
             claim_fresh: names.render(CLAIM_FRESH),

@@ -102,6 +102,16 @@ impl Backend for Sqlite {
                 "SELECT status, count(*), ?2 - min(updated_at) FROM {inbox} \
                  WHERE handler = ?1 GROUP BY status",
             ),
+            handlers: names.render(
+                "SELECT handler, count(*), NULL FROM {inbox} GROUP BY handler ORDER BY handler",
+            ),
+            purge_older: names.render(
+                "DELETE FROM {inbox} WHERE status = ?1 AND updated_at < ?2 - ?3",
+            ),
+            count_older: names.render(
+                "SELECT status, count(*), NULL FROM {inbox} \
+                 WHERE status = ?1 AND updated_at < ?2 - ?3 GROUP BY status",
+            ),
             release_dead: names.render(
                 "DELETE FROM {inbox} WHERE handler = ?1 AND key = ?2 AND status = 'dead'",
             ),

@@ -364,3 +364,38 @@ async fn the_counts_are_exported_through_the_metrics_facade() {
         assert!(durations.is_some_and(|n| n > 0), "{batch:?}: {snapshot:?}");
     }
 }
+
+#[tokio::test]
+async fn an_operator_lists_the_handlers_and_purges_old_rows_by_status() {
+    let (inbox, _dir) = inbox().await;
+    let handler = Recorder::default();
+    let jobs = [
+        ("a", json!({"id": "a"})),
+        ("b", json!({"id": "b"})),
+        ("p", json!({"id": "p", "permanent": true})),
+    ];
+    run(&handler, &inbox, None, &jobs).await;
+    assert_eq!(inbox.handlers().await.unwrap(), [("unit".to_owned(), 3)]);
+    let (dead, completed) = (crate::EntryStatus::Dead, crate::EntryStatus::Completed);
+    let long = Duration::from_secs(3600);
+    // Nothing is an hour old; everything is older than nothing.
+    assert_eq!(inbox.purge_older(dead, long, true).await.unwrap(), 0);
+    assert_eq!(
+        inbox.purge_older(dead, Duration::ZERO, true).await.unwrap(),
+        1
+    );
+    assert_eq!(
+        inbox
+            .purge_older(dead, Duration::ZERO, false)
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(inbox.entry("unit", "p").await.unwrap().is_none());
+    assert_eq!(inbox.purge_older(completed, long, false).await.unwrap(), 0);
+    assert_eq!(inbox.handlers().await.unwrap(), [("unit".to_owned(), 2)]);
+    let pending = inbox
+        .purge_older(crate::EntryStatus::Pending, long, false)
+        .await;
+    assert!(pending.unwrap_err().to_string().contains("status"));
+}

@@ -1,0 +1,64 @@
+//! The worker's background tasks beside the pipeline: the retention purge and the inbox
+//! gauges.
+
+use std::future::Future;
+
+use super::Worker;
+use crate::handler::Handler;
+use crate::inbox::Backend;
+
+impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
+    /// The task that purges expired inbox rows every [`WorkerConfig::retention_interval`](super::WorkerConfig::retention_interval).
+    pub(super) fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let inbox = self.inner.inbox.clone();
+        let batch = self.inner.retention_batch;
+        let stats = self.inner.stats.clone();
+        every(self.inner.retention_interval?, move || {
+            let (inbox, stats) = (inbox.clone(), stats.clone());
+            async move {
+                match inbox.purge_expired(batch).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        stats.purged.add(n);
+                        tracing::debug!(deleted = n, "purged expired inbox rows");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "inbox retention purge failed"),
+                }
+            }
+        })
+    }
+
+    /// The task that sets the inbox gauges (rows by status, the stalest pending key's age)
+    /// every [`WorkerConfig::inbox_gauge_interval`](super::WorkerConfig::inbox_gauge_interval).
+    pub(super) fn spawn_inbox_gauges(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let inbox = self.inner.inbox.clone();
+        let name = self.inner.name.clone();
+        let stats = self.inner.stats.clone();
+        every(self.inner.inbox_gauge_interval?, move || {
+            let (inbox, name, stats) = (inbox.clone(), name.clone(), stats.clone());
+            async move {
+                match inbox.counts(&name).await {
+                    Ok(counts) => stats.inbox.set(&counts),
+                    Err(e) => tracing::debug!(error = %e, "could not count the inbox's rows"),
+                }
+            }
+        })
+    }
+}
+
+/// A background task running `task` every `interval`, the first time at once; a run that
+/// overruns delays the next instead of bunching them.
+fn every<F, Fut>(interval: std::time::Duration, task: F) -> Option<tokio::task::JoinHandle<()>>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            task().await;
+        }
+    }))
+}
