@@ -113,7 +113,7 @@ pub(crate) fn link<'a>(span: &Span, deliveries: impl Iterator<Item = &'a Deliver
         }
     }
     #[cfg(not(feature = "opentelemetry"))]
-    let _ = (span, deliveries.count());
+    let _ = (span, deliveries);
 }
 
 /// The `traceparent` of the current span, for a transport to write on the copy of a

@@ -223,16 +223,11 @@ pub(super) async fn settle(
                     .context("ack the dead letter")?;
                 anyhow::Ok(())
             };
-            match outcome.await {
-                Ok(()) => {
-                    acked.push(h.tag);
-                    line.fate = if replay { Fate::Replayed } else { Fate::Purged };
-                }
-                Err(e) => {
-                    line.fate = Fate::Failed;
-                    line.error = Some(format!("{e:#}"));
-                }
+            let outcome = outcome.await;
+            if outcome.is_ok() {
+                acked.push(h.tag);
             }
+            line.settle(outcome, if replay { Fate::Replayed } else { Fate::Purged });
         }
         if total > 20 && (i + 1) % 100 == 0 {
             out.progress(&format!("{}/{total}…", i + 1));

@@ -258,13 +258,8 @@ pub(super) async fn settle(
                 tx.commit().await.context("commit the settlement")?;
                 anyhow::Ok(())
             };
-            match outcome.await {
-                Ok(()) => line.fate = fate,
-                Err(e) => {
-                    line.fate = Fate::Failed;
-                    line.error = Some(format!("{e:#}"));
-                }
-            }
+            let outcome = outcome.await;
+            line.settle(outcome, fate);
         }
         if total > 20 && (i + 1) % 100 == 0 {
             out.progress(&format!("{}/{total}…", i + 1));

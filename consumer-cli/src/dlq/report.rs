@@ -32,6 +32,20 @@ pub(crate) struct Done {
     pub(crate) error: Option<String>,
 }
 
+impl Done {
+    /// Sets the fate from how replaying or purging the message went: `fate` if it did,
+    /// [`Fate::Failed`] with the error if not.
+    pub(crate) fn settle(&mut self, outcome: anyhow::Result<()>, fate: Fate) {
+        match outcome {
+            Ok(()) => self.fate = fate,
+            Err(e) => {
+                self.fate = Fate::Failed;
+                self.error = Some(format!("{e:#}"));
+            }
+        }
+    }
+}
+
 /// A replay's or purge's report: the summary and one line per selected dead letter.
 #[derive(Debug, Serialize)]
 pub(crate) struct Report {
