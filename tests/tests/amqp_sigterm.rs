@@ -210,3 +210,43 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     let _ = std::fs::remove_dir_all(&logs);
     Rabbit::delete_topology(&cfg).await;
 }
+
+/// SIGTERM while the worker is still starting (here: waiting for a database that does not
+/// answer) ends it cleanly, with exit status 0, instead of killing it with the signal's
+/// default action: the worker listens for the signal from its first step, not from the
+/// moment it begins consuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_starting_exits_cleanly() {
+    init_tracing();
+    tokio::task::spawn_blocking(|| example_binary("invoice_worker"))
+        .await
+        .unwrap();
+    let queue = amqp::unique_name("sigterm_start");
+    // Nothing listens on port 1: the worker keeps retrying the database (for up to a
+    // minute) and is still starting when the signal comes.
+    let vars: HashMap<&'static str, String> = HashMap::from([
+        ("AMQP_URL", amqp_url()),
+        (
+            "DATABASE_URL",
+            "postgres://consumer@127.0.0.1:1/consumer".to_owned(),
+        ),
+        ("QUEUE", queue.clone()),
+        ("EXCHANGE", amqp::unique_name("jobs")),
+    ]);
+    let logs = std::env::temp_dir().join(&queue);
+    std::fs::create_dir_all(&logs).unwrap();
+    let worker = Process::spawn("invoice_worker", &vars, logs.join("worker.log"));
+    wait_for(
+        "the worker to be waiting for the database",
+        LONG,
+        || async { worker.log().contains("database not reachable yet") },
+    )
+    .await;
+    worker.sigterm();
+    let (status, log) = worker.exit().await;
+    assert!(
+        status.success(),
+        "SIGTERM while starting must end the worker cleanly, got {status}:\n{log}"
+    );
+    assert!(log.contains("stopped while starting"), "{log}");
+}

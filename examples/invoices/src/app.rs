@@ -28,27 +28,37 @@ pub fn init_tracing() {
 }
 
 /// Completes on SIGTERM (what `docker stop` and `kill` send) or Ctrl-C.
-pub async fn shutdown_signal() {
+///
+/// The signals are taken over when this is called, not when the future is first polled:
+/// call it first thing, so a SIGTERM that arrives while the worker is still starting (connecting,
+/// migrating, joining its group) stops it cleanly instead of killing it with the default action.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight jobs"),
-                    _ = tokio::signal::ctrl_c() => tracing::info!("Ctrl-C: finishing in-flight jobs"),
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight jobs"),
+                        _ = int.recv() => tracing::info!("Ctrl-C: finishing in-flight jobs"),
+                    }
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C only");
-                let _ = tokio::signal::ctrl_c().await;
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C only");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
-        tracing::info!("Ctrl-C: finishing in-flight jobs");
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("Ctrl-C: finishing in-flight jobs");
+        }
     }
 }
 
@@ -134,36 +144,48 @@ pub async fn run_worker<H: Handler<Postgres>>(
     handler: H,
     default_queue: &str,
 ) -> anyhow::Result<()> {
+    // SIGTERM is ours from here on: one that arrives while starting ends the start.
+    let mut shutdown_requested = Box::pin(shutdown_signal());
     let settings = Settings::from_env(default_queue)?;
     handlers::set_simulated_work(settings.work);
     handlers::set_slow_jobs(settings.slow_job);
-    // Before the worker is built: it registers its metric handles then.
-    let ops = match settings.metrics_addr {
-        Some(addr) => {
-            let ops = Ops::install()?;
-            let bound = ops.serve(addr).await?;
-            tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
-            Some(ops)
-        }
-        None => None,
+    let start = async {
+        // Before the worker is built: it registers its metric handles then.
+        let ops = match settings.metrics_addr {
+            Some(addr) => {
+                let ops = Ops::install()?;
+                let bound = ops.serve(addr).await?;
+                tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
+                Some(ops)
+            }
+            None => None,
+        };
+        let pool = connect_db(&settings).await?;
+        schema::migrate(&pool, &settings.schema).await?;
+        EmailProvider::install(&settings.schema, pool.clone())?;
+        let inbox = Inbox::new(
+            pool.clone(),
+            InboxConfig::in_schema(settings.schema.clone()),
+        )
+        .await?;
+        let config = chaos_switches(
+            &settings,
+            WorkerConfig::default()
+                .with_concurrency(settings.concurrency)
+                .with_batch(settings.batch)
+                .with_inbox_gauge_interval(settings.inbox_gauge_interval),
+        )?;
+        let worker = Worker::with_config(inbox, handler, config)?;
+        let (transport, closed) = transport::consumer(&settings).await?;
+        anyhow::Ok((ops, pool, worker, transport, closed))
     };
-    let pool = connect_db(&settings).await?;
-    schema::migrate(&pool, &settings.schema).await?;
-    EmailProvider::install(&settings.schema, pool.clone())?;
-    let inbox = Inbox::new(
-        pool.clone(),
-        InboxConfig::in_schema(settings.schema.clone()),
-    )
-    .await?;
-    let config = chaos_switches(
-        &settings,
-        WorkerConfig::default()
-            .with_concurrency(settings.concurrency)
-            .with_batch(settings.batch)
-            .with_inbox_gauge_interval(settings.inbox_gauge_interval),
-    )?;
-    let worker = Worker::with_config(inbox, handler, config)?;
-    let (transport, closed) = transport::consumer(&settings).await?;
+    let (ops, pool, worker, transport, closed) = tokio::select! {
+        started = start => started?,
+        () = &mut shutdown_requested => {
+            tracing::info!("stopped while starting: nothing was consumed");
+            return Ok(());
+        }
+    };
     // Counts deliveries the broker flags as delivered before (after a crash or a lost
     // connection): a figure only the transport sees.
     let redelivered = Arc::new(AtomicU64::new(0));
@@ -206,7 +228,7 @@ pub async fn run_worker<H: Handler<Postgres>>(
     }
     // Not ready once draining: a load balancer or orchestrator stops waiting on it.
     let shutdown = async move {
-        shutdown_signal().await;
+        shutdown_requested.await;
         if let Some(ops) = ready {
             ops.set_ready(false);
         }
