@@ -40,21 +40,27 @@ cargo test --workspace "$@"
 # tests, and the CI profile's load (about 35 jobs a second) is far below what an unoptimised
 # worker handles, so a release build would only add minutes (CHAOS.md: the release runs).
 chaos=(cargo run --quiet -p chaos -- --profile ci ${CHAOS_SEED:+--seed "$CHAOS_SEED"})
-# The Kafka runs and the RabbitMQ runs share no broker (each run has its own schema, and
-# only the RabbitMQ runs restart their broker), and mostly wait on retry delays: the Kafka
-# runs go in the background, their output is printed when they end, and every run's
-# failure is reported before the script fails.
+# The runs share no names (each has its own schema, queues, topics and groups), only the
+# RabbitMQ runs restart their broker, and the runs mostly wait on retry delays: the two
+# Kafka runs go in the background, side by side, their output is printed when they end,
+# and every run's failure is reported before the script fails.
 echo "== chaos suite: building the runner and the workers"
 cargo build --quiet -p chaos -p invoices --bins
-kafka_log=$(mktemp "${TMPDIR:-/tmp}/chaos-kafka.XXXXXX")
-(
-    set -e
-    echo "== chaos suite, CI profile, Kafka"
-    "${chaos[@]}" --broker kafka
-    echo "== chaos suite, CI profile, Kafka, batched mode (64 per transaction)"
-    "${chaos[@]}" --broker kafka --batch 64
-) >"$kafka_log" 2>&1 &
-kafka_pid=$!
+kafka_runs=("Kafka" "Kafka, batched mode (64 per transaction)")
+kafka_args=("" "--batch 64")
+kafka_logs=()
+kafka_pids=()
+for i in "${!kafka_runs[@]}"; do
+    log=$(mktemp "${TMPDIR:-/tmp}/chaos-kafka.XXXXXX")
+    kafka_logs+=("$log")
+    # shellcheck disable=SC2086 # the extra arguments are words
+    (
+        set -e
+        echo "== chaos suite, CI profile, ${kafka_runs[$i]}"
+        "${chaos[@]}" --broker kafka ${kafka_args[$i]}
+    ) >"$log" 2>&1 &
+    kafka_pids+=($!)
+done
 
 failed=()
 echo "== chaos suite, CI profile, RabbitMQ (the Kafka runs meanwhile, in the background)"
@@ -75,12 +81,14 @@ else
     echo "chaos: --broken run failed as it must (exit 3)"
 fi
 
-kafka_rc=0
-wait "$kafka_pid" || kafka_rc=$?
-echo "== chaos suite, the Kafka runs' output:"
-cat "$kafka_log"
-rm -f "$kafka_log"
-((kafka_rc == 0)) || failed+=("Kafka (exit $kafka_rc)")
+for i in "${!kafka_runs[@]}"; do
+    rc=0
+    wait "${kafka_pids[$i]}" || rc=$?
+    echo "== chaos suite, the ${kafka_runs[$i]} run's output:"
+    cat "${kafka_logs[$i]}"
+    rm -f "${kafka_logs[$i]}"
+    ((rc == 0)) || failed+=("${kafka_runs[$i]} (exit $rc)")
+done
 
 if ((${#failed[@]})); then
     echo "chaos: failed: ${failed[*]}" >&2
