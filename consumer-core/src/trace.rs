@@ -10,6 +10,12 @@
 //!   OpenTelemetry exporter (through `tracing-opentelemetry`) shows one trace from the
 //!   publish to the effect; and [`current_traceparent`] gives the transports the delivery
 //!   span's own context to write on the copies, so the next attempt is a child of this one.
+//!
+//! The delivery and batch spans carry OpenTelemetry's messaging attributes where they fit:
+//! `otel.kind = consumer` (tracing-opentelemetry's span kind), `messaging.system`
+//! ([`messaging_system`]: `rabbitmq`, `kafka`, or the transport's own name),
+//! `messaging.operation.type = process`, and `messaging.message.id` on a delivery span,
+//! `messaging.batch.message_count` on a batch's.
 
 use tracing::Span;
 
@@ -19,6 +25,15 @@ use crate::delivery::Delivery;
 pub const TRACEPARENT: &str = "traceparent";
 /// The W3C vendor trace state header, carried with [`TRACEPARENT`].
 pub const TRACESTATE: &str = "tracestate";
+
+/// The OpenTelemetry `messaging.system` of a transport ([`crate::Source::transport`]):
+/// `amqp` is `rabbitmq`, the others keep their name (`kafka`, `memory`).
+pub fn messaging_system(transport: &'static str) -> &'static str {
+    match transport {
+        "amqp" => "rabbitmq",
+        other => other,
+    }
+}
 
 /// A parsed `traceparent` (version 00): `00-<trace id>-<parent span id>-<flags>`, lowercase
 /// hex.

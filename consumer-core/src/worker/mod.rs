@@ -304,19 +304,34 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// execute, settle. `Err` is a simulated crash: nothing of the batch was settled.
     async fn process(&self, batch: Vec<Incoming>) -> Result<(), Crash> {
         let span = if batch.len() == 1 {
+            let delivery = &batch[0].delivery;
             let span = tracing::info_span!(
                 "delivery",
+                otel.kind = "consumer",
+                messaging.system = crate::trace::messaging_system(delivery.source.transport),
+                messaging.operation.type = "process",
+                messaging.message.id = delivery.message_id.as_deref(),
                 handler = %self.name,
-                source = %batch[0].delivery.source,
+                source = %delivery.source,
                 key = field::Empty,
                 attempt = field::Empty,
                 outcome = field::Empty,
                 trace_id = field::Empty,
             );
-            crate::trace::join(&span, &batch[0].delivery);
+            crate::trace::join(&span, delivery);
             span
         } else {
-            let span = tracing::info_span!("batch", handler = %self.name, size = batch.len());
+            let span = tracing::info_span!(
+                "batch",
+                otel.kind = "consumer",
+                messaging.system = batch
+                    .first()
+                    .map(|i| crate::trace::messaging_system(i.delivery.source.transport)),
+                messaging.operation.type = "process",
+                messaging.batch.message_count = batch.len(),
+                handler = %self.name,
+                size = batch.len()
+            );
             crate::trace::link(&span, batch.iter().map(|i| &i.delivery));
             span
         };
