@@ -1,7 +1,8 @@
-//! `--compare BEFORE`: a before/after pair in one command. This binary (after) and another
-//! build of the bench (before, e.g. built from the commit before a change) run alternately,
-//! one repetition each per round, with the same arguments; the order flips every round so a
-//! drift of the machine weighs on both alike. Each run writes its figures as JSON
+//! A before/after pair in one command. `--compare BEFORE`: this binary (after) and another
+//! build of the bench (before, e.g. built from the commit before a change); `--compare-metrics`:
+//! this binary with `--metrics off` (before) and `--metrics on` (after). The two sides run
+//! alternately, one repetition each per round, with the same arguments otherwise; the order
+//! flips every round so a drift of the machine weighs on both alike. Each run writes its figures as JSON
 //! (`--json`), and the pair is printed side by side: every arm's rate and client CPU, and
 //! every ratio, as median [min, max] over the rounds.
 
@@ -13,11 +14,16 @@ use anyhow::{bail, Context as _};
 
 use crate::report::{Run, Spread, RATIOS};
 
-/// The options a side's run must not inherit from the driver's command line: the driver's
-/// own, and the ones it sets for each run.
-const DRIVER_OPTIONS: [&str; 3] = ["--compare", "--reps", "--json"];
+/// The options with a value that a side's run must not inherit from the driver's command
+/// line: the driver's own, and the ones it sets for each run (`--metrics`: each side's own
+/// under `--compare-metrics`).
+const DRIVER_OPTIONS: [&str; 4] = ["--compare", "--reps", "--json", "--metrics"];
 
-/// The driver's arguments without [`DRIVER_OPTIONS`] (as `--name value` or `--name=value`).
+/// The driver's flags (no value) that a side's run must not inherit.
+const DRIVER_FLAGS: [&str; 1] = ["--compare-metrics"];
+
+/// The driver's arguments without [`DRIVER_OPTIONS`] (as `--name value` or `--name=value`)
+/// and [`DRIVER_FLAGS`].
 fn passed_on(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
     let mut out = Vec::new();
     let mut skip_value = false;
@@ -28,9 +34,10 @@ fn passed_on(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
         let text = arg.to_string_lossy();
         if DRIVER_OPTIONS.contains(&text.as_ref()) {
             skip_value = true;
-        } else if !DRIVER_OPTIONS
-            .iter()
-            .any(|o| text.starts_with(&format!("{o}=")))
+        } else if !DRIVER_FLAGS.contains(&text.as_ref())
+            && !DRIVER_OPTIONS
+                .iter()
+                .any(|o| text.starts_with(&format!("{o}=")))
         {
             out.push(arg);
         }
@@ -38,10 +45,47 @@ fn passed_on(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
     out
 }
 
+/// One side of a pair: a bench binary and the arguments only this side gets.
+pub(crate) struct Side {
+    /// The binary.
+    pub(crate) binary: PathBuf,
+    /// Appended to the arguments both sides get.
+    pub(crate) extra: Vec<OsString>,
+}
+
+impl Side {
+    /// Another build of the bench, with the same arguments as this one.
+    pub(crate) fn build(binary: &Path) -> Side {
+        Side {
+            binary: binary.to_owned(),
+            extra: Vec::new(),
+        }
+    }
+
+    /// This binary, with `extra` arguments.
+    pub(crate) fn this(extra: &[&str]) -> anyhow::Result<Side> {
+        Ok(Side {
+            binary: std::env::current_exe().context("this binary's path")?,
+            extra: extra.iter().map(OsString::from).collect(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        let extra: Vec<_> = self.extra.iter().map(|a| a.to_string_lossy()).collect();
+        if extra.is_empty() {
+            self.binary.display().to_string()
+        } else {
+            format!("{} {}", self.binary.display(), extra.join(" "))
+        }
+    }
+}
+
 /// Runs `binary` for one repetition with `args`, and reads back what it measured.
-fn one_run(binary: &Path, args: &[OsString], json: &Path) -> anyhow::Result<Run> {
+fn one_run(side: &Side, args: &[OsString], json: &Path) -> anyhow::Result<Run> {
+    let binary = &side.binary;
     let status = Command::new(binary)
         .args(args)
+        .args(&side.extra)
         .args(["--reps", "1", "--json"])
         .arg(json)
         .stdout(Stdio::null())
@@ -62,26 +106,25 @@ fn one_run(binary: &Path, args: &[OsString], json: &Path) -> anyhow::Result<Run>
 }
 
 /// Runs the pair for `rounds` rounds and prints it.
-pub(crate) fn run(before: &Path, rounds: usize) -> anyhow::Result<()> {
-    let after: PathBuf = std::env::current_exe().context("this binary's path")?;
+pub(crate) fn run(before: &Side, after: &Side, rounds: usize) -> anyhow::Result<()> {
     let args = passed_on(std::env::args_os().skip(1));
     let json = std::env::temp_dir().join(format!("bench-compare-{}.json", std::process::id()));
     let (mut a, mut b) = (Run::default(), Run::default());
     for round in 0..rounds {
         let sides = if round % 2 == 0 {
-            [(before, &mut a), (after.as_path(), &mut b)]
+            [(before, &mut a), (after, &mut b)]
         } else {
-            [(after.as_path(), &mut b), (before, &mut a)]
+            [(after, &mut b), (before, &mut a)]
         };
-        for (binary, run) in sides {
-            eprintln!("round {round}: {}", binary.display());
-            run.extend(one_run(binary, &args, &json)?);
+        for (side, run) in sides {
+            eprintln!("round {round}: {}", side.describe());
+            run.extend(one_run(side, &args, &json)?);
         }
     }
     println!(
         "\n{rounds} rounds, one repetition of each build per round, alternating; median [min, max]\nbefore: {}\nafter:  {}\n",
-        before.display(),
-        after.display()
+        before.describe(),
+        after.describe()
     );
     println!("{:<44} {:>24} {:>24}", "arm: msgs/s", "before", "after");
     let pair = |x: Option<Spread>, p: usize| x.map_or("-".to_owned(), |s| format!("{s:.p$}"));
@@ -135,6 +178,8 @@ mod tests {
             "x.json",
             "--reps",
             "2",
+            "--compare-metrics",
+            "--metrics=on",
         ]);
         assert_eq!(
             passed_on(args),

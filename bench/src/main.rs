@@ -36,7 +36,9 @@
 //!
 //! `--compare BEFORE_BINARY` makes a before/after pair one command (`compare`): another
 //! build of the bench and this one run alternately, one repetition each per round
-//! (`--reps` rounds), and are reported side by side. `--json PATH` writes a run's figures.
+//! (`--reps` rounds), and are reported side by side. `--compare-metrics` does the same with
+//! this build alone, metrics off against on (`--metrics on` installs a Prometheus recorder
+//! and renders it every second). `--json PATH` writes a run's figures.
 //!
 //! Options (`--help` lists them with their defaults): `--messages N --reps N --size BYTES
 //! --batch N --concurrency N --prefetch N`; `--arms a,b` runs
@@ -59,7 +61,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Acknowledger, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox,
@@ -118,6 +120,31 @@ async fn record_each(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), Ha
 /// The batch window of the batched arms (framework and hand-written alike).
 const BATCH_WAIT: Duration = Duration::from_millis(5);
 
+/// Whether a metrics recorder is installed (`--metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum MetricsMode {
+    /// No recorder: the framework's metrics are no-ops.
+    Off,
+    /// A Prometheus recorder, rendered every second.
+    On,
+}
+
+/// Installs a Prometheus recorder for the whole process and renders it every second on a
+/// thread of its own (a scrape's cost, and the upkeep that drains its histograms).
+fn install_recorder() -> anyhow::Result<()> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the Prometheus recorder")?;
+    std::thread::Builder::new()
+        .name("metrics-scrape".into())
+        .spawn(move || loop {
+            std::thread::sleep(Duration::from_secs(1));
+            handle.run_upkeep();
+            std::hint::black_box(handle.render());
+        })?;
+    Ok(())
+}
+
 /// The command line, parsed by clap (`--help` lists it).
 #[derive(Debug, clap::Parser)]
 #[command(
@@ -136,8 +163,17 @@ struct Options {
     /// Compare with another build of the bench (the "before", e.g. built from an earlier
     /// commit): it and this binary run alternately, one repetition each per round, with
     /// the other arguments given here, and both are reported side by side.
-    #[arg(long, value_name = "BEFORE_BINARY")]
+    #[arg(long, value_name = "BEFORE_BINARY", conflicts_with = "compare_metrics")]
     compare: Option<std::path::PathBuf>,
+    /// A pair of this binary with `--metrics off` (before) and `--metrics on` (after),
+    /// alternating as `--compare` does: what exporting the metrics costs.
+    #[arg(long)]
+    compare_metrics: bool,
+    /// `on`: a Prometheus recorder is installed before the arms run (as in a worker that
+    /// serves `/metrics`) and its text rendered every second, as a scrape would; `off`: no
+    /// recorder, so every metric the framework records is a no-op.
+    #[arg(long, value_enum, default_value = "off")]
+    metrics: MetricsMode,
     /// Also write every repetition's figures to this file as JSON.
     #[arg(long, value_name = "PATH")]
     json: Option<std::path::PathBuf>,
@@ -594,7 +630,21 @@ async fn framework<H: Handler<Postgres>>(
 fn main() -> anyhow::Result<()> {
     let o = <Options as clap::Parser>::parse();
     if let Some(before) = &o.compare {
-        return compare::run(before, o.reps);
+        return compare::run(
+            &compare::Side::build(before),
+            &compare::Side::this(&[])?,
+            o.reps,
+        );
+    }
+    if o.compare_metrics {
+        return compare::run(
+            &compare::Side::this(&["--metrics", "off"])?,
+            &compare::Side::this(&["--metrics", "on"])?,
+            o.reps,
+        );
+    }
+    if o.metrics == MetricsMode::On {
+        install_recorder()?;
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
