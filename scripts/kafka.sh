@@ -154,7 +154,7 @@ write_state() {
 
 # $1 = "keep" to insist on the stored port (restart), "any" to move if taken.
 start_broker() {
-    local policy="$1" port pid deadline
+    local policy="$1" port pid
     if broker_running; then
         log "reusing running broker on port $(stored_port)"
         return 0
@@ -163,13 +163,7 @@ start_broker() {
         log "broker pid $pid does not answer; stopping it"
         stop_broker
     fi
-    port=$(stored_port || true)
-    if [[ -n "$port" ]] && port_in_use "$port"; then
-        [[ "$policy" == any ]] || die "port $port is taken by another process; cannot restart on the same port"
-        log "port $port is taken by another process; choosing a new one"
-        port=""
-    fi
-    [[ -n "$port" ]] || port=$(find_free_port)
+    port=$(choose_port "$policy")
     write_state "$port"
     local engine
     case "$STORAGE" in
@@ -190,15 +184,7 @@ start_broker() {
             </dev/null >>"$LOG_FILE" 2>&1 9>&-
     ) &
     printf '%s\n' "$!" >"$PID_FILE"
-    deadline=$((SECONDS + TIMEOUT))
-    until broker_ready "$port"; do
-        if ! broker_pid >/dev/null; then
-            tail -n 20 "$LOG_FILE" >&2 || true
-            die "tansu exited during start"
-        fi
-        ((SECONDS < deadline)) || { tail -n 20 "$LOG_FILE" >&2 || true; die "tansu not ready after ${TIMEOUT}s"; }
-        sleep 0.2
-    done
+    wait_started tansu broker_ready broker_pid "$port"
 }
 
 stop_broker() {

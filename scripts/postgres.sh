@@ -179,13 +179,7 @@ start_pg() {
         init_cluster
         rm -f "$PORT_FILE"
     fi
-    port=$(stored_port || true)
-    if [[ -n "$port" ]] && port_in_use "$port"; then
-        [[ "$policy" == any ]] || die "port $port is taken by another process; cannot restart on the same port"
-        log "port $port is taken by another process; choosing a new one"
-        port=""
-    fi
-    [[ -n "$port" ]] || port=$(find_free_port)
+    port=$(choose_port "$policy")
     # The socket path (dir + /.s.PGSQL.PORT) must fit in sun_path (107 bytes).
     ((${#SOCK_DIR} < 90)) || die "state dir path too long for a unix socket: $SOCK_DIR"
     as_pg mkdir -p "$SOCK_DIR"

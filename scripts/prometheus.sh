@@ -76,7 +76,7 @@ EOF
 }
 
 start_server() {
-    local policy="$1" port pid deadline
+    local policy="$1" port pid
     command -v prometheus >/dev/null ||
         die "prometheus is not installed (scripts/install-packages.sh test)"
     if server_running; then
@@ -87,12 +87,7 @@ start_server() {
         log "Prometheus pid $pid does not answer; stopping it"
         stop_server
     fi
-    port=$(stored_port || true)
-    if [[ -n "$port" ]] && port_in_use "$port"; then
-        [[ "$policy" == any ]] || die "port $port is taken by another process"
-        port=""
-    fi
-    [[ -n "$port" ]] || port=$(find_free_port)
+    port=$(choose_port "$policy")
     write_config
     printf '%s\n' "$port" >"$PORT_FILE"
     printf "export PROMETHEUS_URL='http://127.0.0.1:%s'\nexport PROMETHEUS_TARGETS='%s'\n" \
@@ -107,15 +102,7 @@ start_server() {
             </dev/null >>"$LOG_FILE" 2>&1 9>&-
     ) &
     printf '%s\n' "$!" >"$PID_FILE"
-    deadline=$((SECONDS + TIMEOUT))
-    until server_ready "$port"; do
-        if ! server_pid >/dev/null; then
-            tail -n 20 "$LOG_FILE" >&2 || true
-            die "prometheus exited during start"
-        fi
-        ((SECONDS < deadline)) || { tail -n 20 "$LOG_FILE" >&2 || true; die "prometheus not ready after ${TIMEOUT}s"; }
-        sleep 0.2
-    done
+    wait_started prometheus server_ready server_pid "$port"
 }
 
 stop_server() {

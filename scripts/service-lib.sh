@@ -1,6 +1,7 @@
 # Shared by the service scripts (postgres.sh, rabbitmq.sh, kafka.sh, prometheus.sh): their
-# logging, usage text, ports and pid handling. Sourced, never run. Before sourcing, a script
-# sets FIRST_PORT (the first port to try) and PORT_FILE (where its port is kept).
+# logging, usage text, ports, pid handling and the wait for a started server. Sourced, never
+# run. Before sourcing, a script sets FIRST_PORT (the first port to try) and PORT_FILE (where
+# its port is kept); wait_started also reads TIMEOUT and LOG_FILE.
 
 # Messages go to stderr, prefixed with the script's name: stdout is for `export` lines.
 log() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; }
@@ -47,5 +48,34 @@ wait_or_kill() {
             break
         fi
         sleep 0.1
+    done
+}
+
+# The port to start on, by policy $1: the stored one when free; when another process holds
+# it, a new free one with `any`, an error with `keep` (a restart must keep its port).
+choose_port() {
+    local port
+    port=$(stored_port || true)
+    if [[ -n "$port" ]] && port_in_use "$port"; then
+        [[ "$1" == any ]] || die "port $port is taken by another process; cannot restart on the same port"
+        log "port $port is taken by another process; choosing a new one"
+        port=""
+    fi
+    [[ -n "$port" ]] || port=$(find_free_port)
+    printf '%s\n' "$port"
+}
+
+# Waits up to TIMEOUT seconds for the server $1 just started: `$2 PORT` says it is ready,
+# `$3` fails once its process is gone (then, or at the deadline, the log's tail is shown
+# and the script stops).
+wait_started() {
+    local name="$1" ready="$2" alive="$3" port="$4" deadline=$((SECONDS + TIMEOUT))
+    until "$ready" "$port"; do
+        if ! "$alive" >/dev/null; then
+            tail -n 20 "$LOG_FILE" >&2 || true
+            die "$name exited during start"
+        fi
+        ((SECONDS < deadline)) || { tail -n 20 "$LOG_FILE" >&2 || true; die "$name not ready after ${TIMEOUT}s"; }
+        sleep 0.2
     done
 }
