@@ -214,3 +214,32 @@ fn properties(
     }
     Ok(p)
 }
+
+/// The outbox relay publishes a message with the message's destination as the routing key on
+/// the configured exchange (on the default exchange: the queue), its id as `message_id` and
+/// its headers as text, mandatory and confirmed. An unroutable message, or one the broker
+/// refuses for what it is, is reported as refused; a lost connection or a timeout as
+/// unavailable.
+impl consumer_core::Publisher for AmqpPublisher {
+    fn publish<'a>(
+        &'a self,
+        message: &'a consumer_core::OutboxMessage,
+    ) -> futures::future::BoxFuture<'a, Result<(), consumer_core::PublishError>> {
+        Box::pin(async move {
+            let id = message.message_id.as_deref().unwrap_or_default();
+            let result = self
+                .publish(&message.destination, id, &message.payload, &message.headers)
+                .await;
+            result.map_err(|e| {
+                if e.is_transient() {
+                    consumer_core::PublishError::unavailable(
+                        "rabbitmq did not confirm the message",
+                        e,
+                    )
+                } else {
+                    consumer_core::PublishError::refused_by("rabbitmq refused the message", e)
+                }
+            })
+        })
+    }
+}

@@ -20,6 +20,10 @@ pub enum Error {
     /// A transport failed in a way the runtime cannot recover from.
     #[error("transport error")]
     Transport(#[source] TransportError),
+    /// An outgoing message cannot be written or published as it is (an empty destination, a
+    /// payload that does not encode).
+    #[error("invalid outgoing message: {0}")]
+    Message(String),
     /// A fault point stopped the worker on purpose (the `fault-injection` feature: tests,
     /// the chaos suite and the quickstart).
     #[cfg(feature = "fault-injection")]

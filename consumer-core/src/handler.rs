@@ -1,14 +1,22 @@
 //! The handler contract: what `#[handler]` generates and what a handler receives.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 
 use crate::delivery::Delivery;
-use crate::inbox::Backend;
-use crate::HandlerError;
+use crate::inbox::{Backend, TableNames};
+use crate::outbox::OutboxMessage;
+use crate::{Error, HandlerError};
+
+/// The id of the `n`th message (from 0) that the run of (`handler`, `key`) writes to the
+/// outbox, unless it names its own: the same on every attempt and redelivery.
+fn outbox_message_id(handler: &str, key: &str, n: u32) -> String {
+    crate::key::idempotency_key(handler, key, &format!("outbox/{n}"))
+}
 
 /// What to do when a key arrives again with a different payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -170,6 +178,11 @@ pub struct BatchContext<'c, DB: Backend> {
     pub(crate) conn: &'c mut DB::Connection,
     pub(crate) handler: &'c str,
     pub(crate) members: &'c [BatchMember<'c>],
+    pub(crate) names: &'c TableNames,
+    /// Messages written to the outbox so far, by member (for their ids).
+    pub(crate) published: Vec<u32>,
+    /// Set when a message was written: the runtime wakes the relays after the commit.
+    pub(crate) wrote: &'c AtomicBool,
 }
 
 /// What the runtime knows of one message of a batch.
@@ -215,6 +228,24 @@ impl<'c, DB: Backend> BatchContext<'c, DB> {
         self.members[i].delivery
     }
 
+    /// Writes `message` to the outbox in the batch's transaction, on behalf of message `i`
+    /// (see [`Context::publish`]: its id, unless it has one, derives from message `i`'s key,
+    /// so it is the same whether the message runs in a batch or alone). Returns the id.
+    pub async fn publish(&mut self, i: usize, message: OutboxMessage) -> Result<String, Error> {
+        if self.published.len() < self.members.len() {
+            self.published.resize(self.members.len(), 0);
+        }
+        let n = self.published[i];
+        let id = match &message.message_id {
+            Some(id) => id.clone(),
+            None => outbox_message_id(self.handler, self.members[i].key, n),
+        };
+        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id).await?;
+        self.published[i] = n + 1;
+        self.wrote.store(true, Ordering::Relaxed);
+        Ok(id)
+    }
+
     /// A stable key for an effect of message `i` outside the database: the same as
     /// [`Context::idempotency_key`] gives that message when it runs alone.
     pub fn idempotency_key(&self, i: usize, effect: &str) -> String {
@@ -234,6 +265,11 @@ pub struct Context<'c, DB: Backend> {
     pub(crate) attempt: u32,
     pub(crate) delivery: &'c Delivery,
     pub(crate) fresh: bool,
+    pub(crate) names: &'c TableNames,
+    /// Messages written to the outbox so far in this attempt (for their ids).
+    pub(crate) published: u32,
+    /// Set when a message was written: the runtime wakes the relays after the commit.
+    pub(crate) wrote: &'c AtomicBool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<&'c dyn crate::fault::FaultInjector>,
 }
@@ -295,6 +331,23 @@ impl<'c, DB: Backend> Context<'c, DB> {
             }
             Some(crate::fault::FaultAction::StopWorker) => Err(HandlerError::crash(point)),
         }
+    }
+
+    /// Writes `message` to the outbox in this handler's transaction: it is published (by a
+    /// [`Relay`](crate::Relay)) once the transaction commits with the handler's effects and
+    /// the key's completion, and never if it rolls back. Returns its message id: the
+    /// message's own, or one derived from the handler, the key and how many messages this
+    /// run wrote before, so that every attempt and redelivery writes the same ids and the
+    /// receiving inbox deduplicates a re-send.
+    pub async fn publish(&mut self, message: OutboxMessage) -> Result<String, Error> {
+        let id = match &message.message_id {
+            Some(id) => id.clone(),
+            None => outbox_message_id(self.handler, self.key, self.published),
+        };
+        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id).await?;
+        self.published += 1;
+        self.wrote.store(true, Ordering::Relaxed);
+        Ok(id)
     }
 
     /// A stable key for an effect outside the database, e.g. a provider's

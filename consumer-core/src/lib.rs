@@ -14,6 +14,9 @@
 //!   [`Transition`] and [`idempotency_key`].
 //! - [`memory`] is an in-memory broker with real at-least-once behaviour, the embedded
 //!   default.
+//! - [`outbox`] carries exactly-once across a publish: [`Context::publish`] writes a message
+//!   in the handler's transaction (or [`Outbox::enqueue`] in the application's), and a
+//!   [`Relay`] publishes it through a [`Publisher`] once that transaction has committed.
 //!
 //! Transports for RabbitMQ and Kafka live in their own crates and depend on this one only.
 //!
@@ -33,6 +36,9 @@
 //!   `key`: key templates and the canonical payload hash; `retry`: the backoff policy;
 //!   `guard`: guards for effects outside the database; `stats`: the counters and their
 //!   metrics; `trace`: W3C trace context from message headers.
+//! - `outbox`: the outbox handle, the outgoing message, the publisher trait and the relay;
+//!   the outbox's statements live with the inbox's (`inbox::outbox_store`), its table beside
+//!   the inbox's.
 //! - `memory`: the in-memory broker; `fault` (feature `fault-injection`): fault points for
 //!   the chaos suite and the tests.
 //!
@@ -105,6 +111,7 @@ mod inbox;
 mod key;
 mod log_marks;
 pub mod memory;
+pub mod outbox;
 mod retry;
 mod stats;
 pub mod trace;
@@ -121,6 +128,7 @@ pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
+pub use outbox::{Outbox, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 pub use retry::{ExponentialBackoff, Jitter, NoJitter};
 pub use stats::{Stats, StatsSnapshot};
 pub use worker::{BatchConfig, Worker, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};

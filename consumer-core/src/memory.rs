@@ -128,6 +128,26 @@ impl std::fmt::Debug for MemoryBroker {
     }
 }
 
+/// The relay publishes to the queue named by the message's destination (created on first
+/// use); the in-memory broker never refuses a message.
+impl crate::outbox::Publisher for MemoryBroker {
+    fn publish<'a>(
+        &'a self,
+        message: &'a crate::outbox::OutboxMessage,
+    ) -> BoxFuture<'a, Result<(), crate::outbox::PublishError>> {
+        MemoryBroker::publish(
+            self,
+            &message.destination,
+            Message {
+                id: message.message_id.clone(),
+                payload: message.payload.clone(),
+                headers: message.headers.clone(),
+            },
+        );
+        Box::pin(async { Ok(()) })
+    }
+}
+
 impl MemoryBroker {
     /// An empty broker.
     pub fn new() -> Self {

@@ -289,6 +289,63 @@ pub async fn create_topics(
     Ok(())
 }
 
+/// The outbox relay publishes a message to the topic named by its destination, with its
+/// ordering key as the record key (so one key's messages share a partition and keep their
+/// order), its id in the message id header and its headers as text. A bad topic name, a
+/// record too large, an unknown topic or a refused authorisation is reported as refused;
+/// anything else (a broker down, a timeout) as unavailable.
+impl consumer_core::Publisher for KafkaPublisher {
+    fn publish<'a>(
+        &'a self,
+        message: &'a consumer_core::OutboxMessage,
+    ) -> futures::future::BoxFuture<'a, Result<(), consumer_core::PublishError>> {
+        Box::pin(async move {
+            let headers: Vec<(&str, &str)> = message
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let result = self
+                .publish(
+                    &message.destination,
+                    message.key.as_deref().map(str::as_bytes),
+                    message.message_id.as_deref(),
+                    &message.payload,
+                    &headers,
+                )
+                .await;
+            result.map(|_| ()).map_err(outbox_error)
+        })
+    }
+}
+
+/// How the relay should treat a failed publish (see the `Publisher` impl).
+fn outbox_error(e: Error) -> consumer_core::PublishError {
+    use consumer_core::PublishError;
+    let refused = match &e {
+        Error::Config { .. } => true,
+        Error::Produce { source, .. } => matches!(
+            source
+                .downcast_ref::<KafkaError>()
+                .and_then(KafkaError::rdkafka_error_code),
+            Some(
+                RDKafkaErrorCode::MessageSizeTooLarge
+                    | RDKafkaErrorCode::UnknownTopicOrPartition
+                    | RDKafkaErrorCode::UnknownTopic
+                    | RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::InvalidMessage
+                    | RDKafkaErrorCode::InvalidRecord
+            )
+        ),
+        Error::Client { .. } => false,
+    };
+    if refused {
+        PublishError::refused_by("kafka refused the message", e)
+    } else {
+        PublishError::unavailable("kafka did not take the message", e)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

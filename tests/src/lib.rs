@@ -8,6 +8,7 @@ pub mod amqp;
 pub mod common;
 pub mod gauge;
 pub mod kafka;
+pub mod outbox;
 pub mod process;
 pub mod prometheus;
 pub mod trace;

@@ -15,6 +15,11 @@ pub enum FaultPoint {
     /// Inside an external effect, after the provider was called but before the handler's
     /// transaction recorded it. Reached only where a handler calls `Context::fault_point`.
     InEffect,
+    /// The outbox relay took a row and is about to publish it (the key checked is the row's
+    /// message id, the handler `outbox`).
+    OutboxBeforePublish,
+    /// The broker confirmed a row's publish; the relay has not marked it published.
+    OutboxAfterPublish,
 }
 
 impl FaultPoint {
@@ -25,6 +30,8 @@ impl FaultPoint {
             FaultPoint::AfterCommit => "after_commit",
             FaultPoint::AfterAck => "after_ack",
             FaultPoint::InEffect => "in_effect",
+            FaultPoint::OutboxBeforePublish => "outbox_before_publish",
+            FaultPoint::OutboxAfterPublish => "outbox_after_publish",
         }
     }
 
@@ -35,6 +42,8 @@ impl FaultPoint {
             FaultPoint::AfterCommit,
             FaultPoint::AfterAck,
             FaultPoint::InEffect,
+            FaultPoint::OutboxBeforePublish,
+            FaultPoint::OutboxAfterPublish,
         ]
         .into_iter()
         .find(|p| p.as_str() == s)

@@ -11,6 +11,7 @@ use super::config::{Statements, TableNames};
 use super::dialect::{Arg, Execute};
 use super::entry::{InboxCounts, InboxEntry};
 use super::flow;
+use super::outbox_store::OutboxStore;
 use crate::Error;
 
 /// A value bound into a guard's `WHERE` clause.
@@ -63,7 +64,7 @@ impl From<String> for GuardValue {
 
 /// A database the inbox supports: PostgreSQL (production, many workers) or SQLite (embedded,
 /// one process). Sealed; its methods are the runtime's, not part of the public API.
-pub trait Backend: Execute {
+pub trait Backend: Execute + OutboxStore {
     #[doc(hidden)]
     const NAME: &'static str;
 

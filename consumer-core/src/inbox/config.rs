@@ -80,6 +80,16 @@ pub struct TableNames {
     pub(crate) expires_index: String,
     /// `"table_dead_expires_at"`.
     pub(crate) dead_expires_index: String,
+    /// `"schema"."table_outbox"`: the outbox lives beside its inbox (see [`crate::Outbox`]).
+    pub(crate) outbox: String,
+    /// `"table_outbox_due"`: the outbox's unpublished rows by id.
+    outbox_due_index: String,
+    /// `"table_outbox_sent"`: its published rows by publication time, for the retention.
+    outbox_sent_index: String,
+    /// `"table_outbox_notify"`: the trigger that wakes the relays (PostgreSQL).
+    outbox_notify: String,
+    /// `"schema"."table_outbox_notify"`: the trigger's function.
+    outbox_notify_fn: String,
     /// Distinguishes this inbox in lock ids: the table as the database resolved it (see
     /// [`Backend::lock_namespace`]), so two spellings of one table take the same locks.
     pub(crate) lock_namespace: String,
@@ -87,6 +97,8 @@ pub struct TableNames {
     pub(crate) copy_grace: Duration,
     /// The backend's statements on this table, rendered once (see [`Backend::statements`]).
     pub(crate) sql: Statements,
+    /// The backend's statements on the outbox, rendered once.
+    pub(crate) outbox_sql: OutboxSql,
 }
 
 /// The inbox statements with the table name filled in, built once per inbox rather than
@@ -125,6 +137,19 @@ pub struct Statements {
     pub(crate) mark_update: String,
 }
 
+/// The outbox statements of one inbox's table, rendered once.
+#[derive(Debug, Clone, Default)]
+#[doc(hidden)]
+pub struct OutboxSql {
+    pub(crate) insert: String,
+    pub(crate) take: String,
+    pub(crate) blockers: String,
+    pub(crate) mark_published: String,
+    pub(crate) mark_failed: String,
+    pub(crate) purge: String,
+    pub(crate) stats: String,
+}
+
 impl TableNames {
     pub(super) fn new(config: &InboxConfig) -> Result<Self, Error> {
         let schema = config
@@ -144,10 +169,16 @@ impl TableNames {
             log_marks: qualify(&format!("{table}_log_marks")),
             expires_index: format!("\"{table}_expires_at\""),
             dead_expires_index: format!("\"{table}_dead_expires_at\""),
+            outbox: qualify(&format!("{table}_outbox")),
+            outbox_due_index: format!("\"{table}_outbox_due\""),
+            outbox_sent_index: format!("\"{table}_outbox_sent\""),
+            outbox_notify: format!("\"{table}_outbox_notify\""),
+            outbox_notify_fn: qualify(&format!("{table}_outbox_notify")),
             lock_namespace: qualify(table.as_str()),
             copy_grace: config.copy_grace,
             schema,
             sql: Statements::default(),
+            outbox_sql: Default::default(),
         })
     }
 
@@ -162,6 +193,11 @@ impl TableNames {
             .replace("{log_marks}", &self.log_marks)
             .replace("{expires_index}", &self.expires_index)
             .replace("{dead_expires_index}", &self.dead_expires_index)
+            .replace("{outbox}", &self.outbox)
+            .replace("{outbox_due_index}", &self.outbox_due_index)
+            .replace("{outbox_sent_index}", &self.outbox_sent_index)
+            .replace("{outbox_notify}", &self.outbox_notify)
+            .replace("{outbox_notify_fn}", &self.outbox_notify_fn)
             .replace("{copy_grace_ms}", &self.copy_grace_ms().to_string())
     }
 

@@ -58,7 +58,30 @@ pub enum Arg<'a> {
     /// Key lock ids: PostgreSQL binds them (its statements take or release the advisory
     /// locks); SQLite, which has no database locks, binds nothing.
     Locks(&'a [i64]),
+    /// A time `Duration` before the operation's: SQLite binds the instant; PostgreSQL binds
+    /// the duration in milliseconds, which its SQL subtracts from `now()`.
+    Before(Clock, Duration),
+    /// A message body.
+    Bytes(&'a [u8]),
+    /// A list of row ids: PostgreSQL binds an array (`= ANY($n)`); SQLite a JSON array, which
+    /// its SQL reads with `json_each`.
+    Ids(&'a [i64]),
+    /// A list of texts, bound as [`Arg::Ids`] is.
+    Texts(&'a [String]),
 }
+
+/// A list as the JSON array SQLite's statements read with `json_each`.
+pub(crate) fn json_list<T: serde::Serialize>(items: &[T]) -> String {
+    serde_json::to_string(items).unwrap_or_else(|_| "[]".to_owned())
+}
+
+/// An outbox row as the `take` statement returns it: id, message id, destination, ordering
+/// key, headers (a JSON object), payload, attempts.
+pub(crate) type OutboxRaw = (i64, String, String, Option<String>, String, Vec<u8>, i64);
+
+/// The outbox's `stats` row: pending, failing, age of the oldest pending row in
+/// milliseconds, published.
+pub(crate) type OutboxStatsRaw = (i64, i64, Option<i64>, i64);
 
 /// What differs between the databases below their SQL text. A supertrait of
 /// [`Backend`](crate::Backend) (through [`Execute`]) that only this crate can name, so it
@@ -119,6 +142,27 @@ pub trait Execute: Dialect {
         sql: &'a str,
         args: &'a [Arg<'a>],
     ) -> impl Future<Output = Result<Option<Option<i64>>, sqlx::Error>> + Send + 'a;
+
+    /// Runs the outbox's `take` statement.
+    fn fetch_outbox<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> impl Future<Output = Result<Vec<OutboxRaw>, sqlx::Error>> + Send + 'a;
+
+    /// Runs a (text, integer) statement: the outbox's first blocked row of each key.
+    fn fetch_pairs<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> impl Future<Output = Result<Vec<(String, i64)>, sqlx::Error>> + Send + 'a;
+
+    /// Runs the outbox's `stats` statement.
+    fn fetch_outbox_stats<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> impl Future<Output = Result<OutboxStatsRaw, sqlx::Error>> + Send + 'a;
 }
 
 impl<DB> Execute for DB
@@ -128,6 +172,9 @@ where
     for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
     (String, i64, Option<i64>): for<'r> FromRow<'r, DB::Row>,
     (Option<i64>,): for<'r> FromRow<'r, DB::Row>,
+    OutboxRaw: for<'r> FromRow<'r, DB::Row>,
+    (String, i64): for<'r> FromRow<'r, DB::Row>,
+    OutboxStatsRaw: for<'r> FromRow<'r, DB::Row>,
 {
     async fn execute<'a>(
         conn: &'a mut DB::Connection,
@@ -179,6 +226,36 @@ where
     ) -> Result<Option<Option<i64>>, sqlx::Error> {
         sqlx::query_scalar_with(sql, DB::arguments(args)?)
             .fetch_optional(conn)
+            .await
+    }
+
+    async fn fetch_outbox<'a>(
+        conn: &'a mut DB::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> Result<Vec<OutboxRaw>, sqlx::Error> {
+        sqlx::query_as_with(sql, DB::arguments(args)?)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn fetch_pairs<'a>(
+        conn: &'a mut DB::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> Result<Vec<(String, i64)>, sqlx::Error> {
+        sqlx::query_as_with(sql, DB::arguments(args)?)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn fetch_outbox_stats<'a>(
+        conn: &'a mut DB::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> Result<OutboxStatsRaw, sqlx::Error> {
+        sqlx::query_as_with(sql, DB::arguments(args)?)
+            .fetch_one(conn)
             .await
     }
 }

@@ -13,9 +13,11 @@ use crate::Error;
 
 /// The inbox on a connection pool. Cheap to clone.
 pub struct Inbox<DB: Backend> {
-    pub(super) pool: Pool<DB>,
-    pub(super) names: Arc<TableNames>,
+    pub(crate) pool: Pool<DB>,
+    pub(crate) names: Arc<TableNames>,
     pub(super) locks: Arc<KeyLocks>,
+    /// Wakes this process's outbox relays after a commit that wrote outbox rows.
+    pub(crate) outbox_written: Arc<tokio::sync::Notify>,
 }
 
 impl<DB: Backend> Clone for Inbox<DB> {
@@ -24,6 +26,7 @@ impl<DB: Backend> Clone for Inbox<DB> {
             pool: self.pool.clone(),
             names: self.names.clone(),
             locks: self.locks.clone(),
+            outbox_written: self.outbox_written.clone(),
         }
     }
 }
@@ -44,6 +47,7 @@ impl<DB: Backend> Inbox<DB> {
         let mut names = TableNames::new(&config)?;
         DB::check_config(&names)?;
         names.sql = DB::statements(&names);
+        names.outbox_sql = DB::outbox_sql(&names);
         DB::migrate(&pool, &names).await?;
         if let Some(namespace) = DB::lock_namespace(&pool, &names).await? {
             names.lock_namespace = namespace;
@@ -52,6 +56,7 @@ impl<DB: Backend> Inbox<DB> {
             pool,
             names: Arc::new(names),
             locks: Arc::new(KeyLocks::default()),
+            outbox_written: Arc::default(),
         })
     }
 
@@ -63,6 +68,11 @@ impl<DB: Backend> Inbox<DB> {
     /// The quoted, qualified inbox table name.
     pub fn table(&self) -> &str {
         &self.names.inbox
+    }
+
+    /// Wakes this process's relays: rows were committed to the outbox.
+    pub(crate) fn outbox_written(&self) {
+        self.outbox_written.notify_one();
     }
 
     /// The row for (`handler`, `key`), if any.

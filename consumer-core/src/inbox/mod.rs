@@ -39,6 +39,8 @@
 //!   database binds and decodes its own way, and the one executor of the statements.
 //! - `postgres`, `sqlite`: each database's SQL, migrations and true differences (advisory
 //!   locks and one-statement batches on PostgreSQL).
+//! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
+//!   the migrations create beside the inbox.
 //! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `locks`: the
 //!   in-process key locks and the lock ids.
 
@@ -51,12 +53,16 @@ mod flow;
 mod handle;
 mod lease;
 mod locks;
+mod outbox_store;
 mod postgres;
 mod sqlite;
 
 pub use backend::{Backend, GuardValue};
 pub(crate) use claim::{AttemptItem, Claim};
 pub use config::InboxConfig;
+pub(crate) use config::TableNames;
 pub use entry::{EntryStatus, InboxCounts, InboxEntry};
 pub use handle::Inbox;
 pub(crate) use lease::Lease;
+pub(crate) use outbox_store::OutboxRow;
+pub use outbox_store::OutboxStats;

@@ -27,6 +27,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
         4,
         include_str!("../../migrations/postgres/0004_copy_scope.sql"),
     ),
+    (5, include_str!("../../migrations/postgres/0005_outbox.sql")),
 ];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.
@@ -401,6 +402,10 @@ impl Dialect for Postgres {
                 Arg::Now(_) => Ok(()),
                 Arg::After(_, d) => bound.add(millis(d)),
                 Arg::Locks(ids) => bound.add(ids),
+                Arg::Before(_, d) => bound.add(millis(d)),
+                Arg::Bytes(v) => bound.add(v),
+                Arg::Ids(ids) => bound.add(ids),
+                Arg::Texts(texts) => bound.add(texts),
             }
             .map_err(sqlx::Error::Encode)?;
         }

@@ -27,6 +27,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         4,
         include_str!("../../migrations/sqlite/0004_copy_scope.sql"),
     ),
+    (5, include_str!("../../migrations/sqlite/0005_outbox.sql")),
 ];
 
 /// `now` (Unix milliseconds) plus `d`.
@@ -189,6 +190,13 @@ impl Dialect for Sqlite {
                 Arg::After(now, d) => bound.add(after(now.unix_ms(), d)),
                 // No database locks (see `unlock_keys`).
                 Arg::Locks(_) => Ok(()),
+                Arg::Before(now, d) => bound.add(
+                    now.unix_ms()
+                        .saturating_sub(i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+                ),
+                Arg::Bytes(v) => bound.add(v),
+                Arg::Ids(ids) => bound.add(super::dialect::json_list(ids)),
+                Arg::Texts(texts) => bound.add(super::dialect::json_list(texts)),
             }
             .map_err(sqlx::Error::Encode)?;
         }

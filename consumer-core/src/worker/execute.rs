@@ -4,6 +4,7 @@
 //! code, so one failure never sinks or half-commits the others.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use futures::FutureExt;
@@ -63,8 +64,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let (conn, held) = lease.held();
         let held = if first { held } else { &[] };
         let mut unlocked = false;
+        let wrote = AtomicBool::new(false);
         let ended = self
-            .transaction(conn, held, &mut unlocked, &mut jobs, fresh, alone)
+            .transaction(conn, held, &mut unlocked, &wrote, &mut jobs, fresh, alone)
             .await;
         if unlocked {
             lease.released_in_db();
@@ -78,6 +80,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             Ended::Committed => {
                 if together {
                     self.stats.batches.bump();
+                }
+                if wrote.load(Ordering::Relaxed) {
+                    self.inbox.outbox_written();
                 }
                 None
             }
@@ -126,12 +131,15 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
 
     /// One transaction over `jobs`: claim the fresh keys (those that have a row already move
     /// to `alone`), run the handlers, complete the counted keys (releasing the database locks
-    /// `unlock` in that statement, then setting `unlocked`), commit.
+    /// `unlock` in that statement, then setting `unlocked`), commit. A handler that writes to
+    /// the outbox sets `wrote`.
+    #[allow(clippy::too_many_arguments)]
     async fn transaction(
         &self,
         conn: &mut DB::Connection,
         unlock: &[i64],
         unlocked: &mut bool,
+        wrote: &AtomicBool,
         jobs: &mut Vec<Job<H::Message>>,
         fresh: bool,
         alone: &mut Vec<Job<H::Message>>,
@@ -179,7 +187,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 return Ok(Ended::Nothing);
             }
         }
-        if let Err(failure) = self.run_handlers(&mut tx, jobs).await? {
+        if let Err(failure) = self.run_handlers(&mut tx, wrote, jobs).await? {
             if let Err(rb) = tx.rollback().await {
                 tracing::warn!(error = %rb, "rollback failed");
             }
@@ -228,6 +236,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     async fn run_handlers(
         &self,
         tx: &mut DB::Connection,
+        wrote: &AtomicBool,
         jobs: &mut [Job<H::Message>],
     ) -> Result<Result<(), HandlerError>, Crash> {
         let tentative = jobs.len() > 1;
@@ -253,6 +262,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 conn: &mut *tx,
                 handler: &self.name,
                 members: &members,
+                names: self.inbox.names(),
+                published: Vec::new(),
+                wrote,
             };
             runs = messages.len() as u64;
             self.stats.handler_runs.add(runs);
@@ -274,6 +286,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     attempt: job.attempt,
                     delivery: &job.delivery,
                     fresh: job.fresh,
+                    names: self.inbox.names(),
+                    published: 0,
+                    wrote,
                     #[cfg(feature = "fault-injection")]
                     faults: self.faults.as_deref(),
                 };

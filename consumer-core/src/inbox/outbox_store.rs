@@ -1,0 +1,360 @@
+//! The outbox's statements on each database (see [`crate::outbox`]), behind one sealed
+//! trait that [`Backend`](crate::Backend) requires. The table is created by the inbox's
+//! migrations, beside the inbox. The operations are written once, on each database's
+//! statements through [`Execute`]; each database supplies its SQL, how its relay's
+//! transaction begins, and how it hears of commits.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use sqlx::{Pool, Postgres, Sqlite, Transaction};
+
+use super::config::{OutboxSql, TableNames};
+use super::dialect::{Arg, Clock, Execute, OutboxRaw};
+use crate::outbox::message::OutboxMessage;
+
+/// A row the relay took: its id, the message (its id set) and the publishes tried so far.
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    pub(crate) id: i64,
+    pub(crate) message: OutboxMessage,
+    pub(crate) attempts: u32,
+}
+
+/// How many rows wait to be published, and for how long the oldest has.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OutboxStats {
+    /// Rows not yet published.
+    pub pending: u64,
+    /// Of those, rows whose last publish failed (held back by a backoff).
+    pub failing: u64,
+    /// How long ago the oldest unpublished row was written (`None`: none).
+    pub oldest_pending: Option<Duration>,
+    /// Published rows kept for the retention.
+    pub published: u64,
+}
+
+/// The outbox operations of a database. Sealed (its supertrait cannot be named outside the
+/// crate): part of [`Backend`](crate::Backend), not a public API.
+pub trait OutboxStore: Execute {
+    /// The statements on the outbox of the inbox `names` describes.
+    #[doc(hidden)]
+    fn outbox_sql(names: &TableNames) -> OutboxSql;
+
+    /// Begins the relay's transaction, which holds the rows it took until it marks them.
+    #[doc(hidden)]
+    fn outbox_begin(
+        conn: &mut Self::Connection,
+    ) -> BoxFuture<'_, Result<Transaction<'_, Self>, sqlx::Error>>;
+
+    /// A stream that yields when rows may have been committed to the outbox by another
+    /// connection (PostgreSQL: `LISTEN`); one that never yields where the database cannot
+    /// tell (SQLite: the relay polls).
+    #[doc(hidden)]
+    fn outbox_wakeups<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<BoxStream<'static, ()>, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn outbox_insert<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        message: &'a OutboxMessage,
+        message_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let headers = headers_json(&message.headers);
+            let args = [
+                Arg::Text(message_id),
+                Arg::Text(&message.destination),
+                Arg::OptText(message.key.as_deref()),
+                Arg::Text(&headers),
+                Arg::Bytes(&message.payload),
+                Arg::Now(Clock::read()),
+            ];
+            Self::execute(conn, &names.outbox_sql.insert, &args).await?;
+            Ok(())
+        })
+    }
+
+    /// Takes up to `limit` due, unpublished rows in id order, locking them (PostgreSQL: and
+    /// skipping the rows another relay holds); then drops every row that an earlier
+    /// unpublished row of its key, not taken, must precede.
+    #[doc(hidden)]
+    fn outbox_take<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<OutboxRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let args = [Arg::Now(Clock::read()), Arg::Int(i64::from(limit))];
+            let raw = Self::fetch_outbox(&mut *conn, &names.outbox_sql.take, &args).await?;
+            let mut rows = decode(raw)?;
+            let (keys, ids, max) = taken(&rows);
+            if keys.is_empty() {
+                return Ok(rows);
+            }
+            let args = [Arg::Texts(&keys), Arg::Int(max), Arg::Ids(&ids)];
+            let blocked = Self::fetch_pairs(&mut *conn, &names.outbox_sql.blockers, &args).await?;
+            keep_ordered(&mut rows, &blocked.into_iter().collect());
+            Ok(rows)
+        })
+    }
+
+    #[doc(hidden)]
+    fn outbox_mark_published<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        ids: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let args = [Arg::Now(Clock::read()), Arg::Ids(ids)];
+            Self::execute(conn, &names.outbox_sql.mark_published, &args).await?;
+            Ok(())
+        })
+    }
+
+    /// Counts a failed publish of row `id` and holds the row back for `delay`.
+    #[doc(hidden)]
+    fn outbox_mark_failed<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        id: i64,
+        error: &'a str,
+        delay: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let args = [
+                Arg::Int(id),
+                Arg::Text(error),
+                Arg::After(Clock::read(), delay),
+            ];
+            Self::execute(conn, &names.outbox_sql.mark_failed, &args).await?;
+            Ok(())
+        })
+    }
+
+    /// Deletes up to `limit` rows published more than `older_than` ago; how many.
+    #[doc(hidden)]
+    fn outbox_purge<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        older_than: Duration,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            let args = [
+                Arg::Before(Clock::read(), older_than),
+                Arg::Int(i64::from(limit)),
+            ];
+            Self::execute(&mut conn, &names.outbox_sql.purge, &args).await
+        })
+    }
+
+    #[doc(hidden)]
+    fn outbox_stats<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<OutboxStats, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            let args = [Arg::Now(Clock::read())];
+            let (pending, failing, oldest_ms, published) =
+                Self::fetch_outbox_stats(&mut conn, &names.outbox_sql.stats, &args).await?;
+            let count = |n: i64| u64::try_from(n).unwrap_or(0);
+            Ok(OutboxStats {
+                pending: count(pending),
+                failing: count(failing),
+                oldest_pending: oldest_ms.map(|ms| Duration::from_millis(count(ms))),
+                published: count(published),
+            })
+        })
+    }
+}
+
+/// The channel the outbox trigger notifies (see the migration `0005_outbox.sql`).
+const CHANNEL: &str = "consumer_outbox";
+
+fn headers_json(headers: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(headers).unwrap_or_else(|_| "{}".to_owned())
+}
+
+fn decode(rows: Vec<OutboxRaw>) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    rows.into_iter()
+        .map(
+            |(id, message_id, destination, key, headers, payload, attempts)| {
+                let headers: BTreeMap<String, String> =
+                    serde_json::from_str(&headers).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                Ok(OutboxRow {
+                    id,
+                    message: OutboxMessage {
+                        destination,
+                        key,
+                        message_id: Some(message_id),
+                        headers,
+                        payload: payload.into(),
+                    },
+                    attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+                })
+            },
+        )
+        .collect()
+}
+
+/// Drops the rows that an earlier row of their key, not taken, must precede: `first_blocked`
+/// maps a key to its earliest unpublished row outside `rows`.
+fn keep_ordered(rows: &mut Vec<OutboxRow>, first_blocked: &HashMap<String, i64>) {
+    rows.retain(|r| match &r.message.key {
+        Some(k) => first_blocked.get(k).is_none_or(|&b| r.id < b),
+        None => true,
+    });
+}
+
+/// The keys of `rows`, the ids taken and the highest id: what the blocker query binds.
+fn taken(rows: &[OutboxRow]) -> (Vec<String>, Vec<i64>, i64) {
+    let mut keys: Vec<String> = rows.iter().filter_map(|r| r.message.key.clone()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    let max = ids.iter().copied().max().unwrap_or(0);
+    (keys, ids, max)
+}
+
+impl OutboxStore for Postgres {
+    fn outbox_sql(names: &TableNames) -> OutboxSql {
+        OutboxSql::postgres(names)
+    }
+
+    fn outbox_begin(
+        conn: &mut Self::Connection,
+    ) -> BoxFuture<'_, Result<Transaction<'_, Self>, sqlx::Error>> {
+        use sqlx::Connection;
+        conn.begin()
+    }
+
+    fn outbox_wakeups<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<BoxStream<'static, ()>, sqlx::Error>> {
+        Box::pin(async move {
+            // The trigger names the table as the server resolved it: resolve ours the same
+            // way, so that any spelling of the configuration hears its own table.
+            let table: Option<String> = sqlx::query_scalar(
+                "SELECT n.nspname || '.' || c.relname FROM pg_class c \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
+            )
+            .bind(&names.outbox)
+            .fetch_one(pool)
+            .await?;
+            let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+            listener.listen(CHANNEL).await?;
+            let stream = listener.into_stream().filter_map(move |n| {
+                let wake = match n {
+                    Ok(n) => table.as_deref().is_none_or(|t| n.payload() == t),
+                    // A lost connection: the listener reconnects on the next poll, and
+                    // notifications sent meanwhile are lost; a wake-up makes the relay look.
+                    Err(e) => {
+                        tracing::debug!(error = %e, "outbox listener interrupted");
+                        true
+                    }
+                };
+                std::future::ready(wake.then_some(()))
+            });
+            Ok(stream.boxed())
+        })
+    }
+}
+
+impl OutboxStore for Sqlite {
+    fn outbox_sql(names: &TableNames) -> OutboxSql {
+        OutboxSql::sqlite(names)
+    }
+
+    fn outbox_begin(
+        conn: &mut Self::Connection,
+    ) -> BoxFuture<'_, Result<Transaction<'_, Self>, sqlx::Error>> {
+        use sqlx::Connection;
+        // The write lock from the start: no other relay holds rows (every earlier row of a
+        // key is taken too, or held back by its backoff), and the marks cannot fail on a
+        // snapshot another writer made stale.
+        conn.begin_with("BEGIN IMMEDIATE")
+    }
+
+    fn outbox_wakeups<'a>(
+        _pool: &'a Pool<Self>,
+        _names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<BoxStream<'static, ()>, sqlx::Error>> {
+        Box::pin(async { Ok(futures::stream::pending().boxed()) })
+    }
+}
+
+impl OutboxSql {
+    pub(crate) fn postgres(names: &TableNames) -> Self {
+        let r = |s: &str| names.render(s);
+        OutboxSql {
+            insert: r(
+                "INSERT INTO {outbox} (message_id, destination, ordering_key, headers, payload) \
+                       VALUES ($1, $2, $3, $4, $5)",
+            ),
+            take: r(
+                "SELECT id, message_id, destination, ordering_key, headers, payload, \
+                     attempts::bigint FROM {outbox} \
+                     WHERE published_at IS NULL AND (due_at IS NULL OR due_at <= now()) \
+                     ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+            ),
+            blockers: r("SELECT ordering_key, min(id) FROM {outbox} \
+                         WHERE published_at IS NULL AND ordering_key = ANY($1) AND id < $2 \
+                         AND NOT (id = ANY($3)) GROUP BY ordering_key"),
+            mark_published: r("UPDATE {outbox} SET published_at = now(), due_at = NULL \
+                               WHERE id = ANY($1)"),
+            mark_failed: r(
+                "UPDATE {outbox} SET attempts = attempts + 1, last_error = $2, \
+                            due_at = now() + $3 * interval '1 millisecond' WHERE id = $1",
+            ),
+            purge: r("DELETE FROM {outbox} WHERE id IN (SELECT id FROM {outbox} \
+                      WHERE published_at < now() - $1 * interval '1 millisecond' LIMIT $2)"),
+            stats: r("SELECT count(*) FILTER (WHERE published_at IS NULL), \
+                      count(*) FILTER (WHERE published_at IS NULL AND attempts > 0), \
+                      (extract(epoch FROM now() - min(created_at) FILTER \
+                        (WHERE published_at IS NULL)) * 1000)::bigint, \
+                      count(*) FILTER (WHERE published_at IS NOT NULL) FROM {outbox}"),
+        }
+    }
+
+    pub(crate) fn sqlite(names: &TableNames) -> Self {
+        let r = |s: &str| names.render(s);
+        OutboxSql {
+            insert: r("INSERT INTO {outbox} \
+                       (message_id, destination, ordering_key, headers, payload, created_at) \
+                       VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
+            take: r(
+                "SELECT id, message_id, destination, ordering_key, headers, payload, \
+                     attempts FROM {outbox} \
+                     WHERE published_at IS NULL AND (due_at IS NULL OR due_at <= ?1) \
+                     ORDER BY id LIMIT ?2",
+            ),
+            blockers: r("SELECT ordering_key, min(id) FROM {outbox} \
+                         WHERE published_at IS NULL \
+                         AND ordering_key IN (SELECT value FROM json_each(?1)) AND id < ?2 \
+                         AND id NOT IN (SELECT value FROM json_each(?3)) \
+                         GROUP BY ordering_key"),
+            mark_published: r("UPDATE {outbox} SET published_at = ?1, due_at = NULL \
+                               WHERE id IN (SELECT value FROM json_each(?2))"),
+            mark_failed: r(
+                "UPDATE {outbox} SET attempts = attempts + 1, last_error = ?2, \
+                            due_at = ?3 WHERE id = ?1",
+            ),
+            purge: r("DELETE FROM {outbox} WHERE id IN (SELECT id FROM {outbox} \
+                      WHERE published_at IS NOT NULL AND published_at < ?1 LIMIT ?2)"),
+            stats: r("SELECT count(*) FILTER (WHERE published_at IS NULL), \
+                      count(*) FILTER (WHERE published_at IS NULL AND attempts > 0), \
+                      ?1 - min(created_at) FILTER (WHERE published_at IS NULL), \
+                      count(*) FILTER (WHERE published_at IS NOT NULL) FROM {outbox}"),
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! The [`Outbox`] handle: the table beside an inbox, and writing to it in a transaction.
+
+use std::sync::Arc;
+
+use sqlx::Pool;
+use tokio::sync::Notify;
+
+use super::message::{self, OutboxMessage};
+use crate::inbox::{Backend, OutboxStats, TableNames};
+use crate::{Error, Inbox};
+
+/// The outbox of an [`Inbox`](crate::Inbox): its table (`<inbox table>_outbox`, created by
+/// the inbox's migrations) on the inbox's pool. Cheap to clone. Get it with
+/// [`Inbox::outbox`](crate::Inbox::outbox).
+pub struct Outbox<DB: Backend> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) names: Arc<TableNames>,
+    /// Wakes this process's relays after a commit that wrote rows.
+    pub(crate) written: Arc<Notify>,
+}
+
+impl<DB: Backend> Inbox<DB> {
+    /// The outbox beside this inbox (the table `<inbox table>_outbox`, created with it): write
+    /// messages into it in a transaction ([`crate::Outbox::enqueue`], or
+    /// [`Context::publish`](crate::Context::publish) in a handler) and run a
+    /// [`crate::Relay`] on it to publish them.
+    pub fn outbox(&self) -> Outbox<DB> {
+        Outbox {
+            pool: self.pool.clone(),
+            names: self.names.clone(),
+            written: self.outbox_written.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
+        Outbox {
+            pool: self.pool.clone(),
+            names: self.names.clone(),
+            written: self.written.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("backend", &<DB as Backend>::NAME)
+            .field("table", &self.names.outbox)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Outbox<DB> {
+    /// Writes `message` into the outbox on `conn`, which should be inside the application's
+    /// transaction: the message is published once that transaction commits, and never if it
+    /// rolls back. Returns its message id: the message's own, or a random one.
+    ///
+    /// Inside a handler use [`Context::publish`](crate::Context::publish) instead, which
+    /// derives the id from the handler's key. On SQLite, call [`Outbox::written`] after the
+    /// commit to wake a relay of this process at once rather than at its next poll.
+    pub async fn enqueue(
+        &self,
+        conn: &mut DB::Connection,
+        message: &OutboxMessage,
+    ) -> Result<String, Error> {
+        let id = message
+            .message_id
+            .clone()
+            .unwrap_or_else(message::random_message_id);
+        insert::<DB>(conn, &self.names, message, &id).await?;
+        Ok(id)
+    }
+
+    /// Tells this process's relays that rows were committed.
+    pub fn written(&self) {
+        self.written.notify_one();
+    }
+
+    /// How many rows wait, how many of them failed, the oldest one's age, and how many
+    /// published rows the retention still keeps.
+    pub async fn stats(&self) -> Result<OutboxStats, Error> {
+        Ok(DB::outbox_stats(&self.pool, &self.names).await?)
+    }
+
+    /// The quoted, qualified outbox table name.
+    pub fn table(&self) -> &str {
+        &self.names.outbox
+    }
+}
+
+/// Validates and writes one message with the id `id`.
+pub(crate) async fn insert<DB: Backend>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    message: &OutboxMessage,
+    id: &str,
+) -> Result<(), Error> {
+    message.validate()?;
+    message::check_name("message id", id)?;
+    Ok(DB::outbox_insert(conn, names, message, id).await?)
+}

@@ -1,0 +1,56 @@
+//! The transactional outbox: messages written in the same transaction as the effects that
+//! cause them, published by a [`Relay`] once that transaction has committed.
+//!
+//! A handler that must tell the next step ("the invoice exists: send the email") cannot
+//! publish safely by itself: before its commit, a rollback leaves a message about an effect
+//! that never happened; after it, a crash loses the message. With the outbox it writes the
+//! message into a table in its own transaction ([`Context::publish`](crate::Context::publish),
+//! [`BatchContext::publish`](crate::BatchContext::publish), or [`Outbox::enqueue`] in the
+//! application's own transaction): the message commits with the effects or not at all.
+//!
+//! # The relay
+//!
+//! A [`Relay`] takes committed rows in id order, publishes them through a [`Publisher`]
+//! (confirmed by the broker), and marks them published in the transaction that took them.
+//!
+//! - **At least once.** A relay that dies after a publish and before its mark leaves the rows
+//!   unpublished; the next round publishes them again, with the same message id (fixed when
+//!   the row was written), and the consumer's inbox deduplicates the copy.
+//! - **Order per key.** The messages of one [`OutboxMessage::key`] are published in the order
+//!   they were written, each after the one before it was confirmed; a message whose publish
+//!   failed holds its key's later messages back until it is published. Two transactions that
+//!   write one key at the same time are ordered by their inserts, not their commits: write
+//!   them under a lock of the entity (as a handler keyed by the entity is).
+//! - **Several relays.** On PostgreSQL any number may run on one table: a relay locks the rows
+//!   it takes (`FOR UPDATE SKIP LOCKED`, held to its mark), so two relays never publish the
+//!   same row in the normal case, and it leaves a key alone while another relay holds one of
+//!   its earlier rows. On SQLite run one relay per database file (it takes the write lock for
+//!   each round).
+//! - **Wake-up.** On PostgreSQL a trigger notifies the channel `consumer_outbox` when rows
+//!   commit, and the relay `LISTEN`s there; in the same process the worker wakes it after a
+//!   commit that published. It also polls every [`RelayConfig::poll_interval`] (1 s), which is
+//!   the only wake-up on SQLite for rows written outside a handler.
+//! - **Failures.** A publish that fails is counted on the row with its error and tried again
+//!   after an exponential backoff; a message the broker refuses (unroutable, too large) is
+//!   logged at error level each time and never dropped. Nothing but the retention deletes a
+//!   row: published rows are deleted [`RelayConfig::retention`] after their publication.
+//!
+//! # Layout
+//!
+//! - `handle`: [`Outbox`], written to in a transaction; `message`: [`OutboxMessage`];
+//! - `publisher`: the [`Publisher`] trait and [`PublishError`];
+//! - `relay`: [`Relay`] and [`RelayConfig`];
+//! - the outbox's statements on each database live with the inbox's (`inbox::outbox_store`),
+//!   and its migrations create the table beside the inbox: `<inbox table>_outbox`.
+
+mod handle;
+pub(crate) mod message;
+mod publisher;
+mod relay;
+
+pub use crate::inbox::OutboxStats;
+pub(crate) use handle::insert;
+pub use handle::Outbox;
+pub use message::{OutboxMessage, MAX_OUTBOX_NAME_BYTES};
+pub use publisher::{PublishError, Publisher};
+pub use relay::{Relay, RelayConfig, RelayRound};

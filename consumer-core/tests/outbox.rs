@@ -1,0 +1,270 @@
+//! The outbox on SQLite and the in-memory broker: a handler's message commits with its
+//! effects or not at all; the relay publishes each committed message, again after a crash
+//! between its publish and its mark (and the receiving inbox runs it once); one key's
+//! messages go out in order, a failed one holding back the rest of its key; a commit wakes
+//! the relay of its process. The PostgreSQL and broker variants are in
+//! `tests/tests/outbox_*.rs`.
+
+// Test code may panic: a panic is how a test fails.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
+use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
+use consumer_core::{
+    handler, Context, Error, Handler, HandlerError, NoJitter, Worker, WorkerConfig,
+};
+use consumer_scenarios::env::{wait_until, SqliteEnv, DEADLINE};
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::Sqlite;
+
+#[derive(Debug, Deserialize)]
+struct Order {
+    id: i64,
+    #[serde(default)]
+    fail: bool,
+}
+
+/// Writes the order's ledger row and publishes `order_placed`; fails permanently (after
+/// both) when the order says so.
+#[handler(name = "place_order")]
+async fn place_order(ctx: &mut Context<'_, Sqlite>, order: Order) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES (?1, ?2)")
+        .bind(order.id.to_string())
+        .bind(i64::from(ctx.attempt()))
+        .execute(ctx.db())
+        .await?;
+    ctx.publish(
+        OutboxMessage::json("events", &json!({"order": order.id}))?.key(order.id.to_string()),
+    )
+    .await?;
+    if order.fail {
+        return Err(HandlerError::permanent("the order cannot be placed"));
+    }
+    Ok(())
+}
+
+/// Counts the events it receives, by order, in its own transaction.
+#[handler(name = "count_event")]
+async fn count_event(
+    ctx: &mut Context<'_, Sqlite>,
+    event: serde_json::Value,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES (?1, 0)")
+        .bind(format!("event-{}", event["order"]))
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+/// Runs `handler` on `queue` until the queue is drained.
+async fn drain<H: Handler<Sqlite>>(
+    env: &SqliteEnv,
+    broker: &MemoryBroker,
+    handler: H,
+    queue: &str,
+) -> Worker<Sqlite, H> {
+    let worker = Worker::with_config(env.inbox.clone(), handler, config()).unwrap();
+    tokio::time::timeout(
+        DEADLINE,
+        worker.run(broker.consume(queue), broker.drained(queue)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    worker
+}
+
+fn config() -> WorkerConfig {
+    WorkerConfig::default()
+        .with_retention_interval(None)
+        .with_jitter(Arc::new(NoJitter))
+}
+
+async fn outbox_rows(env: &SqliteEnv) -> Vec<(String, Option<i64>)> {
+    sqlx::query_as(&format!(
+        "SELECT message_id, published_at FROM {} ORDER BY id",
+        env.inbox.outbox().table()
+    ))
+    .fetch_all(env.inbox.pool())
+    .await
+    .unwrap()
+}
+
+async fn ledger_count(env: &SqliteEnv, job: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE job_id = ?1")
+        .bind(job)
+        .fetch_one(env.inbox.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_rolled_back_handler_publishes_nothing_and_a_committed_one_publishes_once() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    broker.publish("orders", Message::json("o-1", &json!({"id": 1})));
+    broker.publish(
+        "orders",
+        Message::json("o-2", &json!({"id": 2, "fail": true})),
+    );
+    drain(&env, &broker, place_order, "orders").await;
+    assert_eq!(broker.dead_letters("orders").len(), 1);
+
+    // Only the committed order's message is in the outbox.
+    let rows = outbox_rows(&env).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].1, None, "not published before a relay ran");
+
+    let relay = Relay::new(env.inbox.outbox(), broker.clone());
+    let round = relay.run_once().await.unwrap();
+    assert_eq!((round.taken, round.published, round.failed), (1, 1, 0));
+    assert_eq!(relay.run_once().await.unwrap().taken, 0, "published once");
+    assert_eq!(broker.depth("events").ready, 1);
+    let rows = outbox_rows(&env).await;
+    assert!(rows[0].1.is_some(), "marked published");
+    // The id derives from the handler and the key: every attempt writes the same one.
+    assert_eq!(
+        rows[0].0,
+        consumer_core::idempotency_key("place_order", "o-1", "outbox/0")
+    );
+}
+
+#[tokio::test]
+async fn a_relay_killed_between_publish_and_mark_publishes_again_and_the_consumer_runs_once() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    let outbox = env.inbox.outbox();
+    let mut tx = env.inbox.pool().begin().await.unwrap();
+    let id = outbox
+        .enqueue(
+            &mut tx,
+            &OutboxMessage::json("events", &json!({"order": 7})).unwrap(),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let faults = Arc::new(CrashOnce::new(
+        FaultAction::StopWorker,
+        [(FaultPoint::OutboxAfterPublish, id.clone())],
+    ));
+    let crashing = Relay::new(outbox.clone(), broker.clone())
+        .with_config(RelayConfig::default().with_faults(faults.clone()))
+        .unwrap();
+    assert!(matches!(crashing.run_once().await, Err(Error::Crashed(_))));
+    assert_eq!(faults.fired(), 1);
+    assert_eq!(
+        broker.depth("events").ready,
+        1,
+        "published before the crash"
+    );
+    assert_eq!(outbox.stats().await.unwrap().pending, 1, "but not marked");
+
+    let relay = Relay::new(outbox.clone(), broker.clone());
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    assert_eq!(broker.depth("events").ready, 2, "published twice");
+    assert_eq!(outbox.stats().await.unwrap().pending, 0);
+
+    let consumer = drain(&env, &broker, count_event, "events").await;
+    assert_eq!(ledger_count(&env, "event-7").await, 1, "consumed once");
+    assert_eq!(consumer.snapshot().duplicates, 1);
+}
+
+/// Records what it published, in order; refuses each message id in `refuse` once.
+#[derive(Default, Clone)]
+struct Recording {
+    published: Arc<Mutex<Vec<String>>>,
+    refuse: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Publisher for Recording {
+    fn publish<'a>(&'a self, m: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(async move {
+            let id = m.message_id.clone().unwrap();
+            if self.refuse.lock().unwrap().remove(&id) {
+                return Err(PublishError::refused(format!("no route for {id}")));
+            }
+            self.published.lock().unwrap().push(id);
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test]
+async fn one_keys_messages_go_out_in_order_and_a_failed_one_holds_back_the_rest_of_its_key() {
+    let env = SqliteEnv::new().await;
+    let outbox = env.inbox.outbox();
+    let mut tx = env.inbox.pool().begin().await.unwrap();
+    for (key, n) in [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("c", 1)] {
+        let m = OutboxMessage::new("events", "x")
+            .key(key)
+            .message_id(format!("{key}{n}"));
+        outbox.enqueue(&mut tx, &m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let publisher = Recording::default();
+    publisher.refuse.lock().unwrap().insert("a2".to_owned());
+    let relay = Relay::new(outbox.clone(), publisher.clone())
+        .with_config(
+            RelayConfig::default().with_backoff(Duration::from_millis(1), Duration::from_millis(1)),
+        )
+        .unwrap();
+    let round = relay.run_once().await.unwrap();
+    assert_eq!((round.taken, round.published, round.failed), (6, 4, 1));
+    let stats = outbox.stats().await.unwrap();
+    assert_eq!(
+        (stats.pending, stats.failing),
+        (2, 1),
+        "a2 failed, a3 held back"
+    );
+    let ids = |p: &Recording| p.published.lock().unwrap().clone();
+    assert_eq!(ids(&publisher), ["a1", "b1", "c1", "b2"]);
+
+    wait_until("a2 and a3 are published", || async {
+        relay.run_once().await.unwrap();
+        outbox.stats().await.unwrap().pending == 0
+    })
+    .await;
+    let published = ids(&publisher);
+    assert_eq!(published[4..], ["a2", "a3"], "{published:?}");
+}
+
+#[tokio::test]
+async fn a_commit_that_published_wakes_the_relay_of_its_process() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    // A poll too slow to be what publishes the message within the deadline.
+    let relay = Relay::new(env.inbox.outbox(), broker.clone())
+        .with_config(RelayConfig::default().with_poll_interval(Duration::from_secs(3600)))
+        .unwrap();
+    // A message written outside a handler before the relay starts: once it is published,
+    // the relay's first round is over and it waits.
+    let mut tx = env.inbox.pool().begin().await.unwrap();
+    let first = OutboxMessage::json("events", &json!({"order": 0})).unwrap();
+    env.inbox.outbox().enqueue(&mut tx, &first).await.unwrap();
+    tx.commit().await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(relay.run(async {
+        let _ = stopped.await;
+    }));
+    wait_until("the relay's first round", || async {
+        broker.depth("events").ready == 1
+    })
+    .await;
+    broker.publish("orders", Message::json("o-9", &json!({"id": 9})));
+    drain(&env, &broker, place_order, "orders").await;
+    wait_until("the relay published the handler's event", || async {
+        broker.depth("events").ready == 2
+    })
+    .await;
+    stop.send(()).unwrap();
+    relay.await.unwrap().unwrap();
+}

@@ -1,0 +1,144 @@
+//! The outbox on PostgreSQL, relayed to RabbitMQ: a rolled-back transaction publishes
+//! nothing and a committed one publishes once; a relay killed between the broker's confirm
+//! and its mark publishes the message again, and the consuming worker runs it once; two
+//! relays on one table publish every row, each key's in order; an unroutable message stays
+//! in the outbox, counted, and holds back its key.
+
+use std::sync::Arc;
+
+use consumer_amqp::AmqpPublisher;
+use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
+use consumer_core::outbox::{OutboxMessage, Publisher, Relay, RelayConfig};
+use consumer_core::{Error, Worker};
+use consumer_tests::amqp::{config, init_tracing, unique_name, worker_config, Rabbit, Running};
+use consumer_tests::common::{wait_until, PgEnv};
+use consumer_tests::outbox::{self, count_event, events_run, relay_all, write, Received};
+use serde_json::json;
+
+/// Publishes to `queue` (declared): the relay's publisher.
+async fn publisher(queue: &str) -> AmqpPublisher {
+    AmqpPublisher::connect(config(queue))
+        .await
+        .expect("connect the publisher")
+}
+
+/// Waits until `queue` holds `n` messages, then takes them all.
+async fn read(queue: &str, n: usize) -> Vec<Received> {
+    wait_until("the messages reach the queue", || async {
+        Rabbit::ready(queue).await as usize >= n
+    })
+    .await;
+    Rabbit::take_all(queue)
+        .await
+        .into_iter()
+        .map(|g| Received {
+            message_id: g.message_id,
+            body: g.body,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transaction_publishes_nothing_and_a_committed_one_publishes_once() {
+    init_tracing();
+    let env = PgEnv::new().await;
+    let queue = unique_name("outbox-events");
+    let p = publisher(&queue).await;
+    outbox::rollback_and_commit(env.inbox().await, p, &queue, |n| read(&queue, n)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_on_one_table_publish_every_row_in_key_order() {
+    init_tracing();
+    let env = PgEnv::new().await;
+    let queue = unique_name("outbox-order");
+    let publishers: [Arc<dyn Publisher>; 2] = [
+        Arc::new(publisher(&queue).await),
+        Arc::new(publisher(&queue).await),
+    ];
+    let inboxes = [env.inbox().await, env.inbox().await];
+    outbox::two_relays_keep_key_order(inboxes, publishers, &queue, 300, 5, |n| read(&queue, n))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_between_confirm_and_mark_publishes_twice_and_the_consumer_runs_once() {
+    init_tracing();
+    let env = PgEnv::new().await;
+    let inbox = env.inbox().await;
+    let queue = unique_name("outbox-crash");
+    let message = OutboxMessage::json(&queue, &json!({"n": 1})).expect("json");
+    let id = write(&inbox, message, true).await;
+
+    let faults = Arc::new(CrashOnce::new(
+        FaultAction::StopWorker,
+        [(FaultPoint::OutboxAfterPublish, id)],
+    ));
+    let crashing = Relay::new(inbox.outbox(), publisher(&queue).await)
+        .with_config(RelayConfig::default().with_faults(faults.clone()))
+        .expect("relay");
+    assert!(matches!(crashing.run_once().await, Err(Error::Crashed(_))));
+    assert_eq!(faults.fired(), 1);
+    assert_eq!(inbox.outbox().stats().await.expect("stats").pending, 1);
+    drop(crashing);
+
+    let relay = Relay::new(inbox.outbox(), publisher(&queue).await);
+    relay_all(&inbox, &relay).await;
+    wait_until("both copies are in the queue", || async {
+        Rabbit::ready(&queue).await == 2
+    })
+    .await;
+
+    let worker =
+        Worker::with_config(env.inbox().await, count_event, worker_config(2)).expect("worker");
+    let running = Running::start(worker, config(&queue)).await;
+    wait_until("the consumer settled both copies", || async {
+        let s = running.worker.snapshot();
+        s.completed + s.duplicates == 2
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.completed, stats.duplicates), (1, 1));
+    assert_eq!(events_run(&inbox).await, 1, "consumed once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_message_stays_in_the_outbox_counted_and_holds_back_its_key() {
+    init_tracing();
+    let env = PgEnv::new().await;
+    let inbox = env.inbox().await;
+    let queue = unique_name("outbox-routable");
+    let nowhere = unique_name("outbox-nowhere");
+    let p = publisher(&queue).await;
+    let mut tx = inbox.pool().begin().await.expect("begin");
+    for (dest, id) in [(&nowhere, "a1"), (&queue, "a2"), (&queue, "b1")] {
+        let m = OutboxMessage::new(dest.as_str(), "x")
+            .key(&id[..1])
+            .message_id(id);
+        inbox.outbox().enqueue(&mut tx, &m).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+
+    let relay = Relay::new(inbox.outbox(), p);
+    let round = relay.run_once().await.expect("round");
+    assert_eq!((round.taken, round.published, round.failed), (3, 1, 1));
+    let stats = inbox.outbox().stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.failing),
+        (2, 1),
+        "a1 failed, a2 waits behind it"
+    );
+    let got = read(&queue, 1).await;
+    let ids: Vec<_> = got.iter().filter_map(|r| r.message_id.as_deref()).collect();
+    assert_eq!(ids, ["b1"]);
+    let (attempts, error): (i32, Option<String>) = sqlx::query_as(&format!(
+        "SELECT attempts, last_error FROM {} WHERE message_id = 'a1'",
+        inbox.outbox().table()
+    ))
+    .fetch_one(inbox.pool())
+    .await
+    .expect("row");
+    assert_eq!(attempts, 1);
+    let error = error.expect("the error is recorded");
+    assert!(error.contains("refused"), "{error}");
+}
