@@ -6,7 +6,6 @@ use std::time::Duration;
 use http::HeaderName;
 
 use super::signature::Secret;
-use super::WebhookIngress;
 use crate::Error;
 
 /// The default signature header: `Webhook-Signature: t=<unix seconds>,v1=<hex>`.
@@ -44,7 +43,8 @@ enum EventIdFrom {
     Field(String),
 }
 
-/// Builds a [`WebhookIngress`]; start with [`WebhookIngress::builder`]. Nothing is checked
+/// Builds a [`WebhookIngress`](super::WebhookIngress); start with
+/// [`WebhookIngress::builder`](super::WebhookIngress::builder). Nothing is checked
 /// until [`WebhookIngressBuilder::build`], whose error names the field. `Debug` shows no
 /// secret.
 #[derive(Debug, Clone)]
@@ -136,13 +136,9 @@ impl WebhookIngressBuilder {
         self
     }
 
-    /// Checks the settings and builds the ingress; the error names the field.
-    pub fn build(self) -> Result<WebhookIngress, Error> {
-        let settings = self.check()?;
-        Ok(WebhookIngress::from_settings(settings))
-    }
-
-    fn check(self) -> Result<Settings, Error> {
+    /// Checks the settings ([`WebhookIngressBuilder::build`] builds the ingress on them);
+    /// the error names the field.
+    pub(super) fn check(self) -> Result<Settings, Error> {
         let literal = |b: u8| b.is_ascii_alphanumeric() || b"-._~/".contains(&b);
         if !self.route.starts_with('/') || !self.route.bytes().all(literal) {
             return Err(Error::config(
@@ -196,6 +192,7 @@ impl WebhookIngressBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::WebhookIngress;
 
     fn field(b: WebhookIngressBuilder) -> &'static str {
         match b.check() {

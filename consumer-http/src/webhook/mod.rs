@@ -15,15 +15,13 @@ use axum::Router;
 use tokio::sync::mpsc;
 
 pub use config::{WebhookIngressBuilder, DEFAULT_EVENT_ID_FIELD, DEFAULT_SIGNATURE_HEADER};
+pub use route::WEBHOOK_TIMESTAMP;
 pub use signature::sign;
 pub use transport::{WebhookTransport, WEBHOOK_TRANSPORT};
 
+use crate::Error;
 use config::Settings;
 use route::Shared;
-
-/// The delivery header that carries the signature's timestamp (unix seconds), for a
-/// handler that wants to know when the provider signed the event.
-pub const WEBHOOK_TIMESTAMP: &str = "webhook-timestamp";
 
 /// A webhook endpoint: an axum [`Router`] with one `POST` route that verifies and answers
 /// provider events, and the [`WebhookTransport`] a [`Worker`](consumer_core::Worker) runs
@@ -99,5 +97,12 @@ impl WebhookIngress {
     /// worker on. The transport ends once every clone of the router is dropped.
     pub fn into_parts(self) -> (Router, WebhookTransport) {
         (self.router, self.transport)
+    }
+}
+
+impl WebhookIngressBuilder {
+    /// Checks the settings and builds the ingress; the error names the field.
+    pub fn build(self) -> Result<WebhookIngress, Error> {
+        Ok(WebhookIngress::from_settings(self.check()?))
     }
 }

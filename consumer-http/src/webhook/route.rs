@@ -19,9 +19,12 @@ use tokio::sync::{mpsc, oneshot};
 use super::config::{EventIdSource, Settings};
 use super::signature::{self, Refused};
 use super::transport::{Reply, WEBHOOK_TRANSPORT};
-use super::WEBHOOK_TIMESTAMP;
 use crate::flow::read_body;
 use crate::problem;
+
+/// The delivery header that carries the signature's timestamp (unix seconds), for a
+/// handler that wants to know when the provider signed the event.
+pub const WEBHOOK_TIMESTAMP: &str = "webhook-timestamp";
 
 /// The request headers copied onto the delivery, besides the event id header (when the id
 /// is read from one): what a handler or the trace context may want.
