@@ -107,8 +107,8 @@ where
 }
 
 /// The body, up to `limit` bytes: 413 above it (by `Content-Length` before reading, or
-/// while reading), 400 if it cannot be read.
-async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Response> {
+/// while reading), 400 if it cannot be read. The webhook ingress reads its bodies with it too.
+pub(crate) async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Response> {
     let declared = parts
         .headers
         .get(http::header::CONTENT_LENGTH)

@@ -1,10 +1,16 @@
-//! Exactly-once effects for HTTP: an `Idempotency-Key` layer for tower and axum.
+//! Exactly-once effects for HTTP: an `Idempotency-Key` layer for tower and axum, and a
+//! webhook ingress.
 //!
 //! Clients retry: a payment POST times out and is sent again, a mobile app resends on a
 //! flaky network. [`IdempotencyLayer`] makes a retried request answer what the first one
 //! answered, without running the handler again, and lets the handler's database writes
 //! commit in the same transaction as the stored answer ([`IdempotentTx`]), as the
 //! consumer's handlers commit with their inbox key.
+//!
+//! Providers resend too: a webhook whose 2xx never arrived comes again. [`WebhookIngress`]
+//! verifies their signed events and hands them to a [`consumer_core::Worker`] as
+//! deliveries, so a `#[handler]` runs each event once through the inbox (see
+//! [Webhook ingress](#webhook-ingress)).
 //!
 //! # What the layer answers
 //!
@@ -92,6 +98,69 @@
 //! another key waits for the running handler's commit (the pool's busy timeout), and a
 //! database file must not be shared by two processes.
 //!
+//! # Webhook ingress
+//!
+//! [`WebhookIngress::builder`] takes the route, one or more signing secrets (several while
+//! a provider rotates), where the event id is (default: the top-level JSON field `id`; or a
+//! header) and the limits; [`WebhookIngress::into_parts`] gives an axum [`Router`](axum::Router)
+//! with one `POST` route, and a [`WebhookTransport`] for a [`consumer_core::Worker`] running
+//! the application's `#[handler]`. There is one delivery pipeline: the handler runs with the
+//! same semantics as on a queue. Its writes through `ctx.db()` commit with the event's inbox
+//! key, failures are retried or dead-lettered, and the key is the event id (the delivery's
+//! message id) unless the handler names a key template. Give each provider its own handler
+//! name: the inbox keys are per handler.
+//!
+//! A request is checked in this order, and every refusal is answered
+//! (`application/problem+json`) before anything reaches the worker or the inbox:
+//!
+//! 1. A body over the limit (default 1 MiB) → 413, by `Content-Length` before reading or
+//!    while reading.
+//! 2. The signature header (default `Webhook-Signature: t=<unix seconds>,v1=<hex>`, several
+//!    `v1` entries allowed, other schemes ignored) missing, repeated or malformed, or no
+//!    `v1` entry the HMAC-SHA256 of `<t>.<body>` under a configured secret → 401. Tags are
+//!    compared in constant time, every secret against every entry. A valid signature whose
+//!    `t` is further than the tolerance (default 5 min) from this server's clock, in the past
+//!    or the future → 401.
+//! 3. A body that is not JSON, or no usable event id (missing, not a string or integer,
+//!    empty, over [`MAX_KEY_BYTES`](consumer_core::MAX_KEY_BYTES), holding a control
+//!    character) → 400.
+//!
+//! The event then becomes a [`Delivery`](consumer_core::Delivery): the event id as message
+//! id, the body as payload, the headers `content-type`, `user-agent`, `traceparent`,
+//! `tracestate` (the trace context joins the delivery's span), the event id header when the
+//! id comes from one, and [`webhook-timestamp`](webhook::WEBHOOK_TIMESTAMP); attempt 1,
+//! origin [`Unknown`](consumer_core::Origin::Unknown) (any request may be a resend, so
+//! every event takes the counted path), source `webhook:<route>`. It waits in a bounded
+//! buffer for the worker, and the request waits for its settlement:
+//!
+//! | the worker settles | answer | what it means |
+//! |---|---|---|
+//! | ack: committed now, or a duplicate | 200 `{"received": true}` | the effect committed, once; a duplicate is always answered 2xx |
+//! | retry: a transient failure, attempts left | 503, `Retry-After` the backoff's delay | rolled back; the inbox counted the attempt. The provider's resend is the retry (its schedule rules; `Retry-After` is a hint), and `max_attempts` counts across resends |
+//! | dead letter | 200 `{"received": true, "dead_lettered": "<reason>"}` | a resend cannot fix it (a permanent error, the last attempt failed, a key conflict, a body the handler's type cannot decode), so the provider is told to stop. Logged at warn with the reason. A dead row answers every resend the same, without running; [`Inbox::release`](consumer_core::Inbox::release) and a resend from the provider's dashboard replay it |
+//! | nothing: no worker runs the transport, or the event was dropped unsettled with a stopping worker | 503, `Retry-After: 1` | nothing ran; the provider resends |
+//! | nothing within `answer_within` (default 10 s) | 503, `Retry-After: 1` | the event may still commit; the resend is then a duplicate |
+//!
+//! A key conflict, the same event id with another body (by its canonical JSON), leaves the
+//! first body's effect and its completed row as they were; the other body is the dead
+//! letter (`key_conflict`), answered 200, since resending it cannot change the outcome.
+//!
+//! What follows:
+//!
+//! - **Once per event**: concurrent resends of one event wait on its key's lock, and all but
+//!   the first are duplicates. A 200 for an ack is sent only after the commit.
+//! - **A client that hangs up**, or a provider that stops waiting: an event the worker took
+//!   still runs and commits (its settlement finds no request, which is fine); one still in
+//!   the buffer is taken and runs too; one not yet buffered was never handed over. Either
+//!   way the resend is answered from the inbox.
+//! - **Replays**: a captured request passes the signature check only within the tolerance,
+//!   and is then a duplicate, provided the handler's inbox retention (default 7 days) is
+//!   longer than the tolerance and than the provider's resend window. An event id read from
+//!   a header is not covered by the signature: a replay inside the tolerance with another id
+//!   runs as a new event, so prefer a field of the signed body.
+//! - **Secrets** never appear in `Debug` output, logs or errors; a 401's detail says what was
+//!   wrong, never which secret or tag was expected.
+//!
 //! # Layout
 //!
 //! - `config`: [`IdempotencyConfig`] and its builder; `request`: the key check, the scope
@@ -101,9 +170,14 @@
 //!   through them (decide, run, store or release); `tx`: [`IdempotentTx`].
 //! - `store`: [`IdempotencyStore`] on PostgreSQL or SQLite, its configuration
 //!   ([`StoreConfig`]), statements and migrations (run by [`IdempotencyStore::new`]).
+//! - [`webhook`]: [`WebhookIngress`] and its builder (`webhook::config`), the signature
+//!   check (`webhook::signature`), the HTTP side (`webhook::route`: a request to a delivery,
+//!   a settlement to an answer) and the worker's side (`webhook::transport`:
+//!   [`WebhookTransport`] and the acknowledger that answers the waiting request).
 //!
 //! The tests (`tests/`) serve an axum app on `127.0.0.1:0` and call it with reqwest, on
-//! PostgreSQL (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file).
+//! PostgreSQL (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file); the
+//! webhook tests run a worker on the ingress's transport, on PostgreSQL.
 
 mod config;
 mod error;
@@ -114,6 +188,7 @@ mod request;
 mod store;
 mod stored;
 mod tx;
+pub mod webhook;
 
 pub use config::{IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES};
 pub use error::Error;
@@ -123,3 +198,4 @@ pub use request::IDEMPOTENCY_KEY;
 pub use store::{IdempotencyStore, StoreBackend, StoreConfig, StoreConfigBuilder};
 pub use stored::IDEMPOTENT_REPLAYED;
 pub use tx::IdempotentTx;
+pub use webhook::{WebhookIngress, WebhookIngressBuilder, WebhookTransport};

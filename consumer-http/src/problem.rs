@@ -57,32 +57,39 @@ pub(crate) fn mismatch() -> Response {
     )
 }
 
-/// 409 with `Retry-After`: a request with the key is still in progress.
-pub(crate) fn in_progress(retry_after: Duration) -> Response {
-    let mut response = problem(
-        StatusCode::CONFLICT,
-        "Request in progress",
-        "a request with this Idempotency-Key is still in progress; retry later",
-    );
-    let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+/// A problem answer with a `Retry-After` of `after`, rounded up to whole seconds (at least 1).
+pub(crate) fn retry_later(
+    status: StatusCode,
+    title: &str,
+    detail: &str,
+    after: Duration,
+) -> Response {
+    let mut response = problem(status, title, detail);
+    let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
     response
 }
 
+/// 409 with `Retry-After`: a request with the key is still in progress.
+pub(crate) fn in_progress(retry_after: Duration) -> Response {
+    retry_later(
+        StatusCode::CONFLICT,
+        "Request in progress",
+        "a request with this Idempotency-Key is still in progress; retry later",
+        retry_after,
+    )
+}
+
 /// 503 with `Retry-After`: the store failed; the request may be retried with the same key.
 pub(crate) fn store_unavailable(retry_after: Duration) -> Response {
-    let mut response = problem(
+    retry_later(
         StatusCode::SERVICE_UNAVAILABLE,
         "Idempotency store unavailable",
         "the request's record could not be read or written; retry with the same key",
-    );
-    let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
-    response
+        retry_after,
+    )
 }
 
 /// 500: the handler panicked, or its answer could not be stored.
