@@ -42,7 +42,10 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
             .map(|id| id.to_string())
             .filter(|id| !id.is_empty()),
         payload: payload.clone(),
-        headers: Arc::new(headers::to_strings(table)),
+        headers: Arc::new(headers::with_reply_address(
+            headers::to_strings(table),
+            &properties,
+        )),
         redelivered,
         attempt,
         // RabbitMQ flags a delivery redelivered if any consumer may have had it before

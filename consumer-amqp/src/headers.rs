@@ -63,6 +63,25 @@ pub(crate) fn to_strings(table: Option<&FieldTable>) -> BTreeMap<String, String>
         .unwrap_or_default()
 }
 
+/// `headers` plus the request's reply address and correlation id, from the `reply_to` and
+/// `correlation_id` properties, under the names a handler's reply reads
+/// ([`consumer_core::REPLY_TO_HEADER`], [`consumer_core::CORRELATION_ID_HEADER`]).
+pub(crate) fn with_reply_address(
+    mut headers: BTreeMap<String, String>,
+    properties: &lapin::BasicProperties,
+) -> BTreeMap<String, String> {
+    if let Some(to) = properties.reply_to() {
+        headers.insert(consumer_core::REPLY_TO_HEADER.to_owned(), to.to_string());
+    }
+    if let Some(id) = properties.correlation_id() {
+        headers.insert(
+            consumer_core::CORRELATION_ID_HEADER.to_owned(),
+            id.to_string(),
+        );
+    }
+    headers
+}
+
 fn value_to_string(v: &AMQPValue) -> String {
     match v {
         AMQPValue::ShortString(s) => s.to_string(),

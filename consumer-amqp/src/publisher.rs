@@ -212,6 +212,12 @@ fn properties(
             .map_err(|e| Error::InvalidMessage(format!("message id: {e}")))?;
         p = p.with_message_id(id);
     }
+    // A reply's correlation id goes in the property its requester reads.
+    if let Some(c) = headers.get(consumer_core::CORRELATION_ID_HEADER) {
+        let id = ShortString::try_new(c.as_str())
+            .map_err(|e| Error::InvalidMessage(format!("correlation id: {e}")))?;
+        p = p.with_correlation_id(id);
+    }
     Ok(p)
 }
 

@@ -20,6 +20,15 @@ use futures::Stream;
 
 use crate::TransportError;
 
+/// The delivery header naming where a request's reply goes (a queue, a topic): RabbitMQ's
+/// `reply_to` property, a Kafka header of this name. See
+/// [`Context::reply`](crate::Context::reply).
+pub const REPLY_TO_HEADER: &str = "reply-to";
+
+/// The delivery header carrying a request's correlation id (RabbitMQ's `correlation_id`
+/// property, a Kafka header of this name); a reply carries it back.
+pub const CORRELATION_ID_HEADER: &str = "correlation-id";
+
 /// Where a delivery came from, for dead-letter reasons and logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Source {

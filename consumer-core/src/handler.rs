@@ -181,6 +181,8 @@ pub struct BatchContext<'c, DB: Backend> {
     pub(crate) names: &'c TableNames,
     /// Messages written to the outbox so far, by member (for their ids).
     pub(crate) published: Vec<u32>,
+    /// The members that replied (a request gets one reply).
+    pub(crate) replied: Vec<bool>,
     /// Set when a message was written: the runtime wakes the relays after the commit.
     pub(crate) wrote: &'c AtomicBool,
 }
@@ -246,6 +248,34 @@ impl<'c, DB: Backend> BatchContext<'c, DB> {
         Ok(id)
     }
 
+    /// [`Context::reply`] to message `i` of the batch.
+    pub async fn reply(
+        &mut self,
+        i: usize,
+        body: impl Into<bytes::Bytes>,
+    ) -> Result<String, Error> {
+        if self.replied.len() < self.members.len() {
+            self.replied.resize(self.members.len(), false);
+        }
+        if self.replied[i] {
+            return Err(Error::Message("a request gets one reply".to_owned()));
+        }
+        let m = &self.members[i];
+        let (key, delivery) = (m.key, m.delivery);
+        let id = crate::outbox::reply::write::<DB>(
+            self.conn,
+            self.names,
+            self.handler,
+            key,
+            delivery,
+            body.into(),
+        )
+        .await?;
+        self.replied[i] = true;
+        self.wrote.store(true, Ordering::Relaxed);
+        Ok(id)
+    }
+
     /// A stable key for an effect of message `i` outside the database: the same as
     /// [`Context::idempotency_key`] gives that message when it runs alone.
     pub fn idempotency_key(&self, i: usize, effect: &str) -> String {
@@ -268,6 +298,8 @@ pub struct Context<'c, DB: Backend> {
     pub(crate) names: &'c TableNames,
     /// Messages written to the outbox so far in this attempt (for their ids).
     pub(crate) published: u32,
+    /// Whether this attempt replied (a request gets one reply).
+    pub(crate) replied: bool,
     /// Set when a message was written: the runtime wakes the relays after the commit.
     pub(crate) wrote: &'c AtomicBool,
     #[cfg(feature = "fault-injection")]
@@ -346,6 +378,35 @@ impl<'c, DB: Backend> Context<'c, DB> {
         };
         crate::outbox::insert::<DB>(self.conn, self.names, &message, &id).await?;
         self.published += 1;
+        self.wrote.store(true, Ordering::Relaxed);
+        Ok(id)
+    }
+
+    /// Replies to this request with `body`, through the outbox in this handler's
+    /// transaction: the reply goes to the request's reply address ([`REPLY_TO_HEADER`]:
+    /// RabbitMQ's `reply_to`, a Kafka header) with the request's correlation id
+    /// ([`CORRELATION_ID_HEADER`], else its message id), once the transaction commits. It is
+    /// also kept with the key: a duplicate of the request is answered with the same reply
+    /// again, byte for byte, instead of being acked in silence. Fails if the request names no
+    /// reply address, or this run replied already. Returns the reply's message id.
+    ///
+    /// [`REPLY_TO_HEADER`]: crate::REPLY_TO_HEADER
+    /// [`CORRELATION_ID_HEADER`]: crate::CORRELATION_ID_HEADER
+    pub async fn reply(&mut self, body: impl Into<bytes::Bytes>) -> Result<String, Error> {
+        if self.replied {
+            return Err(Error::Message("a request gets one reply".to_owned()));
+        }
+        let (handler, key, delivery) = (self.handler, self.key, self.delivery);
+        let id = crate::outbox::reply::write::<DB>(
+            self.conn,
+            self.names,
+            handler,
+            key,
+            delivery,
+            body.into(),
+        )
+        .await?;
+        self.replied = true;
         self.wrote.store(true, Ordering::Relaxed);
         Ok(id)
     }

@@ -120,7 +120,7 @@ mod worker;
 pub use consumer_macros::handler;
 pub use delivery::{
     Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Origin,
-    Settlement, Source, Transport,
+    Settlement, Source, Transport, CORRELATION_ID_HEADER, REPLY_TO_HEADER,
 };
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};

@@ -17,6 +17,7 @@ use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use consumer_core::{
     handler, Context, Error, Handler, HandlerError, NoJitter, Worker, WorkerConfig,
+    CORRELATION_ID_HEADER, REPLY_TO_HEADER,
 };
 use consumer_scenarios::env::{wait_until, SqliteEnv, DEADLINE};
 use futures::future::BoxFuture;
@@ -267,4 +268,91 @@ async fn a_commit_that_published_wakes_the_relay_of_its_process() {
     .await;
     stop.send(()).unwrap();
     relay.await.unwrap().unwrap();
+}
+
+/// Runs of `quote`: a second run would answer with another number.
+static QUOTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Answers a quote request with a price and its run's number.
+#[handler(name = "quote")]
+async fn quote(
+    ctx: &mut Context<'_, Sqlite>,
+    request: serde_json::Value,
+) -> Result<(), HandlerError> {
+    let run = QUOTES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let body = json!({"item": request["item"], "price": 42, "run": run});
+    // A request without a reply address will never get one: no retry can help.
+    ctx.reply(body.to_string())
+        .await
+        .map_err(HandlerError::permanent)?;
+    Ok(())
+}
+
+fn request(id: &str, correlation: &str) -> Message {
+    let mut m = Message::json(id, &json!({"item": "lamp"}));
+    m.headers
+        .insert(REPLY_TO_HEADER.to_owned(), "replies".to_owned());
+    m.headers
+        .insert(CORRELATION_ID_HEADER.to_owned(), correlation.to_owned());
+    m
+}
+
+#[tokio::test]
+async fn a_duplicate_request_is_answered_with_the_same_reply() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    broker.publish("quotes", request("q-1", "c-1"));
+    broker.publish("quotes", request("q-1", "c-1"));
+    let worker = drain(&env, &broker, quote, "quotes").await;
+    let stats = worker.snapshot();
+    assert_eq!((stats.completed, stats.duplicates), (1, 1));
+    assert_eq!(
+        QUOTES.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the handler ran once"
+    );
+
+    let relay = Relay::new(env.inbox.outbox(), broker.clone());
+    wait_until("both replies are relayed", || async {
+        relay.run_once().await.unwrap();
+        broker.depth("replies").ready == 2
+    })
+    .await;
+    let replies: Vec<Message> = {
+        use futures::StreamExt;
+        let mut consumer = broker.consume("replies");
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            let incoming = consumer.next().await.unwrap().unwrap();
+            let d = &incoming.delivery;
+            out.push(Message {
+                id: d.message_id.clone(),
+                payload: d.payload.clone(),
+                headers: (*d.headers).clone(),
+            });
+            incoming
+                .acker
+                .settle(consumer_core::Settlement::Ack)
+                .await
+                .unwrap();
+        }
+        out
+    };
+    assert_eq!(replies[0].payload, replies[1].payload, "byte-identical");
+    assert_eq!(replies[0].id, replies[1].id);
+    for r in &replies {
+        assert_eq!(r.headers[CORRELATION_ID_HEADER], "c-1");
+    }
+}
+
+#[tokio::test]
+async fn a_reply_needs_a_reply_address() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    broker.publish("quotes", Message::json("q-2", &json!({"item": "lamp"})));
+    drain(&env, &broker, quote, "quotes").await;
+    let dead = broker.dead_letters("quotes");
+    assert_eq!(dead.len(), 1);
+    let error = &dead[0].dead_letter.error;
+    assert!(error.contains("no reply address"), "{error}");
 }

@@ -182,6 +182,8 @@ pub struct Got {
     pub message_id: Option<String>,
     /// The `content_type` property.
     pub content_type: Option<String>,
+    /// The `correlation_id` property.
+    pub correlation_id: Option<String>,
     /// The headers, each value as text.
     pub headers: BTreeMap<String, String>,
 }
@@ -248,12 +250,47 @@ impl Rabbit {
                     body: m.delivery.data.clone(),
                     message_id: p.message_id().as_ref().map(|s| s.to_string()),
                     content_type: p.content_type().as_ref().map(|s| s.to_string()),
+                    correlation_id: p.correlation_id().as_ref().map(|s| s.to_string()),
                     headers: strings(p.headers().as_ref()),
                 });
                 m.delivery.ack(BasicAckOptions::default()).await?;
             }
             let _ = conn.close(200, "ok".into()).await;
             Ok(out)
+        })
+        .await
+    }
+
+    /// Publishes a request to `queue` (default exchange) with the `reply_to` and
+    /// `correlation_id` properties, as an RPC client does, and waits for the confirm.
+    pub async fn publish_request(
+        queue: &str,
+        message_id: &str,
+        body: &[u8],
+        reply_to: &str,
+        correlation_id: &str,
+    ) {
+        Self::with_connection("publish a request", |conn| async move {
+            let channel = conn.create_channel().await?;
+            channel
+                .confirm_select(lapin::options::ConfirmSelectOptions::default())
+                .await?;
+            let properties = lapin::BasicProperties::default()
+                .with_message_id(message_id.into())
+                .with_reply_to(reply_to.into())
+                .with_correlation_id(correlation_id.into());
+            channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    lapin::options::BasicPublishOptions::default(),
+                    body,
+                    properties,
+                )
+                .await?
+                .await?;
+            let _ = conn.close(200, "ok".into()).await;
+            Ok(())
         })
         .await
     }

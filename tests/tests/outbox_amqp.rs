@@ -2,18 +2,21 @@
 //! nothing and a committed one publishes once; a relay killed between the broker's confirm
 //! and its mark publishes the message again, and the consuming worker runs it once; two
 //! relays on one table publish every row, each key's in order; an unroutable message stays
-//! in the outbox, counted, and holds back its key.
+//! in the outbox, counted, and holds back its key; a duplicate request is answered with the
+//! stored reply.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use consumer_amqp::AmqpPublisher;
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
 use consumer_core::outbox::{OutboxMessage, Publisher, Relay, RelayConfig};
-use consumer_core::{Error, Worker};
+use consumer_core::{handler, Context, Error, HandlerError, Worker};
 use consumer_tests::amqp::{config, init_tracing, unique_name, worker_config, Rabbit, Running};
 use consumer_tests::common::{wait_until, PgEnv};
 use consumer_tests::outbox::{self, count_event, events_run, relay_all, write, Received};
 use serde_json::json;
+use sqlx::Postgres;
 
 /// Publishes to `queue` (declared): the relay's publisher.
 async fn publisher(queue: &str) -> AmqpPublisher {
@@ -141,4 +144,60 @@ async fn an_unroutable_message_stays_in_the_outbox_counted_and_holds_back_its_ke
     assert_eq!(attempts, 1);
     let error = error.expect("the error is recorded");
     assert!(error.contains("refused"), "{error}");
+}
+
+/// Runs of `quote`: a second run would answer with another number.
+static QUOTES: AtomicU64 = AtomicU64::new(0);
+
+/// Answers a quote request with a price and its run's number.
+#[handler(name = "quote")]
+async fn quote(
+    ctx: &mut Context<'_, Postgres>,
+    request: serde_json::Value,
+) -> Result<(), HandlerError> {
+    let run = QUOTES.fetch_add(1, Ordering::Relaxed);
+    let body = json!({"item": request["item"], "price": 42, "run": run});
+    ctx.reply(body.to_string())
+        .await
+        .map_err(HandlerError::permanent)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_rpc_request_gets_the_stored_reply_byte_identical_with_its_correlation_id() {
+    init_tracing();
+    let env = PgEnv::new().await;
+    let requests = unique_name("outbox-rpc");
+    let replies = unique_name("outbox-replies");
+    // Declares the request queue before the requests arrive.
+    publisher(&requests).await.close().await;
+    let reply_publisher = publisher(&replies).await;
+    for _ in 0..2 {
+        let body = br#"{"item":"lamp"}"#;
+        Rabbit::publish_request(&requests, "q-1", body, &replies, "c-1").await;
+    }
+    let inbox = env.inbox().await;
+    let worker = Worker::with_config(inbox.clone(), quote, worker_config(1)).expect("worker");
+    let running = Running::start(worker, config(&requests)).await;
+    wait_until("both requests are settled", || async {
+        let s = running.worker.snapshot();
+        s.completed + s.duplicates == 2
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.completed, stats.duplicates), (1, 1));
+    assert_eq!(QUOTES.load(Ordering::Relaxed), 1, "the handler ran once");
+
+    relay_all(&inbox, &Relay::new(inbox.outbox(), reply_publisher)).await;
+    wait_until("both replies are in the reply queue", || async {
+        Rabbit::ready(&replies).await == 2
+    })
+    .await;
+    let got = Rabbit::take_all(&replies).await;
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].body, got[1].body, "byte-identical");
+    assert_eq!(got[0].message_id, got[1].message_id);
+    for g in &got {
+        assert_eq!(g.correlation_id.as_deref(), Some("c-1"));
+    }
 }

@@ -148,6 +148,10 @@ pub struct OutboxSql {
     pub(crate) mark_failed: String,
     pub(crate) purge: String,
     pub(crate) stats: String,
+    /// Keeps a handler's reply with the request's inbox row.
+    pub(crate) store_reply: String,
+    /// Writes a key's kept reply to the outbox again, to a given destination.
+    pub(crate) resend_reply: String,
 }
 
 impl TableNames {

@@ -70,6 +70,21 @@ impl<DB: Backend> Inbox<DB> {
         &self.names.inbox
     }
 
+    /// Writes the reply kept with (`handler`, `key`) to the outbox again, for `to`, and
+    /// wakes this process's relays; whether there was one (see [`crate::Context::reply`]).
+    pub(crate) async fn resend_reply(
+        &self,
+        handler: &str,
+        key: &str,
+        to: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let resent = DB::outbox_resend_reply(&self.pool, &self.names, handler, key, to).await?;
+        if resent {
+            self.outbox_written();
+        }
+        Ok(resent)
+    }
+
     /// Wakes this process's relays: rows were committed to the outbox.
     pub(crate) fn outbox_written(&self) {
         self.outbox_written.notify_one();

@@ -156,6 +156,52 @@ pub trait OutboxStore: Execute {
         })
     }
 
+    /// Keeps `reply` (its id set) with the request's row (`handler`, `key`), in the handler's
+    /// transaction, so that a duplicate of the request is answered with it again.
+    #[doc(hidden)]
+    fn outbox_store_reply<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        reply: &'a OutboxMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let headers = headers_json(&reply.headers);
+            let args = [
+                Arg::Text(handler),
+                Arg::Text(key),
+                Arg::OptText(reply.message_id.as_deref()),
+                Arg::Text(&headers),
+                Arg::Bytes(&reply.payload),
+            ];
+            Self::execute(conn, &names.outbox_sql.store_reply, &args).await?;
+            Ok(())
+        })
+    }
+
+    /// Writes the reply kept with (`handler`, `key`), if any, to the outbox again, for
+    /// `destination`, in a statement of its own; whether there was one.
+    #[doc(hidden)]
+    fn outbox_resend_reply<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handler: &'a str,
+        key: &'a str,
+        destination: &'a str,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            let args = [
+                Arg::Text(handler),
+                Arg::Text(key),
+                Arg::Text(destination),
+                Arg::Now(Clock::read()),
+            ];
+            Ok(Self::execute(&mut conn, &names.outbox_sql.resend_reply, &args).await? > 0)
+        })
+    }
+
     #[doc(hidden)]
     fn outbox_stats<'a>(
         pool: &'a Pool<Self>,
@@ -323,6 +369,15 @@ impl OutboxSql {
                       (extract(epoch FROM now() - min(created_at) FILTER \
                         (WHERE published_at IS NULL)) * 1000)::bigint, \
                       count(*) FILTER (WHERE published_at IS NOT NULL) FROM {outbox}"),
+            store_reply: r(
+                "UPDATE {inbox} SET reply_message_id = $3, reply_headers = $4, \
+                            reply_payload = $5 WHERE handler = $1 AND key = $2",
+            ),
+            resend_reply: r("INSERT INTO {outbox} \
+                             (message_id, destination, ordering_key, headers, payload) \
+                             SELECT reply_message_id, $3, NULL, reply_headers, reply_payload \
+                             FROM {inbox} WHERE handler = $1 AND key = $2 \
+                             AND reply_message_id IS NOT NULL"),
         }
     }
 
@@ -355,6 +410,15 @@ impl OutboxSql {
                       count(*) FILTER (WHERE published_at IS NULL AND attempts > 0), \
                       ?1 - min(created_at) FILTER (WHERE published_at IS NULL), \
                       count(*) FILTER (WHERE published_at IS NOT NULL) FROM {outbox}"),
+            store_reply: r(
+                "UPDATE {inbox} SET reply_message_id = ?3, reply_headers = ?4, \
+                            reply_payload = ?5 WHERE handler = ?1 AND key = ?2",
+            ),
+            resend_reply: r("INSERT INTO {outbox} \
+                             (message_id, destination, ordering_key, headers, payload, created_at) \
+                             SELECT reply_message_id, ?3, NULL, reply_headers, reply_payload, ?4 \
+                             FROM {inbox} WHERE handler = ?1 AND key = ?2 \
+                             AND reply_message_id IS NOT NULL"),
         }
     }
 }

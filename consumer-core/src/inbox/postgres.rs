@@ -28,6 +28,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
         include_str!("../../migrations/postgres/0004_copy_scope.sql"),
     ),
     (5, include_str!("../../migrations/postgres/0005_outbox.sql")),
+    (
+        6,
+        include_str!("../../migrations/postgres/0006_replies.sql"),
+    ),
 ];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.

@@ -28,6 +28,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         include_str!("../../migrations/sqlite/0004_copy_scope.sql"),
     ),
     (5, include_str!("../../migrations/sqlite/0005_outbox.sql")),
+    (6, include_str!("../../migrations/sqlite/0006_replies.sql")),
 ];
 
 /// `now` (Unix milliseconds) plus `d`.

@@ -38,7 +38,7 @@
 //! # Layout
 //!
 //! - `handle`: [`Outbox`], written to in a transaction; `message`: [`OutboxMessage`];
-//! - `publisher`: the [`Publisher`] trait and [`PublishError`];
+//! - `publisher`: the [`Publisher`] trait and [`PublishError`]; `reply`: replies to requests;
 //! - `relay`: [`Relay`] and [`RelayConfig`];
 //! - the outbox's statements on each database live with the inbox's (`inbox::outbox_store`),
 //!   and its migrations create the table beside the inbox: `<inbox table>_outbox`.
@@ -47,6 +47,7 @@ mod handle;
 pub(crate) mod message;
 mod publisher;
 mod relay;
+pub(crate) mod reply;
 
 pub use crate::inbox::OutboxStats;
 pub(crate) use handle::insert;

@@ -264,6 +264,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 members: &members,
                 names: self.inbox.names(),
                 published: Vec::new(),
+                replied: Vec::new(),
                 wrote,
             };
             runs = messages.len() as u64;
@@ -288,6 +289,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     fresh: job.fresh,
                     names: self.inbox.names(),
                     published: 0,
+                    replied: false,
                     wrote,
                     #[cfg(feature = "fault-injection")]
                     faults: self.faults.as_deref(),

@@ -11,7 +11,7 @@ use super::attempt::{self, AfterFailure};
 use super::claim::dead_text;
 use super::job::{Job, Outcome, Verdict};
 use super::Inner;
-use crate::delivery::{Acknowledger, DeadLetterReason, Delivery, Settlement};
+use crate::delivery::{Acknowledger, DeadLetterReason, Delivery, Settlement, REPLY_TO_HEADER};
 use crate::handler::Handler;
 use crate::inbox::{Backend, Inbox};
 use crate::key::refused_by_database;
@@ -137,6 +137,50 @@ impl<DB: Backend> Acknowledger for RecordRetry<DB> {
     }
 }
 
+/// Settles a duplicate of a request that names a reply address: first writes the reply
+/// kept with its key (if its handler replied) to the outbox again, for the duplicate's reply
+/// address, then acks. If the reply cannot be written, the duplicate is delivered again
+/// after `delay` instead, so that the requester still gets its answer.
+pub(super) struct ResendReply<DB: Backend> {
+    acker: Box<dyn Acknowledger>,
+    inbox: Inbox<DB>,
+    handler: Arc<str>,
+    key: String,
+    to: String,
+    attempt: u32,
+    delay: Duration,
+}
+
+impl<DB: Backend> Acknowledger for ResendReply<DB> {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let ResendReply {
+                acker,
+                inbox,
+                handler,
+                key,
+                to,
+                attempt,
+                delay,
+            } = *self;
+            match inbox.resend_reply(&handler, &key, &to).await {
+                Ok(_) => acker.settle(settlement).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not answer a duplicate request with its reply; it comes back later");
+                    acker.settle(Settlement::Retry { delay, attempt }).await
+                }
+            }
+        })
+    }
+
+    fn copy_scope(&self) -> Option<&str> {
+        self.acker.copy_scope()
+    }
+}
+
 impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// A job's verdict to apply. The retry of an attempt the inbox counted, when the
     /// transport writes a copy (see [`Acknowledger::copy_scope`]), settles through a
@@ -155,6 +199,20 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         attempt: *attempt,
                         scope,
                         delay: *delay,
+                    }),
+                    None => job.acker,
+                }
+            }
+            (Settlement::Ack, Outcome::Duplicate) => {
+                match job.delivery.headers.get(REPLY_TO_HEADER) {
+                    Some(to) => Box::new(ResendReply {
+                        to: to.clone(),
+                        attempt: job.delivery.attempt,
+                        delay: self.settings.backoff.next_delay(1),
+                        acker: job.acker,
+                        inbox: self.inbox.clone(),
+                        handler: self.name.clone(),
+                        key: job.key,
                     }),
                     None => job.acker,
                 }

@@ -1,0 +1,42 @@
+//! Replies to requests: written through the outbox in the handler's transaction, and kept
+//! with the request's key so that a duplicate request is answered with the same reply.
+
+use bytes::Bytes;
+
+use super::handle::insert;
+use super::message::OutboxMessage;
+use crate::delivery::{Delivery, CORRELATION_ID_HEADER, REPLY_TO_HEADER};
+use crate::inbox::{Backend, TableNames};
+use crate::Error;
+
+/// Writes the reply to `delivery` (a request naming its reply address) for the run of
+/// (`handler`, `key`): to the outbox, and to the key's inbox row. Returns its message id,
+/// the same on every attempt.
+pub(crate) async fn write<DB: Backend>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    handler: &str,
+    key: &str,
+    delivery: &Delivery,
+    body: Bytes,
+) -> Result<String, Error> {
+    let Some(to) = delivery.headers.get(REPLY_TO_HEADER) else {
+        return Err(Error::Message(format!(
+            "the request names no reply address (no `{REPLY_TO_HEADER}` header)"
+        )));
+    };
+    let id = crate::key::idempotency_key(handler, key, "reply");
+    let mut reply = OutboxMessage::new(to.as_str(), body).message_id(id.clone());
+    // The requester matches the reply to its request by the correlation id, else by the
+    // request's message id.
+    let correlation = delivery
+        .headers
+        .get(CORRELATION_ID_HEADER)
+        .or(delivery.message_id.as_ref());
+    if let Some(c) = correlation {
+        reply = reply.header(CORRELATION_ID_HEADER, c.as_str());
+    }
+    insert::<DB>(conn, names, &reply, &id).await?;
+    DB::outbox_store_reply(conn, names, handler, key, &reply).await?;
+    Ok(id)
+}
