@@ -242,7 +242,11 @@ impl<'c, DB: Backend> BatchContext<'c, DB> {
             Some(id) => id.clone(),
             None => outbox_message_id(self.handler, self.members[i].key, n),
         };
-        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id).await?;
+        let parent = self.members[i]
+            .delivery
+            .headers
+            .get(crate::trace::TRACEPARENT);
+        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id, parent).await?;
         self.published[i] = n + 1;
         self.wrote.store(true, Ordering::Relaxed);
         Ok(id)
@@ -376,7 +380,8 @@ impl<'c, DB: Backend> Context<'c, DB> {
             Some(id) => id.clone(),
             None => outbox_message_id(self.handler, self.key, self.published),
         };
-        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id).await?;
+        let parent = self.delivery.headers.get(crate::trace::TRACEPARENT);
+        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id, parent).await?;
         self.published += 1;
         self.wrote.store(true, Ordering::Relaxed);
         Ok(id)

@@ -82,9 +82,15 @@
 //! | `consumer_inbox_purged_total` | counter | | expired inbox rows deleted by retention |
 //! | `consumer_inbox_keys` | gauge | `status` | the handler's inbox rows: `pending`, `completed`, `dead` |
 //! | `consumer_inbox_stalest_pending_seconds` | gauge | | how long ago the stalest pending key last saw an attempt (0: none) |
+//! | `consumer_outbox_published_total` | counter | `outbox` | messages the relay published (confirmed) and marked |
+//! | `consumer_outbox_publish_failures_total` | counter | `outbox`, `kind` | publishes that failed: `unavailable` (tried again), `refused` (the broker refused the message; it stays) |
+//! | `consumer_outbox_pending`, `consumer_outbox_failing` | gauge | `outbox` | rows not published yet; of those, rows whose last publish failed |
+//! | `consumer_outbox_oldest_pending_seconds` | gauge | `outbox` | age of the oldest unpublished row (0: none) |
 //!
 //! The inbox gauges are read by a background task every
-//! [`WorkerConfig::inbox_gauge_interval`] (30 s by default). The transports add their own
+//! [`WorkerConfig::inbox_gauge_interval`] (30 s by default), the outbox gauges by the relay
+//! every [`RelayConfig::gauge_interval`] (30 s). The outbox metrics are labelled `outbox`
+//! (the table, unquoted), not `handler`. The transports add their own
 //! (unacked deliveries and reconnections on RabbitMQ, lag per partition on Kafka: see
 //! their crate docs).
 //!

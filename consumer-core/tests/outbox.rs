@@ -356,3 +356,26 @@ async fn a_reply_needs_a_reply_address() {
     let error = &dead[0].dead_letter.error;
     assert!(error.contains("no reply address"), "{error}");
 }
+
+#[tokio::test]
+async fn a_handlers_message_carries_the_trace_context_of_its_request() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let mut order = Message::json("o-5", &json!({"id": 5}));
+    order.headers.insert(
+        consumer_core::trace::TRACEPARENT.to_owned(),
+        parent.to_owned(),
+    );
+    broker.publish("orders", order);
+    drain(&env, &broker, place_order, "orders").await;
+    let headers: String = sqlx::query_scalar(&format!(
+        "SELECT headers FROM {}",
+        env.inbox.outbox().table()
+    ))
+    .fetch_one(env.inbox.pool())
+    .await
+    .unwrap();
+    let headers: serde_json::Value = serde_json::from_str(&headers).unwrap();
+    assert_eq!(headers[consumer_core::trace::TRACEPARENT], parent);
+}

@@ -69,7 +69,7 @@ impl<DB: Backend> Outbox<DB> {
             .message_id
             .clone()
             .unwrap_or_else(message::random_message_id);
-        insert::<DB>(conn, &self.names, message, &id).await?;
+        insert::<DB>(conn, &self.names, message, &id, None).await?;
         Ok(id)
     }
 
@@ -90,14 +90,36 @@ impl<DB: Backend> Outbox<DB> {
     }
 }
 
-/// Validates and writes one message with the id `id`.
+/// Validates and writes one message with the id `id`. A message without a `traceparent`
+/// carries the current span's (with the `opentelemetry` feature), else `inherited` (the
+/// incoming message's, for a handler's message), so that one trace runs from the request to
+/// what it caused.
 pub(crate) async fn insert<DB: Backend>(
     conn: &mut DB::Connection,
     names: &TableNames,
     message: &OutboxMessage,
     id: &str,
+    inherited: Option<&String>,
 ) -> Result<(), Error> {
     message.validate()?;
     message::check_name("message id", id)?;
+    let traced;
+    let message = match traced_copy(message, inherited) {
+        Some(copy) => {
+            traced = copy;
+            &traced
+        }
+        None => message,
+    };
     Ok(DB::outbox_insert(conn, names, message, id).await?)
+}
+
+/// `message` with a trace context to carry, if it has none of its own and there is one.
+fn traced_copy(message: &OutboxMessage, inherited: Option<&String>) -> Option<OutboxMessage> {
+    use crate::trace::TRACEPARENT;
+    if message.headers.contains_key(TRACEPARENT) {
+        return None;
+    }
+    let parent = crate::trace::current_traceparent().or_else(|| inherited.cloned())?;
+    Some(message.clone().header(TRACEPARENT, parent))
 }

@@ -45,6 +45,7 @@
 
 mod handle;
 pub(crate) mod message;
+mod metrics;
 mod publisher;
 mod relay;
 pub(crate) mod reply;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures::StreamExt;
 
 use super::handle::Outbox;
+use super::metrics::RelayMetrics;
 use super::publisher::Publisher;
 use crate::inbox::{Backend, OutboxRow};
 use crate::{Error, ExponentialBackoff};
@@ -27,6 +28,8 @@ pub struct RelayConfig {
     pub retention: Duration,
     /// How often the relay deletes published rows past their retention (default 1 min).
     pub purge_interval: Duration,
+    /// How often the relay reads the outbox's stats into its gauges (default 30 s).
+    pub gauge_interval: Duration,
     /// Fault points for the chaos suite and the tests: `outbox_before_publish` and
     /// `outbox_after_publish`, checked with the row's message id as the key. Only with the
     /// `fault-injection` feature.
@@ -42,6 +45,7 @@ impl Default for RelayConfig {
             backoff: (Duration::from_secs(1), Duration::from_secs(300)),
             retention: Duration::from_secs(24 * 3600),
             purge_interval: Duration::from_secs(60),
+            gauge_interval: Duration::from_secs(30),
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -55,7 +59,8 @@ impl std::fmt::Debug for RelayConfig {
             .field("poll_interval", &self.poll_interval)
             .field("backoff", &self.backoff)
             .field("retention", &self.retention)
-            .field("purge_interval", &self.purge_interval);
+            .field("purge_interval", &self.purge_interval)
+            .field("gauge_interval", &self.gauge_interval);
         #[cfg(feature = "fault-injection")]
         d.field("faults", &self.faults.is_some());
         d.finish()
@@ -113,6 +118,7 @@ pub struct Relay<DB: Backend> {
     publisher: Arc<dyn Publisher>,
     config: RelayConfig,
     backoff: ExponentialBackoff,
+    metrics: RelayMetrics,
 }
 
 impl<DB: Backend> std::fmt::Debug for Relay<DB> {
@@ -137,6 +143,7 @@ impl<DB: Backend> Relay<DB> {
         let config = RelayConfig::default();
         Relay {
             backoff: backoff(&config).expect("the default backoff is valid"),
+            metrics: RelayMetrics::new(&outbox.names.outbox),
             outbox,
             publisher: Arc::new(publisher),
             config,
@@ -157,6 +164,9 @@ impl<DB: Backend> Relay<DB> {
         if config.purge_interval.is_zero() {
             return Err(Error::config("relay.purge_interval", "must not be zero"));
         }
+        if config.gauge_interval.is_zero() {
+            return Err(Error::config("relay.gauge_interval", "must not be zero"));
+        }
         self.backoff = backoff(&config)?;
         self.config = config;
         Ok(self)
@@ -176,6 +186,7 @@ impl<DB: Backend> Relay<DB> {
             }
         };
         let mut next_purge = tokio::time::Instant::now();
+        let mut next_gauges = tokio::time::Instant::now();
         loop {
             let full = match self.run_once().await {
                 Ok(round) => round.taken > 0 && round.taken as u64 >= u64::from(self.config.batch),
@@ -189,6 +200,13 @@ impl<DB: Backend> Relay<DB> {
             if tokio::time::Instant::now() >= next_purge {
                 self.purge().await;
                 next_purge = tokio::time::Instant::now() + self.config.purge_interval;
+            }
+            if tokio::time::Instant::now() >= next_gauges {
+                match self.outbox.stats().await {
+                    Ok(stats) => self.metrics.set(&stats),
+                    Err(e) => tracing::debug!(error = %e, "outbox: reading the stats failed"),
+                }
+                next_gauges = tokio::time::Instant::now() + self.config.gauge_interval;
             }
             if full {
                 // More rows are waiting: no wait, but let a shutdown in.
@@ -223,6 +241,7 @@ impl<DB: Backend> Relay<DB> {
         }
         let mut published = Vec::with_capacity(rows.len());
         let mut failed = Vec::new();
+        let mut refused = 0;
         let mut remaining = rows;
         while !remaining.is_empty() {
             // One wave: the first row of each key (and every row without a key).
@@ -250,6 +269,7 @@ impl<DB: Backend> Relay<DB> {
                         let attempts = row.attempts.saturating_add(1);
                         let id = row.message.message_id.as_deref().unwrap_or_default();
                         if e.is_refused() {
+                            refused += 1;
                             tracing::error!(message_id = id, destination = %row.message.destination,
                                 attempts, error = %e, "outbox: the broker refused a message; it stays in the outbox");
                         } else {
@@ -277,6 +297,8 @@ impl<DB: Backend> Relay<DB> {
         tx.commit().await?;
         round.published = published.len();
         round.failed = failed.len();
+        self.metrics
+            .round(round.published, round.failed - refused, refused);
         Ok(round)
     }
 
@@ -346,4 +368,85 @@ fn backoff(config: &RelayConfig) -> Result<ExponentialBackoff, Error> {
         Error::Config { reason, .. } => Error::config("relay.backoff", reason),
         other => other,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::future::BoxFuture;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::*;
+    use crate::outbox::{OutboxMessage, PublishError};
+    use crate::Inbox;
+
+    /// Refuses every message for `nowhere`, takes the rest.
+    struct Picky;
+
+    impl Publisher for Picky {
+        fn publish<'a>(&'a self, m: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
+            let refused = m.destination == "nowhere";
+            Box::pin(async move {
+                if refused {
+                    Err(PublishError::refused("no route"))
+                } else {
+                    Ok(())
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_relay_counts_what_it_published_and_refused_and_gauges_what_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = Inbox::open_sqlite(dir.path().join("inbox.db"))
+            .await
+            .unwrap();
+        let outbox = inbox.outbox();
+        let mut tx = inbox.pool().begin().await.unwrap();
+        for dest in ["events", "events", "nowhere"] {
+            let m = OutboxMessage::new(dest, "x");
+            outbox.enqueue(&mut tx, &m).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // The handles are registered when the relay is built.
+        let relay = metrics::with_local_recorder(&recorder, || Relay::new(outbox, Picky));
+        // A shutdown that has already happened: one round, the purge and the gauges, then out.
+        relay.run(std::future::ready(())).await.unwrap();
+
+        let snapshot = snapshotter.snapshot().into_vec();
+        let value = |name: &str, kind: Option<&str>| {
+            snapshot.iter().find_map(|(key, _, _, value)| {
+                let key = key.key();
+                let labels_match =
+                    kind.is_none_or(|k| key.labels().any(|l| l.key() == "kind" && l.value() == k));
+                (key.name() == name && labels_match).then_some(value)
+            })
+        };
+        let counter = |name, kind| match value(name, kind) {
+            Some(DebugValue::Counter(n)) => *n,
+            other => panic!("{name}: {other:?}"),
+        };
+        let gauge = |name| match value(name, None) {
+            Some(DebugValue::Gauge(g)) => g.into_inner(),
+            other => panic!("{name}: {other:?}"),
+        };
+        assert_eq!(counter("consumer_outbox_published_total", None), 2);
+        assert_eq!(
+            counter("consumer_outbox_publish_failures_total", Some("refused")),
+            1
+        );
+        assert_eq!(
+            counter(
+                "consumer_outbox_publish_failures_total",
+                Some("unavailable")
+            ),
+            0
+        );
+        assert_eq!(gauge("consumer_outbox_pending"), 1.0);
+        assert_eq!(gauge("consumer_outbox_failing"), 1.0);
+        assert!(gauge("consumer_outbox_oldest_pending_seconds") >= 0.0);
+    }
 }

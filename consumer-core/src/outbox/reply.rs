@@ -36,7 +36,14 @@ pub(crate) async fn write<DB: Backend>(
     if let Some(c) = correlation {
         reply = reply.header(CORRELATION_ID_HEADER, c.as_str());
     }
-    insert::<DB>(conn, names, &reply, &id).await?;
+    insert::<DB>(
+        conn,
+        names,
+        &reply,
+        &id,
+        delivery.headers.get(crate::trace::TRACEPARENT),
+    )
+    .await?;
     DB::outbox_store_reply(conn, names, handler, key, &reply).await?;
     Ok(id)
 }
