@@ -10,6 +10,7 @@
 //! consumer dlq show ID --broker ...
 //! consumer dlq replay [ID...] [--reason R] [--all] [--dry-run] --broker ...
 //! consumer dlq purge  [ID...] [--reason R] [--all] [--dry-run] --broker ...
+//! consumer outbox stats
 //! ```
 //!
 //! Every flag can also be given in the environment (`DATABASE_URL`, `DB_SCHEMA`,
@@ -42,6 +43,7 @@
 //! - `settings`: connecting to the database and the brokers, with errors that name the
 //!   setting and never show a credential.
 //! - `inbox`: `migrate` and the `inbox` commands.
+//! - `outbox`: `outbox stats`, the messages waiting to be published.
 //! - `dlq`: the dead-letter commands. `dlq::letter` is what they share whatever the
 //!   broker (a dead letter, its error fingerprint, the groups, the selection),
 //!   `dlq::report` what a replay or purge did; `dlq::amqp` and `dlq::kafka` read,
@@ -55,6 +57,7 @@
 
 mod dlq;
 mod inbox;
+mod outbox;
 mod output;
 mod settings;
 
@@ -62,7 +65,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-/// Operate exactly-once consumers: the inbox and the dead letters.
+/// Operate exactly-once consumers: the inbox, the outbox and the dead letters.
 #[derive(Debug, Parser)]
 #[command(name = "consumer", version, about)]
 struct Cli {
@@ -75,7 +78,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Create or upgrade the inbox tables (idempotent).
+    /// Create or upgrade the inbox and outbox tables (idempotent).
     Migrate(DbArgs),
     /// Look at and repair the inbox.
     #[command(subcommand)]
@@ -83,6 +86,19 @@ enum Command {
     /// List, show, replay and purge dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Look at the outbox beside the inbox.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum OutboxCommand {
+    /// Messages waiting to be published, failing, the oldest one's age, and the published
+    /// rows the retention keeps.
+    Stats {
+        #[command(flatten)]
+        db: DbArgs,
+    },
 }
 
 /// Where the inbox lives.
@@ -251,5 +267,6 @@ async fn run(command: Command, out: &output::Output) -> anyhow::Result<()> {
         Command::Migrate(db) => inbox::migrate(&db, out).await,
         Command::Inbox(c) => inbox::run(c, out).await,
         Command::Dlq(c) => dlq::run(c, out).await,
+        Command::Outbox(c) => outbox::run(c, out).await,
     }
 }

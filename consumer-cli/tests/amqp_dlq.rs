@@ -277,6 +277,35 @@ async fn migrate_creates_the_inbox_in_the_schema() {
     json_of(&["migrate"], &env).await;
     let stats = json_of(&["inbox", "stats"], &env).await;
     assert_eq!(stats, json!([]));
+    // The outbox beside it is there and empty.
+    let outbox = json_of(&["outbox", "stats"], &env).await;
+    assert_eq!(
+        outbox["outbox"],
+        format!("\"{schema}\".\"consumer_inbox_outbox\"")
+    );
+    assert_eq!(
+        (outbox["pending"].as_u64(), outbox["published"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(outbox["oldest_pending_secs"].is_null());
+
+    // A committed message waits until a relay publishes it.
+    let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL").unwrap())
+        .await
+        .unwrap();
+    let inbox = consumer_core::Inbox::new(pool, consumer_core::InboxConfig::in_schema(&schema))
+        .await
+        .unwrap();
+    let mut tx = inbox.pool().begin().await.unwrap();
+    let message = consumer_core::OutboxMessage::new("events", "x");
+    inbox.outbox().enqueue(&mut tx, &message).await.unwrap();
+    tx.commit().await.unwrap();
+    let outbox = json_of(&["outbox", "stats"], &env).await;
+    assert_eq!(outbox["pending"].as_u64(), Some(1), "{outbox}");
+    assert!(outbox["oldest_pending_secs"].as_f64().is_some(), "{outbox}");
+    let text = consumer(&["outbox", "stats"], &env).await;
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("consumer_inbox_outbox"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
