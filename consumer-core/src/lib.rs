@@ -17,6 +17,9 @@
 //! - [`outbox`] carries exactly-once across a publish: [`Context::publish`] writes a message
 //!   in the handler's transaction (or [`Outbox::enqueue`] in the application's), and a
 //!   [`Relay`] publishes it through a [`Publisher`] once that transaction has committed.
+//! - [`App`] runs several handlers, each with its own transport and [`WorkerConfig`], and
+//!   the relay in one process, under one shutdown future and one health view
+//!   ([`AppHealth`]); they stand or fall together.
 //!
 //! Transports for RabbitMQ and Kafka live in their own crates and depend on this one only.
 //!
@@ -39,6 +42,8 @@
 //! - `outbox`: the outbox handle, the outgoing message, the publisher trait and the relay;
 //!   the outbox's statements live with the inbox's (`inbox::outbox_store`), its table beside
 //!   the inbox's.
+//! - `app`: [`App`], which builds a worker per handler and the relay on one inbox and
+//!   supervises them (one shutdown, one for all on a failure), and its health view.
 //! - `memory`: the in-memory broker; `fault` (feature `fault-injection`): fault points for
 //!   the chaos suite and the tests.
 //!
@@ -62,7 +67,8 @@
 //!
 //! Every count of [`Stats`] is also exported through the [`metrics`] facade. The library
 //! never installs a recorder: install one (e.g. `metrics-exporter-prometheus`) **before**
-//! building the [`Worker`], whose handles are registered when it is built; without one,
+//! building the [`Worker`] (or adding its handler to an [`App`]), whose handles are
+//! registered when it is built; without one,
 //! nothing is recorded and the counts cost an atomic add. Every metric carries the label
 //! `handler` (the handler's stable name); no label carries a key or a message id.
 //!
@@ -104,6 +110,7 @@
 //!   ([`trace`]). It pins `opentelemetry` 0.33 and `tracing-opentelemetry` 0.34; the
 //!   application installs the `tracing-opentelemetry` layer and its exporter.
 
+mod app;
 mod delivery;
 mod error;
 #[cfg(feature = "fault-injection")]
@@ -123,6 +130,7 @@ mod stats;
 pub mod trace;
 mod worker;
 
+pub use app::{App, AppHealth, HandlerHealth, PartState};
 pub use consumer_macros::handler;
 pub use delivery::{
     Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Origin,

@@ -8,6 +8,8 @@
 // Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,53 +18,14 @@ use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use consumer_core::{
-    handler, Context, Error, Handler, HandlerError, NoJitter, Worker, WorkerConfig,
-    CORRELATION_ID_HEADER, REPLY_TO_HEADER,
+    handler, Context, Error, Handler, HandlerError, Worker, CORRELATION_ID_HEADER, REPLY_TO_HEADER,
 };
 use consumer_scenarios::env::{wait_until, SqliteEnv, DEADLINE};
 use futures::future::BoxFuture;
-use serde::Deserialize;
 use serde_json::json;
 use sqlx::Sqlite;
 
-#[derive(Debug, Deserialize)]
-struct Order {
-    id: i64,
-    #[serde(default)]
-    fail: bool,
-}
-
-/// Writes the order's ledger row and publishes `order_placed`; fails permanently (after
-/// both) when the order says so.
-#[handler(name = "place_order")]
-async fn place_order(ctx: &mut Context<'_, Sqlite>, order: Order) -> Result<(), HandlerError> {
-    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES (?1, ?2)")
-        .bind(order.id.to_string())
-        .bind(i64::from(ctx.attempt()))
-        .execute(ctx.db())
-        .await?;
-    ctx.publish(
-        OutboxMessage::json("events", &json!({"order": order.id}))?.key(order.id.to_string()),
-    )
-    .await?;
-    if order.fail {
-        return Err(HandlerError::permanent("the order cannot be placed"));
-    }
-    Ok(())
-}
-
-/// Counts the events it receives, by order, in its own transaction.
-#[handler(name = "count_event")]
-async fn count_event(
-    ctx: &mut Context<'_, Sqlite>,
-    event: serde_json::Value,
-) -> Result<(), HandlerError> {
-    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES (?1, 0)")
-        .bind(format!("event-{}", event["order"]))
-        .execute(ctx.db())
-        .await?;
-    Ok(())
-}
+use common::{config, count_event, place_order};
 
 /// Runs `handler` on `queue` until the queue is drained.
 async fn drain<H: Handler<Sqlite>>(
@@ -80,12 +43,6 @@ async fn drain<H: Handler<Sqlite>>(
     .unwrap()
     .unwrap();
     worker
-}
-
-fn config() -> WorkerConfig {
-    WorkerConfig::default()
-        .with_retention_interval(None)
-        .with_jitter(Arc::new(NoJitter))
 }
 
 async fn outbox_rows(env: &SqliteEnv) -> Vec<(String, Option<i64>)> {

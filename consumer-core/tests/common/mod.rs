@@ -1,0 +1,60 @@
+//! Shared by the outbox and app tests: two handlers linked by the outbox (`place_order`
+//! publishes an event to the `events` queue, `count_event` records each event it receives)
+//! and the worker configuration they run with.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+
+use consumer_core::outbox::OutboxMessage;
+use consumer_core::{handler, Context, HandlerError, NoJitter, WorkerConfig};
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::Sqlite;
+
+/// An order: its id, and whether placing it fails.
+#[derive(Debug, Deserialize)]
+pub struct Order {
+    pub id: i64,
+    #[serde(default)]
+    pub fail: bool,
+}
+
+/// Writes the order's ledger row (its id) and publishes `{"order": id}` to `events`, keyed
+/// by the order; fails permanently (after both) when the order says so.
+#[handler(name = "place_order")]
+pub async fn place_order(ctx: &mut Context<'_, Sqlite>, order: Order) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES (?1, ?2)")
+        .bind(order.id.to_string())
+        .bind(i64::from(ctx.attempt()))
+        .execute(ctx.db())
+        .await?;
+    ctx.publish(
+        OutboxMessage::json("events", &json!({"order": order.id}))?.key(order.id.to_string()),
+    )
+    .await?;
+    if order.fail {
+        return Err(HandlerError::permanent("the order cannot be placed"));
+    }
+    Ok(())
+}
+
+/// Records each event it receives as the ledger row `event-<order>`, in its own transaction.
+#[handler(name = "count_event")]
+pub async fn count_event(
+    ctx: &mut Context<'_, Sqlite>,
+    event: serde_json::Value,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES (?1, 0)")
+        .bind(format!("event-{}", event["order"]))
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+/// No retention task, no jitter.
+pub fn config() -> WorkerConfig {
+    WorkerConfig::default()
+        .with_retention_interval(None)
+        .with_jitter(Arc::new(NoJitter))
+}
