@@ -1,12 +1,13 @@
 //! The trace-context tests' shared parts: OpenTelemetry's in-memory exporter behind
 //! `tracing-opentelemetry` as the process's subscriber, a handler that fails its first
 //! attempt and notes what each attempt saw, and the checks that the message's trace runs
-//! from the publisher through the retry, whichever broker carried it.
+//! from the publisher through the retry to the outbox message it causes, whichever broker
+//! carried it.
 
 use std::sync::Mutex;
 
 use consumer_core::trace::{current_traceparent, TraceParent, TRACEPARENT};
-use consumer_core::{handler, Context, HandlerError};
+use consumer_core::{handler, Context, HandlerError, Inbox, OutboxMessage};
 use opentelemetry::trace::{SpanKind, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use sqlx::Postgres;
@@ -46,10 +47,42 @@ pub async fn traced(
         header,
         span: current_traceparent(),
     });
+    // The event this job causes, through the outbox: the first attempt's rolls back with it.
+    ctx.publish(OutboxMessage::new("traced-events", "{}"))
+        .await?;
     if ctx.attempt() == 1 {
         return Err(HandlerError::transient("fails once"));
     }
     Ok(())
+}
+
+/// Checks the outbox message [`traced`] committed (on its second attempt): it is in the
+/// trace of [`PUBLISHED`], its parent the second attempt's delivery span.
+pub async fn assert_outbox_in_trace(inbox: &Inbox<Postgres>) {
+    let rows: Vec<String> =
+        sqlx::query_scalar(&format!("SELECT headers FROM {}", inbox.outbox().table()))
+            .fetch_all(inbox.pool())
+            .await
+            .expect("read the outbox");
+    let [headers] = &rows[..] else {
+        panic!("one outbox message, the committed attempt's: {rows:?}");
+    };
+    let headers: serde_json::Value = serde_json::from_str(headers).expect("headers as JSON");
+    let carried = headers[TRACEPARENT].as_str().map(TraceParent::parse);
+    let carried = carried.flatten().expect("the outbox message's traceparent");
+    let published = TraceParent::parse(PUBLISHED).expect("a valid traceparent");
+    assert_eq!(
+        carried.trace_id, published.trace_id,
+        "the outbox message is in the trace"
+    );
+    let second = seen()
+        .get(1)
+        .and_then(|s| s.span.as_deref().and_then(TraceParent::parse))
+        .expect("the second attempt's span");
+    assert_eq!(
+        carried.span_id, second.span_id,
+        "its parent is the committed attempt's span"
+    );
 }
 
 /// The process's spans, exported in memory.

@@ -3,7 +3,8 @@
 //! span, the retry's is the first attempt's span), and the retry copy carries the first
 //! attempt's span as its `traceparent`. The spans are read from OpenTelemetry's in-memory
 //! exporter behind `tracing-opentelemetry` (core's `opentelemetry` feature); the checks are
-//! [`Spans::assert_one_trace`], shared with the Kafka test.
+//! [`Spans::assert_one_trace`], shared with the Kafka test; and the outbox message the
+//! committed attempt wrote carries that attempt's span.
 
 use std::collections::BTreeMap;
 
@@ -11,7 +12,7 @@ use consumer_amqp::AmqpPublisher;
 use consumer_core::trace::TRACEPARENT;
 use consumer_core::Worker;
 use consumer_tests::amqp::{self, config, wait_for, worker_config, Db, Rabbit, Running, LONG};
-use consumer_tests::trace::{seen, traced, Spans, PUBLISHED};
+use consumer_tests::trace::{assert_outbox_in_trace, seen, traced, Spans, PUBLISHED};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trace_goes_from_the_publisher_through_the_retry() {
@@ -29,8 +30,10 @@ async fn the_trace_goes_from_the_publisher_through_the_retry() {
         .unwrap();
     publisher.close().await;
     wait_for("the second attempt", LONG, || async { seen().len() >= 2 }).await;
+    let inbox = running.worker.inbox().clone();
     let stats = running.stop().await;
     assert_eq!(stats.completed, 1);
     spans.assert_one_trace("rabbitmq");
+    assert_outbox_in_trace(&inbox).await;
     Rabbit::delete_topology(&cfg).await;
 }
