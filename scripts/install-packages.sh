@@ -6,8 +6,8 @@
 #
 # Says what it installs (or that nothing is missing). As root it runs apt-get update and
 # apt-get install for the missing packages, with no recommended extras, and keeps their
-# services from starting (scripts/postgres.sh and scripts/rabbitmq.sh run their own
-# servers). As any other user it fails at once, printing the apt-get line to run as root.
+# services from starting (scripts/postgres.sh, scripts/rabbitmq.sh and scripts/redis.sh run
+# their own servers). As any other user it fails at once, printing the apt-get line to run as root.
 #
 # Knobs (optional):
 #   CONSUMER_SKIP_PACKAGES=1   check nothing, install nothing: for machines that are not

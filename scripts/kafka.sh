@@ -127,12 +127,7 @@ tansu_bin() {
 
 # The pid in the pid file is alive and is our tansu (not a recycled pid).
 broker_pid() {
-    local pid
-    [[ -s "$PID_FILE" ]] || return 1
-    pid=$(cat "$PID_FILE")
-    [[ -r "/proc/$pid/cmdline" ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q 'tansu.*broker' || return 1
-    printf '%s\n' "$pid"
+    pid_from_file 'tansu.*broker'
 }
 
 # Answers the Kafka protocol (a metadata request through tansu's own client).
@@ -188,16 +183,7 @@ start_broker() {
 }
 
 stop_broker() {
-    local pid
-    if ! pid=$(broker_pid); then
-        log "not running"
-        rm -f "$PID_FILE"
-        return 0
-    fi
-    log "stopping pid $pid"
-    kill -TERM "$pid" 2>/dev/null || true
-    wait_or_kill "$pid" 15
-    rm -f "$PID_FILE"
+    stop_by_pid_file broker_pid
 }
 
 main() {

@@ -38,12 +38,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
 
 # The pid in the pid file is alive and is our prometheus (not a recycled pid).
 server_pid() {
-    local pid
-    [[ -s "$PID_FILE" ]] || return 1
-    pid=$(cat "$PID_FILE")
-    [[ -r "/proc/$pid/cmdline" ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "prometheus.*$CONFIG" || return 1
-    printf '%s\n' "$pid"
+    pid_from_file "prometheus.*$CONFIG"
 }
 
 server_ready() {
@@ -106,16 +101,7 @@ start_server() {
 }
 
 stop_server() {
-    local pid
-    if ! pid=$(server_pid); then
-        log "not running"
-        rm -f "$PID_FILE"
-        return 0
-    fi
-    log "stopping pid $pid"
-    kill -TERM "$pid" 2>/dev/null || true
-    wait_or_kill "$pid" 15
-    rm -f "$PID_FILE"
+    stop_by_pid_file server_pid
 }
 
 main() {

@@ -16,7 +16,7 @@
 #
 # Exports: DATABASE_URL (scripts/postgres.sh), AMQP_URL (scripts/rabbitmq.sh),
 # KAFKA_BROKERS (scripts/kafka.sh), PROMETHEUS_URL and PROMETHEUS_TARGETS
-# (scripts/prometheus.sh).
+# (scripts/prometheus.sh), REDIS_URL (scripts/redis.sh).
 # State, logs and ports live under ${CONSUMER_STATE_DIR:-/tmp/consumer-test};
 # see each service script's header for its options.
 set -euo pipefail
@@ -30,6 +30,7 @@ SERVICES=(
     rabbitmq
     kafka
     prometheus
+    redis
 )
 
 main() {

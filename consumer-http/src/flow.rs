@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tower::Service;
 
 use crate::config::IdempotencyConfig;
+use crate::fast::{FastRequest, Settled};
 use crate::problem;
 use crate::request;
 use crate::store::{ClaimRequest, IdempotencyStore, StoreBackend};
@@ -32,15 +33,57 @@ pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 pub(crate) struct Shared<DB: StoreBackend> {
     pub(crate) store: IdempotencyStore<DB>,
     pub(crate) config: IdempotencyConfig,
-    pub(crate) tenant: Option<Box<ScopeFn>>,
+    pub(crate) tenant: Option<Arc<ScopeFn>>,
+    #[cfg(feature = "redis")]
+    pub(crate) fast: Option<crate::fast::RedisFastPath>,
+}
+
+impl<DB: StoreBackend> Clone for Shared<DB> {
+    fn clone(&self) -> Self {
+        Shared {
+            store: self.store.clone(),
+            config: self.config.clone(),
+            tenant: self.tenant.clone(),
+            #[cfg(feature = "redis")]
+            fast: self.fast.clone(),
+        }
+    }
+}
+
+impl<DB: StoreBackend> Shared<DB> {
+    /// The request's keys and lease in Redis, if the layer has a fast path.
+    fn fast_request(&self, claim: &ClaimRequest<'_>) -> Option<FastRequest> {
+        #[cfg(feature = "redis")]
+        {
+            self.fast.as_ref().map(|fast| {
+                fast.request(
+                    self.store.table(),
+                    claim.scope,
+                    claim.key,
+                    claim.fingerprint,
+                    claim.claim,
+                    self.config.lease,
+                )
+            })
+        }
+        #[cfg(not(feature = "redis"))]
+        {
+            let _ = claim;
+            None
+        }
+    }
 }
 
 /// What a request with a key gets, once its record has been read or claimed.
 enum Decision {
     /// This request holds the claim: run the handler.
     Run,
-    /// The key completed with this request's fingerprint: its answer.
-    Replay(StoredResponse),
+    /// The key completed with this request's fingerprint: its answer; read from the
+    /// database, it is cached in Redis until `cache_until` (the record's expiry or before).
+    Replay {
+        stored: StoredResponse,
+        cache_until: Option<Instant>,
+    },
     /// The key belongs to another request (method, path or body): 422.
     Mismatch,
     /// The key's request was still in progress at the deadline: 409.
@@ -94,16 +137,31 @@ where
         lease_ms: millis(config.lease),
         ttl_ms: millis(config.ttl),
     };
-    match decide(&shared, &claim).await {
-        Ok(Decision::Run) => run(&shared, inner, parts, body, &claim).await,
-        Ok(Decision::Replay(stored)) => Ok(stored.replay()),
+    let fast = shared.fast_request(&claim);
+    let fast = fast.as_ref();
+    let answer = match decide(&shared, &claim, fast).await {
+        Ok(Decision::Run) => run(&shared, inner, parts, body, &claim, fast).await,
+        Ok(Decision::Replay {
+            stored,
+            cache_until,
+        }) => {
+            if let (Some(fast), Some(until)) = (fast, cache_until) {
+                fast.publish(&stored, until).await;
+            }
+            Ok(stored.replay())
+        }
         Ok(Decision::Mismatch) => Ok(problem::mismatch()),
         Ok(Decision::InProgress) => Ok(problem::in_progress(config.retry_after)),
         Err(e) => {
             tracing::warn!(error = %e, "idempotency store failed reading a key");
             Ok(problem::store_unavailable(config.retry_after))
         }
+    };
+    if let Some(fast) = fast {
+        // Every end but a published answer (which dropped it) gives the lease back.
+        fast.release().await;
     }
+    answer
 }
 
 /// The body, up to `limit` bytes: 413 above it (by `Content-Length` before reading, or
@@ -124,27 +182,47 @@ pub(crate) async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result
     }
 }
 
-/// Reads the key's record and decides, or claims the key; waits (polling, up to the
-/// configured wait) while another request holds it. The fingerprint is compared on every
-/// path that reads a record: a replay, a wait, a claim that lost a race, a takeover. The
-/// record is read before any claim, so a replay or a wait writes nothing (on SQLite it
-/// need not wait for the write lock a running handler's transaction holds).
+/// Asks Redis first, if the layer has it: a cached answer settles the request there (a
+/// replay, or 422), and a request of the same fingerprint holding the lease is waited for
+/// there. Then reads the key's record and decides, or claims the key; waits (polling, up to
+/// the configured wait) while another request holds it. The fingerprint is compared on
+/// every path that reads a record or a cached answer: a replay, a wait, a claim that lost a
+/// race, a takeover. The record is read before any claim, so a replay or a wait writes
+/// nothing (on SQLite it need not wait for the write lock a running handler's transaction
+/// holds).
 async fn decide<DB: StoreBackend>(
     shared: &Shared<DB>,
     claim: &ClaimRequest<'_>,
+    fast: Option<&FastRequest>,
 ) -> Result<Decision, sqlx::Error> {
     let store: &IdempotencyStore<DB> = &shared.store;
     let config = &shared.config;
     let deadline = Instant::now() + config.wait;
+    if let Some(fast) = fast {
+        match fast.settle(deadline, config.poll_interval).await {
+            Settled::Replay(stored) => {
+                return Ok(Decision::Replay {
+                    stored,
+                    cache_until: None,
+                })
+            }
+            Settled::Mismatch => return Ok(Decision::Mismatch),
+            Settled::ToDatabase => {}
+        }
+    }
     let mut retry_at_once = true;
     loop {
+        let read_at = Instant::now();
         match store.fetch(claim.scope, claim.key).await? {
             Some(record) if !record.expired => {
                 if record.fingerprint != claim.fingerprint {
                     return Ok(Decision::Mismatch);
                 }
                 if let (true, Some(stored)) = (record.completed, record.response) {
-                    return Ok(Decision::Replay(stored));
+                    return Ok(Decision::Replay {
+                        stored,
+                        cache_until: Some(read_at + record.ttl_left),
+                    });
                 }
                 // In progress: take it over if its lease ran out, else wait below.
                 if record.lease_expired && store.claim(claim).await? {
@@ -179,6 +257,7 @@ async fn run<S, DB, ResBody>(
     mut parts: Parts,
     body: Bytes,
     claim: &ClaimRequest<'_>,
+    fast: Option<&FastRequest>,
 ) -> Result<Response, S::Error>
 where
     DB: StoreBackend,
@@ -248,6 +327,9 @@ where
     };
     let stored =
         StoredResponse::capture(status, &head.headers, &config.stored_headers, response_body);
+    // The record expires `ttl` after its completion statement, which runs after this: a
+    // cached copy never outlives it.
+    let completing = Instant::now();
     match store.complete(&mut tx, claim, &stored).await {
         Ok(true) => {}
         Ok(false) => {
@@ -270,6 +352,9 @@ where
         tracing::warn!(error = %e, "could not commit an idempotent request");
         release(store, claim).await;
         return Ok(unavailable());
+    }
+    if let Some(fast) = fast {
+        fast.publish(&stored, completing + config.ttl).await;
     }
     Ok(http::Response::from_parts(head, Body::from(stored.body)))
 }

@@ -60,6 +60,8 @@ impl<DB: StoreBackend> IdempotencyLayer<DB> {
                 store,
                 config,
                 tenant: None,
+                #[cfg(feature = "redis")]
+                fast: None,
             }),
         }
     }
@@ -70,12 +72,23 @@ impl<DB: StoreBackend> IdempotencyLayer<DB> {
         self,
         tenant: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
+        let mut shared = Shared::clone(&self.shared);
+        shared.tenant = Some(Arc::new(tenant));
         IdempotencyLayer {
-            shared: Arc::new(Shared {
-                store: self.shared.store.clone(),
-                config: self.shared.config.clone(),
-                tenant: Some(Box::new(tenant)),
-            }),
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// The same layer with the Redis fast path in front of its store: replays answered from
+    /// Redis, concurrent duplicates turned away by a lease before they reach the database,
+    /// and the database alone when Redis fails. See the crate doc's
+    /// [Redis fast path](crate#redis-fast-path).
+    #[cfg(feature = "redis")]
+    pub fn with_redis(self, fast: crate::RedisFastPath) -> Self {
+        let mut shared = Shared::clone(&self.shared);
+        shared.fast = Some(fast);
+        IdempotencyLayer {
+            shared: Arc::new(shared),
         }
     }
 }

@@ -98,6 +98,45 @@
 //! another key waits for the running handler's commit (the pool's busy timeout), and a
 //! database file must not be shared by two processes.
 //!
+//! # Redis fast path
+//!
+//! With the `redis` feature (on by default), [`IdempotencyLayer::with_redis`] puts a
+//! [`RedisFastPath`] in front of the store. The database stays the source of truth: its
+//! claim decides who runs, its fingerprint check decides 422, and the stored answer commits
+//! with the handler's writes, exactly as above. Redis holds two things per record, under
+//! keys scoped like the record (the key prefix, the store's table, the scope and the key):
+//!
+//! - **The answer**, written after the request's transaction committed (never before, never
+//!   for a run that rolled back or lost its claim), with the fingerprint it answers, for
+//!   what is left of the record's TTL (measured from before the completion statement, so
+//!   the copy never outlives the record). A request first looks there: an answer of its
+//!   fingerprint is replayed, one of another fingerprint is 422, without a database round
+//!   trip. A replay that had to read the database (Redis lost the answer, or was down when
+//!   it was written) writes it to Redis for the next.
+//! - **A lease**, `SET NX PX` (the claim's lease), taken in the same round trip when there
+//!   is no answer, before the database's claim. A request that finds the lease held by a
+//!   request of its fingerprint waits in Redis, polling every `poll_interval`, for the
+//!   answer: concurrent duplicates in any number of processes then cost the database
+//!   nothing. When the lease is released (a 5xx, a panic, a failure: the holder deletes it
+//!   if it is still its own) or runs out, the next request takes it. At the end of the
+//!   wait, and whenever the lease is held by a request of *another* fingerprint (Redis
+//!   cannot tell which of the two owns the key), the request goes on to the database,
+//!   which decides as without Redis. The lease is a way to wait, never a permission.
+//!
+//! **Redis down or slow** changes no answer: every Redis call is bounded by a timeout
+//! (default 100 ms); a failure is logged at warn, counted in
+//! `consumer_http_redis_failures_total{op}` (`op`: `lookup`, `publish`, `release`), and
+//! Redis is skipped for a pause (default 1 s) during which the layer runs on the database
+//! alone. A lease that could not be released runs out; an answer that could not be cached
+//! is read from the database. The URL's credentials appear neither in `Debug` output nor in
+//! errors or logs.
+//!
+//! What follows: a record deleted from the database by hand stays replayable from Redis
+//! until its cached TTL ends (delete both); several databases sharing one Redis need
+//! distinct [key prefixes](RedisFastPathBuilder::key_prefix) unless their tables' names
+//! differ; and a request that waited on the lease costs one Redis call per poll instead of
+//! one database read.
+//!
 //! # Webhook ingress
 //!
 //! [`WebhookIngress::builder`] takes the route, one or more signing secrets (several while
@@ -168,6 +207,8 @@
 //!   and its replay.
 //! - `layer`: [`IdempotencyLayer`] and its service [`Idempotency`]; `flow`: one request
 //!   through them (decide, run, store or release); `tx`: [`IdempotentTx`].
+//! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
+//!   lease, the cached answer's encoding).
 //! - `store`: [`IdempotencyStore`] on PostgreSQL or SQLite, its configuration
 //!   ([`StoreConfig`]), statements and migrations (run by [`IdempotencyStore::new`]).
 //! - [`webhook`]: [`WebhookIngress`] and its builder (`webhook::config`), the signature
@@ -176,11 +217,13 @@
 //!   [`WebhookTransport`] and the acknowledger that answers the waiting request).
 //!
 //! The tests (`tests/`) serve an axum app on `127.0.0.1:0` and call it with reqwest, on
-//! PostgreSQL (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file); the
-//! webhook tests run a worker on the ingress's transport, on PostgreSQL.
+//! PostgreSQL (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file), and on
+//! PostgreSQL with the Redis fast path (`REDIS_URL`, a key prefix per test); the webhook
+//! tests run a worker on the ingress's transport, on PostgreSQL.
 
 mod config;
 mod error;
+mod fast;
 mod flow;
 mod layer;
 mod problem;
@@ -192,6 +235,8 @@ pub mod webhook;
 
 pub use config::{IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES};
 pub use error::Error;
+#[cfg(feature = "redis")]
+pub use fast::{RedisFastPath, RedisFastPathBuilder};
 pub use layer::{Idempotency, IdempotencyLayer};
 pub use problem::PROBLEM_JSON;
 pub use request::IDEMPOTENCY_KEY;

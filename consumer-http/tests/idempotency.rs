@@ -1,6 +1,7 @@
 //! The layer end to end: an axum app on `127.0.0.1:0`, a reqwest client, PostgreSQL
 //! (`DATABASE_URL`, a fresh schema per test) and SQLite (a temporary file). Every scenario
-//! runs on both.
+//! runs on both, and on PostgreSQL with the Redis fast path in front (`REDIS_URL`), whose
+//! own tests are in `redis.rs`.
 
 // A scenario's setup failing is the test failing.
 #![allow(clippy::unwrap_used)]
@@ -334,9 +335,7 @@ async fn a_killed_request_is_taken_over_after_its_lease(db: Db) {
 /// PostgreSQL, two processes: a run that stalls past its lease is taken over; both handlers
 /// run, but only the claim's holder stores its answer, so the stalled run's row rolls back
 /// and its client gets 409: one effect.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_a_stalled_run_taken_over_cannot_commit() {
-    let db = Db::postgres().await;
+async fn a_stalled_run_taken_over_cannot_commit(db: Db) {
     let config = || {
         config()
             .lease(Duration::from_secs(2))
@@ -385,6 +384,23 @@ macro_rules! on_both {
                 }
             )*
         }
+        on_postgres!(postgres_redis: $($name),*);
+    };
+}
+
+/// The scenarios with the Redis fast path in front of PostgreSQL (a key prefix per test):
+/// every answer must be the same as on the database alone.
+macro_rules! on_postgres {
+    ($module:ident: $($name:ident),* $(,)?) => {
+        #[cfg(feature = "redis")]
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name(super::Db::postgres_redis().await).await
+                }
+            )*
+        }
     };
 }
 
@@ -405,9 +421,7 @@ on_both!(
 /// PostgreSQL, two processes, the other order: the stalled run finishes while the run that
 /// took its claim over is still running. The stalled run's answer is refused (the claim is
 /// no longer its), the current holder's is stored: one effect, and it is the holder's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_only_the_current_claim_stores_its_answer() {
-    let db = Db::postgres().await;
+async fn only_the_current_claim_stores_its_answer(db: Db) {
     let config = || {
         config()
             .lease(Duration::from_secs(2))
@@ -452,3 +466,20 @@ async fn postgres_only_the_current_claim_stores_its_answer() {
     assert!(replay.replayed());
     assert_eq!(replay.body, holder.body);
 }
+
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stalled_run_taken_over_cannot_commit() {
+        super::a_stalled_run_taken_over_cannot_commit(super::Db::postgres().await).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn only_the_current_claim_stores_its_answer() {
+        super::only_the_current_claim_stores_its_answer(super::Db::postgres().await).await
+    }
+}
+
+on_postgres!(
+    postgres_redis_two_processes: a_stalled_run_taken_over_cannot_commit,
+    only_the_current_claim_stores_its_answer,
+);

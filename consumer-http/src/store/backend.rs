@@ -71,6 +71,8 @@ pub struct Record {
     pub(crate) lease_expired: bool,
     /// A completed record's answer.
     pub(crate) response: Option<StoredResponse>,
+    /// How long the record's TTL has left when it was read (zero once passed).
+    pub(crate) ttl_left: std::time::Duration,
 }
 
 impl Record {
@@ -99,6 +101,7 @@ impl Record {
             expired: ttl_left_ms <= 0 && (completed || lease_left_ms <= 0),
             lease_expired: !completed && lease_left_ms <= 0,
             response,
+            ttl_left: std::time::Duration::from_millis(u64::try_from(ttl_left_ms).unwrap_or(0)),
         })
     }
 }

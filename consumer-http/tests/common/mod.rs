@@ -4,7 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,11 +45,23 @@ pub struct Handlers {
     pub held: AtomicU32,
 }
 
+/// The Redis URL the test command starts (see the README's test command).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL")
+        .expect("REDIS_URL is not set: run the tests with `scripts/test.sh`, which starts Redis")
+}
+
 /// A database for one test.
 pub enum Db {
     Pg {
         pool: PgPool,
         schema: String,
+        /// How often a connection was taken from the pool: each store statement, and each
+        /// request's transaction, takes one.
+        acquires: Arc<AtomicU64>,
+        /// The Redis fast path the layer gets in front of this database, if any.
+        #[cfg(feature = "redis")]
+        redis: Option<consumer_http::RedisFastPath>,
     },
     Sqlite {
         pool: SqlitePool,
@@ -64,9 +76,21 @@ impl Db {
         let options = PgConnectOptions::from_str(&database_url())
             .expect("DATABASE_URL")
             .options([("search_path", schema.as_str())]);
+        let acquires = Arc::new(AtomicU64::new(0));
+        // A new connection is handed out after `after_connect`, an idle one after
+        // `before_acquire`: together, every acquisition.
+        let (on_connect, on_acquire) = (acquires.clone(), acquires.clone());
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(30))
+            .after_connect(move |_, _| {
+                on_connect.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(()) })
+            })
+            .before_acquire(move |_, _| {
+                on_acquire.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(true) })
+            })
             .connect_with(options)
             .await
             .expect("connect to PostgreSQL");
@@ -77,7 +101,41 @@ impl Db {
         .execute(&pool)
         .await
         .expect("create the test schema");
-        Db::Pg { pool, schema }
+        Db::Pg {
+            pool,
+            schema,
+            acquires,
+            #[cfg(feature = "redis")]
+            redis: None,
+        }
+    }
+
+    /// [`Db::postgres`] with the Redis fast path (`REDIS_URL`, a key prefix of its own) in
+    /// front of it.
+    #[cfg(feature = "redis")]
+    pub async fn postgres_redis() -> Db {
+        let fast = consumer_http::RedisFastPath::builder(redis_url())
+            .key_prefix(unique("http"))
+            .build()
+            .expect("the Redis fast path");
+        Db::postgres().await.with_redis(fast)
+    }
+
+    /// The same database with `fast` in front of it.
+    #[cfg(feature = "redis")]
+    pub fn with_redis(mut self, fast: consumer_http::RedisFastPath) -> Db {
+        if let Db::Pg { redis, .. } = &mut self {
+            *redis = Some(fast);
+        }
+        self
+    }
+
+    /// How often a connection has been taken from the PostgreSQL pool so far.
+    pub fn acquires(&self) -> u64 {
+        match self {
+            Db::Pg { acquires, .. } => acquires.load(Ordering::SeqCst),
+            Db::Sqlite { .. } => panic!("counted on PostgreSQL only"),
+        }
     }
 
     /// A fresh SQLite file with the `effects` table.
@@ -122,7 +180,7 @@ impl Db {
     /// Deletes expired records through the store; how many.
     pub async fn purge_expired(&self) -> u64 {
         match self {
-            Db::Pg { pool, schema } => pg_store(pool, schema).await.purge_expired(100).await,
+            Db::Pg { pool, schema, .. } => pg_store(pool, schema).await.purge_expired(100).await,
             Db::Sqlite { pool, .. } => sqlite_store(pool).await.purge_expired(100).await,
         }
         .expect("purge")
@@ -366,9 +424,20 @@ async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> 
             .map(str::to_owned)
     };
     match db {
-        Db::Pg { pool, schema } => {
+        Db::Pg {
+            pool,
+            schema,
+            #[cfg(feature = "redis")]
+            redis,
+            ..
+        } => {
             let layer =
                 IdempotencyLayer::new(pg_store(pool, schema).await, config).with_tenant(tenant);
+            #[cfg(feature = "redis")]
+            let layer = match redis {
+                Some(fast) => layer.with_redis(fast.clone()),
+                None => layer,
+            };
             pg_routes::router(handlers).layer(layer)
         }
         Db::Sqlite { pool, .. } => {
