@@ -39,18 +39,25 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'stat
         let term = signal(SignalKind::terminate());
         let int = signal(SignalKind::interrupt());
         async move {
-            match (term, int) {
-                (Ok(mut term), Ok(mut int)) => {
-                    tokio::select! {
-                        _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight jobs"),
-                        _ = int.recv() => tracing::info!("Ctrl-C: finishing in-flight jobs"),
+            // Whichever of the two could be registered is listened for: a failure to
+            // register one must not drop the other.
+            let wait = |s: std::io::Result<tokio::signal::unix::Signal>, name: &'static str| async move {
+                match s {
+                    Ok(mut s) => {
+                        s.recv().await;
+                        name
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot listen for {name}");
+                        std::future::pending().await
                     }
                 }
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C only");
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-            }
+            };
+            let name = tokio::select! {
+                name = wait(term, "SIGTERM") => name,
+                name = wait(int, "SIGINT") => name,
+            };
+            tracing::info!("{name}: finishing in-flight jobs");
         }
     }
     #[cfg(not(unix))]
