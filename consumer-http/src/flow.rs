@@ -19,6 +19,7 @@ use tower::Service;
 
 use crate::config::IdempotencyConfig;
 use crate::fast::{FastRequest, Settled};
+use crate::metrics::{answered, decided, Outcome};
 use crate::problem;
 use crate::request;
 use crate::store::{ClaimRequest, IdempotencyStore, StoreBackend};
@@ -111,15 +112,19 @@ where
     let key = match request::idempotency_key(&parts) {
         Ok(Some(key)) => key,
         Ok(None) if config.key_required => {
+            answered(Outcome::InvalidKey);
             return Ok(problem::bad_key(
                 "the request has no Idempotency-Key header",
-            ))
+            ));
         }
         Ok(None) => {
             let request = Request::from_parts(parts, body);
             return Ok(inner.call(request).await?.map(Body::new));
         }
-        Err(invalid) => return Ok(problem::bad_key(&invalid.0)),
+        Err(invalid) => {
+            answered(Outcome::InvalidKey);
+            return Ok(problem::bad_key(&invalid.0));
+        }
     };
     let body = match read_body(&parts, body, config.max_body_bytes).await {
         Ok(body) => body,
@@ -139,7 +144,10 @@ where
     };
     let fast = shared.fast_request(&claim);
     let fast = fast.as_ref();
-    let answer = match decide(&shared, &claim, fast).await {
+    let deciding = Instant::now();
+    let decision = decide(&shared, &claim, fast).await;
+    decided(deciding.elapsed());
+    let answer = match decision {
         Ok(Decision::Run) => run(&shared, inner, parts, body, &claim, fast).await,
         Ok(Decision::Replay {
             stored,
@@ -148,12 +156,20 @@ where
             if let (Some(fast), Some(until)) = (fast, cache_until) {
                 fast.publish(&stored, until).await;
             }
+            answered(Outcome::Replayed);
             Ok(stored.replay())
         }
-        Ok(Decision::Mismatch) => Ok(problem::mismatch()),
-        Ok(Decision::InProgress) => Ok(problem::in_progress(config.retry_after)),
+        Ok(Decision::Mismatch) => {
+            answered(Outcome::Mismatch);
+            Ok(problem::mismatch())
+        }
+        Ok(Decision::InProgress) => {
+            answered(Outcome::InProgress);
+            Ok(problem::in_progress(config.retry_after))
+        }
         Err(e) => {
             tracing::warn!(error = %e, "idempotency store failed reading a key");
+            answered(Outcome::Unavailable);
             Ok(problem::store_unavailable(config.retry_after))
         }
     };
@@ -269,7 +285,10 @@ where
 {
     let store = &shared.store;
     let config = &shared.config;
-    let unavailable = || problem::store_unavailable(config.retry_after);
+    let unavailable = || {
+        answered(Outcome::Unavailable);
+        problem::store_unavailable(config.retry_after)
+    };
     let tx = match store.begin().await {
         Ok(tx) => tx,
         Err(e) => {
@@ -289,10 +308,12 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(e)) => {
             abandon(store, &slot, claim).await;
+            answered(Outcome::Released);
             return Err(e);
         }
         Err(_panic) => {
             abandon(store, &slot, claim).await;
+            answered(Outcome::Released);
             return Ok(problem::internal("the handler panicked"));
         }
     };
@@ -303,6 +324,7 @@ where
         && (config.store_client_errors || !status.is_client_error());
     if !stored_kind {
         abandon(store, &slot, claim).await;
+        answered(Outcome::Released);
         return Ok(http::Response::from_parts(head, Body::new(response_body)));
     }
     let response_body = match Limited::new(response_body, config.max_response_bytes)
@@ -312,6 +334,7 @@ where
         Ok(collected) => collected.to_bytes(),
         Err(_) => {
             abandon(store, &slot, claim).await;
+            answered(Outcome::Released);
             return Ok(problem::internal(
                 "the answer could not be stored: its body failed or is over the limit",
             ));
@@ -321,6 +344,7 @@ where
         // The handler kept its `IdempotentTx` (a spawned task): its transaction rolls back
         // when that ends.
         release(store, claim).await;
+        answered(Outcome::Released);
         return Ok(problem::internal(
             "the handler kept its IdempotentTx past its answer",
         ));
@@ -337,6 +361,7 @@ where
             // must not commit; that request's answer is the key's.
             let _ = tx.rollback().await;
             tracing::warn!("an idempotent request outlived its lease and was taken over");
+            answered(Outcome::InProgress);
             return Ok(problem::in_progress(config.retry_after));
         }
         Err(e) => {
@@ -356,6 +381,7 @@ where
     if let Some(fast) = fast {
         fast.publish(&stored, completing + config.ttl).await;
     }
+    answered(Outcome::Completed);
     Ok(http::Response::from_parts(head, Body::from(stored.body)))
 }
 

@@ -206,7 +206,8 @@
 //!   and the fingerprint; `problem`: the problem+json answers; `stored`: a stored answer
 //!   and its replay.
 //! - `layer`: [`IdempotencyLayer`] and its service [`Idempotency`]; `flow`: one request
-//!   through them (decide, run, store or release); `tx`: [`IdempotentTx`].
+//!   through them (decide, run, store or release); `tx`: [`IdempotentTx`]; [`metrics`]:
+//!   what the layer counts (answers by outcome, the time to decide on a key).
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
 //!   lease, the cached answer's encoding).
 //! - `store`: [`IdempotencyStore`] on PostgreSQL or SQLite, its configuration
@@ -226,6 +227,7 @@ mod error;
 mod fast;
 mod flow;
 mod layer;
+pub mod metrics;
 mod problem;
 mod request;
 mod store;
