@@ -1,5 +1,5 @@
-//! The example's worker binaries as real processes: built once per test process, started
-//! with a test's environment, signalled, and waited for with a deadline.
+//! The examples' binaries as real processes: built once per test process, started with a
+//! test's environment, signalled, and waited for with a deadline.
 //!
 //! The binaries belong to another package (`invoices`), so `CARGO_BIN_EXE_*` does not exist
 //! here and `cargo test` does not build them. [`example_binary`] builds one with
@@ -17,18 +17,25 @@ use crate::amqp::repo_root;
 
 /// Builds the `invoices` binary `name` once per test process and returns its path.
 pub fn example_binary(name: &str) -> PathBuf {
+    package_binary("invoices", name)
+}
+
+/// Builds the binary `name` of the workspace package `package` once per test process and
+/// returns its path.
+pub fn package_binary(package: &str, name: &str) -> PathBuf {
     static PATHS: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let paths = PATHS.get_or_init(Mutex::default);
     // Held while building: two tests asking at once build once.
     let mut paths = paths.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(path) = paths.get(name) {
+    let id = format!("{package}/{name}");
+    if let Some(path) = paths.get(&id) {
         return path.clone();
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut args = vec![
         "build",
         "-p",
-        "invoices",
+        package,
         "--bin",
         name,
         "--message-format=json",
@@ -45,7 +52,7 @@ pub fn example_binary(name: &str) -> PathBuf {
         .expect("run cargo build");
     assert!(
         out.status.success(),
-        "cargo build -p invoices --bin {name} failed"
+        "cargo build -p {package} --bin {name} failed"
     );
     let path = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -53,7 +60,7 @@ pub fn example_binary(name: &str) -> PathBuf {
         .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
         .unwrap_or_else(|| panic!("cargo reports the {name} executable"));
-    paths.insert(name.to_owned(), path.clone());
+    paths.insert(id, path.clone());
     path
 }
 
@@ -66,8 +73,18 @@ pub struct Process {
 impl Process {
     /// Starts the `invoices` binary `name` with `vars`, its log (stderr) in `log`.
     pub fn spawn(name: &str, vars: &HashMap<&'static str, String>, log: PathBuf) -> Process {
+        Process::spawn_binary(example_binary(name), vars, log)
+    }
+
+    /// Starts the executable at `path` with `vars`, its log (stderr) in `log`.
+    pub fn spawn_binary(
+        path: PathBuf,
+        vars: &HashMap<&'static str, String>,
+        log: PathBuf,
+    ) -> Process {
+        let name = path.display().to_string();
         let file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(example_binary(name))
+        let child = Command::new(&path)
             .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
             .env("RUST_LOG", "info,sqlx=warn")
             .stdout(Stdio::null())

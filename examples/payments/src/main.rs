@@ -1,0 +1,191 @@
+//! Run with: `eval "$(scripts/servers.sh env postgres)"; cargo run -p payments`
+//!
+//! An HTTP service whose effects happen once however often a request is retried:
+//!
+//! - `POST /payments` with an `Idempotency-Key` header and `{"order_id", "amount"}` charges
+//!   the order through the provider stand-in (a row in `charges`) in the request's
+//!   transaction, which also stores the answer: a retry gets the same answer, byte for byte,
+//!   and charges nothing; the same key with another body is 422.
+//! - `POST /webhooks/provider` takes the provider's signed events (`Webhook-Signature:
+//!   t=<unix seconds>,v1=<hex HMAC-SHA256 of "t.body">`, secret `WEBHOOK_SECRET`) and runs
+//!   `on_provider_event` once per event id through the consumer's inbox: a resend is answered
+//!   200 and runs nothing.
+//!
+//! Settings from the environment: `DATABASE_URL`, `PAYMENTS_ADDR` (`127.0.0.1:8080`),
+//! `DB_SCHEMA` (the connection's default), `WEBHOOK_SECRET` (`whsec_example`),
+//! `IDEMPOTENCY_LEASE_MS` (how long a request's claim holds its key if the process dies
+//! mid-request, 60000). The address it listens on is logged as `listening on ADDR`; SIGTERM
+//! or Ctrl-C stops it after the requests in flight.
+//!
+//! For the tests, `PAYMENTS_ABORT_AFTER_CHARGE=ORDER` makes the process abort right after
+//! charging that order, before its transaction commits and before it answers: the charge
+//! rolls back with the stored answer, and the client's retry (once the lease has run out)
+//! charges once.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Json, Router};
+use consumer_core::{handler, Context, HandlerError, Inbox, InboxConfig, Worker};
+use consumer_http::{
+    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, IdempotentTx, StoreConfig,
+    WebhookIngress,
+};
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Postgres};
+
+#[derive(Debug, Deserialize)]
+struct Payment {
+    order_id: i64,
+    amount: i64,
+}
+
+/// Charges the order: the provider stand-in's row commits with the stored answer, or not at
+/// all.
+async fn charge(
+    mut tx: IdempotentTx<Postgres>,
+    Json(p): Json<Payment>,
+) -> Result<impl IntoResponse, StatusCode> {
+    let id: i64 =
+        sqlx::query_scalar("INSERT INTO charges (order_id, amount) VALUES ($1, $2) RETURNING id")
+            .bind(p.order_id)
+            .bind(p.amount)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    if std::env::var("PAYMENTS_ABORT_AFTER_CHARGE").ok() == Some(p.order_id.to_string()) {
+        tracing::error!(order_id = p.order_id, "aborting after the charge, as asked");
+        std::process::abort();
+    }
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"charge_id": id, "order_id": p.order_id, "amount": p.amount})),
+    ))
+}
+
+/// A provider event: its id keys it in the inbox.
+#[derive(Debug, Deserialize)]
+struct ProviderEvent {
+    id: String,
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+/// Records the event once, in the inbox key's transaction.
+#[handler(name = "on_provider_event")]
+async fn on_provider_event(
+    ctx: &mut Context<'_, Postgres>,
+    event: ProviderEvent,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO provider_events (event_id, kind) VALUES ($1, $2)")
+        .bind(&event.id)
+        .bind(&event.kind)
+        .execute(ctx.db())
+        .await?;
+    Ok(())
+}
+
+async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
+    let mut options = PgConnectOptions::from_str(url).context("DATABASE_URL is not a valid URL")?;
+    if let Some(schema) = schema {
+        options = options.options([("search_path", schema)]);
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect_with(options)
+        .await
+        .context("connect to DATABASE_URL")?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS charges (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount BIGINT NOT NULL);
+         CREATE TABLE IF NOT EXISTS provider_events (event_id TEXT PRIMARY KEY, kind TEXT NOT NULL);",
+    )
+    .execute(&pool)
+    .await
+    .context("create the example's tables")?;
+    Ok(pool)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
+    let schema = std::env::var("DB_SCHEMA").ok();
+    let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
+    let secret = std::env::var("WEBHOOK_SECRET").unwrap_or_else(|_| "whsec_example".to_owned());
+    let lease = match std::env::var("IDEMPOTENCY_LEASE_MS") {
+        Ok(ms) => Duration::from_millis(ms.parse().context("IDEMPOTENCY_LEASE_MS: milliseconds")?),
+        Err(_) => Duration::from_secs(60),
+    };
+    let pool = connect(&url, schema.as_deref()).await?;
+
+    let mut store_config = StoreConfig::builder();
+    let mut inbox_config = InboxConfig::default();
+    if let Some(schema) = &schema {
+        store_config = store_config.schema(schema.clone());
+        inbox_config = inbox_config.with_schema(schema.clone());
+    }
+    let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
+    let config = IdempotencyConfig::builder().lease(lease).build()?;
+    let inbox = Inbox::new(pool, inbox_config).await?;
+    let (webhooks, events) = WebhookIngress::builder("/webhooks/provider")
+        .secret(secret)
+        .build()?
+        .into_parts();
+    let worker = Worker::new(inbox, on_provider_event)?;
+
+    let app = Router::new()
+        .route("/payments", post(charge))
+        .layer(IdempotencyLayer::new(store, config))
+        .merge(webhooks);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("listen on PAYMENTS_ADDR {addr}"))?;
+    tracing::info!("listening on {}", listener.local_addr()?);
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let events = tokio::spawn({
+        let stopped = stopped.clone();
+        async move { worker.run(events, until_stopped(stopped)).await }
+    });
+    let serve = axum::serve(listener, app).with_graceful_shutdown(until_stopped(stopped));
+    let signal = async move {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = tokio::signal::ctrl_c() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("stopping: in-flight requests finish");
+        let _ = stop.send(true);
+    };
+    tokio::spawn(signal);
+    serve.await.context("serve")?;
+    events.await.context("the webhook worker")??;
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! The payments example as a real process on PostgreSQL: killed right after charging an
+//! order (SIGABRT, before its transaction commits and before it answers), then restarted,
+//! the client's retry with the same `Idempotency-Key` charges once, because the charge and
+//! the stored answer are one transaction; the retry's answer is replayed byte for byte
+//! after that, and 50 concurrent requests with one key charge once.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use consumer_tests::common::{database_url, wait_until, PgEnv, DEADLINE};
+use consumer_tests::process::{package_binary, Process};
+use serde_json::json;
+
+/// Starts the example with `extra` settings and waits for the address it listens on.
+async fn start(env: &PgEnv, extra: &[(&'static str, &str)], log: &str) -> (Process, String) {
+    let mut vars: HashMap<&'static str, String> = HashMap::from([
+        ("DATABASE_URL", database_url()),
+        ("DB_SCHEMA", env.schema.clone()),
+        ("PAYMENTS_ADDR", "127.0.0.1:0".to_owned()),
+        ("IDEMPOTENCY_LEASE_MS", "1000".to_owned()),
+    ]);
+    for (k, v) in extra {
+        vars.insert(k, (*v).to_owned());
+    }
+    let log = std::env::temp_dir().join(format!("{}-{log}.log", env.schema));
+    let process = Process::spawn_binary(package_binary("payments", "payments"), &vars, log);
+    let mut addr = String::new();
+    wait_until("the example listens", || {
+        let log = process.log();
+        addr = log
+            .lines()
+            .find_map(|l| l.split("listening on ").nth(1))
+            .map(|a| a.trim().to_owned())
+            .unwrap_or_default();
+        std::future::ready(!addr.is_empty())
+    })
+    .await;
+    (process, format!("http://{addr}"))
+}
+
+async fn charges(env: &PgEnv, order: i64) -> i64 {
+    let pool = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("connect");
+    let n = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".charges WHERE order_id = $1",
+        env.schema
+    ))
+    .bind(order)
+    .fetch_one(&pool)
+    .await
+    .expect("count charges");
+    pool.close().await;
+    n
+}
+
+async fn pay(base: &str, key: &str, order: i64) -> reqwest::Result<(u16, String, bool)> {
+    let answer = reqwest::Client::new()
+        .post(format!("{base}/payments"))
+        .header("Idempotency-Key", key)
+        .json(&json!({"order_id": order, "amount": 100}))
+        .send()
+        .await?;
+    let status = answer.status().as_u16();
+    let replayed = answer.headers().contains_key("idempotent-replayed");
+    Ok((status, answer.text().await?, replayed))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_killed_after_the_charge_charges_once_on_the_clients_retry() {
+    let env = PgEnv::new().await;
+    let (dying, base) = start(&env, &[("PAYMENTS_ABORT_AFTER_CHARGE", "7")], "dying").await;
+    assert!(
+        pay(&base, "pay-7", 7).await.is_err(),
+        "the process died before answering"
+    );
+    let (status, log) = dying.exit().await;
+    assert!(!status.success(), "aborted: {status}\n{log}");
+    assert!(log.contains("aborting after the charge"), "{log}");
+    assert_eq!(
+        charges(&env, 7).await,
+        0,
+        "the charge rolled back with the answer"
+    );
+
+    let (_running, base) = start(&env, &[], "restarted").await;
+    // The dead request's claim holds the key until its lease (1 s) runs out: until then the
+    // retry is told 409, as a client would be.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let first = loop {
+        match pay(&base, "pay-7", 7).await {
+            Ok((201, body, false)) => break body,
+            Ok((409, _, _)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+    };
+    assert_eq!(charges(&env, 7).await, 1);
+    let (status, body, replayed) = pay(&base, "pay-7", 7).await.expect("a replay");
+    assert_eq!((status, replayed), (201, true));
+    assert_eq!(body, first, "byte-identical");
+    assert_eq!(charges(&env, 7).await, 1);
+
+    let answers = futures::future::join_all((0..50).map(|_| pay(&base, "pay-8", 8))).await;
+    for a in &answers {
+        let (status, _, _) = a.as_ref().expect("an answer");
+        assert!(matches!(status, 201 | 409), "{a:?}");
+    }
+    wait_until("pay-8 is charged", || async {
+        pay(&base, "pay-8", 8).await.expect("an answer").0 == 201
+    })
+    .await;
+    assert_eq!(
+        charges(&env, 8).await,
+        1,
+        "50 requests with one key charge once"
+    );
+}
