@@ -756,15 +756,16 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     let mut results: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
     let mut first = 0u64;
     for rep in 0..o.reps {
-        for &arm in &arms {
+        for (index, &arm) in arms.iter().enumerate() {
             reset(&pool).await?;
             if arm.starts_with("amqp") {
                 amqp::fill(amqp_url.as_deref().unwrap_or_default(), &queue, first, &o).await?;
             }
             let url = amqp_url.as_deref().unwrap_or_default();
             let brokers = kafka_brokers.as_deref().unwrap_or_default();
-            // A fresh topic and group per Kafka arm and repetition.
-            let topic = format!("{queue}_{rep}_{}", arm.len());
+            // A fresh topic and group per Kafka arm and repetition (by the arm's place in the
+            // list: two arms' names may have the same length).
+            let topic = format!("{queue}_{rep}_{index}");
             let group = format!("{topic}_g");
             if arm.starts_with("kafka") {
                 kafka::fill(brokers, &topic, first, &o).await?;
