@@ -5,18 +5,20 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher};
-use consumer_core::{BatchConfig, Inbox, Settlement};
+use consumer_core::{Handler, Inbox, Settlement};
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeleteOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::{PgPool, Postgres};
 
+use crate::outbox::{check_events, End, OutboxArm};
+use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Job, Options, Rss,
+    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Fw, Job, Options, Rss,
 };
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
@@ -253,17 +255,17 @@ pub(crate) async fn hand_batched(
 }
 
 /// The framework on RabbitMQ.
-pub(crate) async fn framework(
+pub(crate) async fn framework<H: Handler<Postgres>>(
     url: &str,
     queue: &str,
     inbox: &Inbox<Postgres>,
     o: &Options,
-    batch: Option<BatchConfig>,
+    fw: Fw<'_, H>,
 ) -> anyhow::Result<Figures> {
     let mut config = AmqpConfig::new(url, queue);
     config.prefetch = o.prefetch;
     let consumer = AmqpConsumer::connect(config).await?;
-    let worker = bench_worker(inbox, crate::record, o, batch)?;
+    let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let done_tx = Arc::new(Mutex::new(Some(done_tx)));
@@ -290,7 +292,7 @@ pub(crate) async fn framework(
             let _ = done_rx.await;
         })
         .await?;
-    let wall = start.elapsed();
+    let end = End::after(fw.relay, o.messages, start).await?;
     let cpu = cpu_time() - cpu0;
     let s = worker.snapshot();
     anyhow::ensure!(
@@ -300,5 +302,93 @@ pub(crate) async fn framework(
         o.messages
     );
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
-    Ok(figures(o.messages, wall, cpu, &mut l, rss))
+    Ok(end.figures(figures(o.messages, end.wall, cpu, &mut l, rss)))
+}
+
+/// A durable queue `name` holding nothing: deleted (with what it held) and declared again.
+async fn fresh_queue(ch: &Channel, name: &str, options: QueueDeclareOptions) -> anyhow::Result<()> {
+    let _ = ch
+        .queue_delete(short(name)?, QueueDeleteOptions::default())
+        .await;
+    ch.queue_declare(short(name)?, options, FieldTable::default())
+        .await?;
+    Ok(())
+}
+
+/// The relay's publisher: the bench's work queue's topology (declared as every arm declares
+/// it), publishing to the default exchange, so a destination is a queue's name.
+async fn relay_publisher(url: &str, queue: &str) -> anyhow::Result<Arc<AmqpPublisher>> {
+    Ok(Arc::new(
+        AmqpPublisher::connect(AmqpConfig::new(url, queue)).await?,
+    ))
+}
+
+/// An outbox arm ([`OutboxArm`]): the events go to the queue `<queue>_events` (fresh,
+/// durable) through an [`AmqpPublisher`]; the clock runs until the last one is confirmed.
+/// Then checks that the queue holds every event once, and deletes it.
+pub(crate) async fn outbox(
+    url: &str,
+    queue: &str,
+    inbox: &Inbox<Postgres>,
+    o: &Options,
+    arm: OutboxArm,
+) -> anyhow::Result<Figures> {
+    let events = format!("{queue}_events");
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    fresh_queue(&ch, &events, QueueDeclareOptions::durable()).await?;
+    let publisher = relay_publisher(url, queue).await?;
+    let (f, relay) = arm
+        .run(inbox, publisher.clone(), &events, o, async |fw| {
+            framework(url, queue, inbox, o, fw).await
+        })
+        .await?;
+    let published = relay.stop().await?;
+    publisher.close().await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let held = ch
+        .queue_declare(short(&events)?, passive, FieldTable::default())
+        .await?
+        .message_count();
+    ch.queue_delete(short(&events)?, QueueDeleteOptions::default())
+        .await?;
+    conn.close(200, "done".into()).await?;
+    check_events(o.messages, published, u64::from(held))?;
+    Ok(f)
+}
+
+/// The `--outbox-latency` destination on RabbitMQ: a queue `name` that is deleted when its
+/// consumer goes (auto-delete), that consumer, and a relay publisher.
+pub(crate) async fn latency_events(
+    url: &str,
+    queue: &str,
+    name: &str,
+    o: &Options,
+) -> anyhow::Result<(Arc<AmqpPublisher>, Received)> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    let auto_delete = QueueDeclareOptions {
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    fresh_queue(&ch, name, auto_delete).await?;
+    conn.close(200, "declared".into()).await?;
+    let (conn, ch, mut consumer) = consume(url, name, "latency", o).await?;
+    let received = Received::spawn(|arrived| async move {
+        // Owned here: the channel lives as long as the consumer.
+        let _link = (conn, ch);
+        while let Some(delivery) = consumer.next().await {
+            let delivery = delivery?;
+            let at = Instant::now();
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            if arrived.send((delivery.data, at)).is_err() {
+                break;
+            }
+        }
+        anyhow::Ok(())
+    });
+    Ok((relay_publisher(url, queue).await?, received))
 }

@@ -8,15 +8,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use consumer_core::{BatchConfig, Inbox, Settlement};
+use consumer_core::{Handler, Inbox, Settlement};
 use consumer_kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher, ProcessingOrder};
 use futures::StreamExt;
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::{ClientConfig, Message as _};
 use sqlx::Postgres;
 
+use crate::outbox::{check_events, End, OutboxArm};
+use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Job, Options, Rss,
+    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Fw, Job, Options, Rss,
 };
 
 const PARTITIONS: i32 = 4;
@@ -61,15 +65,23 @@ pub(crate) async fn fill(
 
 /// A plain rdkafka consumer subscribed to `topic`: offsets stored by hand, committed by the
 /// auto-committer (at-least-once), as a hand-written consumer does.
-fn raw_consumer(brokers: &str, topic: &str, group: &str) -> anyhow::Result<StreamConsumer> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+fn raw_consumer(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    extra: &[(&str, &str)],
+) -> anyhow::Result<StreamConsumer> {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers)
         .set("group.id", group)
         .set("enable.auto.commit", "true")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .create()?;
+        .set("session.timeout.ms", "6000");
+    for (name, value) in extra {
+        c.set(*name, *value);
+    }
+    let consumer: StreamConsumer = c.create()?;
     consumer.subscribe(&[topic])?;
     Ok(consumer)
 }
@@ -81,7 +93,7 @@ pub(crate) async fn raw(
     group: &str,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let consumer = raw_consumer(brokers, topic, group)?;
+    let consumer = raw_consumer(brokers, topic, group, &[])?;
     let mut stream = consumer.stream();
     let mut latencies = Vec::with_capacity(o.messages);
     let first = stream.next().await.context("consumer ended")??;
@@ -117,7 +129,7 @@ pub(crate) async fn hand_batched(
     pool: &sqlx::PgPool,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let consumer = raw_consumer(brokers, topic, group)?;
+    let consumer = raw_consumer(brokers, topic, group, &[])?;
     let mut records = consumer.stream().take(o.messages).peekable();
     // The clock starts at the first record, as in the other Kafka arms.
     std::pin::Pin::new(&mut records)
@@ -205,19 +217,19 @@ pub(crate) async fn transport_only(
 
 /// The framework on Kafka, records ordered per key (so a batch can hold several records of
 /// one partition).
-pub(crate) async fn framework(
+pub(crate) async fn framework<H: Handler<Postgres>>(
     brokers: &str,
     topic: &str,
     group: &str,
     inbox: &Inbox<Postgres>,
     o: &Options,
-    batch: Option<BatchConfig>,
+    fw: Fw<'_, H>,
 ) -> anyhow::Result<Figures> {
     let mut c = config(brokers, group, topic);
     c.order = ProcessingOrder::Key;
     let consumer = KafkaConsumer::new(c)?;
     let closed = consumer.closed();
-    let worker = bench_worker(inbox, crate::record, o, batch)?;
+    let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let done_tx = Arc::new(Mutex::new(Some(done_tx)));
@@ -249,7 +261,7 @@ pub(crate) async fn framework(
         })
         .await?;
     let (start, cpu0, rss) = *started.get().context("no record arrived")?;
-    let wall = start.elapsed();
+    let end = End::after(fw.relay, o.messages, start).await?;
     let cpu = cpu_time() - cpu0;
     closed.await;
     let s = worker.snapshot();
@@ -260,5 +272,106 @@ pub(crate) async fn framework(
         o.messages
     );
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
-    Ok(figures(o.messages, wall, cpu, &mut l, rss))
+    Ok(end.figures(figures(o.messages, end.wall, cpu, &mut l, rss)))
+}
+
+/// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.
+async fn relay_destination(brokers: &str, name: &str) -> anyhow::Result<KafkaPublisher> {
+    let c = config(brokers, "relay", name);
+    consumer_kafka::create_topics(&c, PARTITIONS, 1).await?;
+    Ok(KafkaPublisher::new(&c)?)
+}
+
+/// An outbox arm ([`OutboxArm`]): the events go to the topic `<topic>_events` (fresh, 4
+/// partitions) through a [`KafkaPublisher`]; the clock runs until the last one's delivery
+/// report. Then checks that the topic holds every event once, and deletes it.
+pub(crate) async fn outbox(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    inbox: &Inbox<Postgres>,
+    o: &Options,
+    arm: OutboxArm,
+) -> anyhow::Result<Figures> {
+    let events = format!("{topic}_events");
+    let publisher = relay_destination(brokers, &events).await?;
+    let (f, relay) = arm
+        .run(inbox, publisher, &events, o, async |fw| {
+            framework(brokers, topic, group, inbox, o, fw).await
+        })
+        .await?;
+    let published = relay.stop().await?;
+    let held = events_in(brokers, &events, o.messages).await?;
+    delete_topic(brokers, &events).await;
+    check_events(o.messages, published, held)?;
+    Ok(f)
+}
+
+/// How many distinct events `topic` holds, read back from the start (by a consumer of its own
+/// group) until `n` have been read and no more come for 2 s; fails on a duplicate. (The
+/// watermarks will not do: tansu's can lag behind the records it has stored.)
+async fn events_in(brokers: &str, topic: &str, n: usize) -> anyhow::Result<u64> {
+    let consumer = raw_consumer(brokers, topic, &format!("{topic}_check"), &[])?;
+    let mut seen = std::collections::HashSet::with_capacity(n);
+    let mut read = 0usize;
+    loop {
+        // The first record waits for the group to form.
+        let wait = Duration::from_secs(if read < n { 60 } else { 2 });
+        let Ok(m) = tokio::time::timeout(wait, consumer.recv()).await else {
+            break;
+        };
+        seen.insert(m?.payload().unwrap_or_default().to_vec());
+        read += 1;
+    }
+    anyhow::ensure!(
+        read == seen.len(),
+        "{topic}: {read} records read, {} distinct",
+        seen.len()
+    );
+    Ok(seen.len() as u64)
+}
+
+/// Deletes `topic`; a broker that cannot is only reported (the topic's name is this run's).
+async fn delete_topic(brokers: &str, topic: &str) {
+    let deleted = async {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        for result in admin.delete_topics(&[topic], &AdminOptions::new()).await? {
+            result.map_err(|(t, e)| anyhow::anyhow!("{t}: {e}"))?;
+        }
+        anyhow::Ok(())
+    };
+    if let Err(e) = deleted.await {
+        eprintln!("could not delete the topic {topic}: {e}");
+    }
+}
+
+/// The `--outbox-latency` destination on Kafka: a fresh topic `name`, a relay publisher, and
+/// a plain consumer of the topic whose fetch waits at most 10 ms at the broker (the default
+/// 500 ms would be the figure otherwise).
+pub(crate) async fn latency_events(
+    brokers: &str,
+    name: &str,
+) -> anyhow::Result<(KafkaPublisher, Received)> {
+    let publisher = relay_destination(brokers, name).await?;
+    let consumer = raw_consumer(
+        brokers,
+        name,
+        &format!("{name}_g"),
+        &[("fetch.wait.max.ms", "10")],
+    )?;
+    let received = Received::spawn(|arrived| async move {
+        loop {
+            let m = consumer.recv().await?;
+            let at = Instant::now();
+            if arrived
+                .send((m.payload().unwrap_or_default().to_vec(), at))
+                .is_err()
+            {
+                return anyhow::Ok(());
+            }
+        }
+    });
+    Ok((publisher, received))
 }

@@ -23,7 +23,16 @@
 //!   so it runs once per message in the batch's transaction;
 //! - with `AMQP_URL` / `KAFKA_BROKERS` set, the same on RabbitMQ and Kafka, next to the raw
 //!   client (`amqp: raw ack each` acks every delivery alone, which prices per-delivery acks
-//!   against `amqp: raw consume+ack`'s `multiple` ack every 64).
+//!   against `amqp: raw consume+ack`'s `multiple` ack every 64);
+//! - `amqp: fw 1/tx + outbox`, `amqp: fw batched + outbox` and the same on Kafka: the
+//!   framework arm whose handler also writes one event a message through the outbox
+//!   (`Context::publish`, `BatchContext::publish`), which a `Relay` on the same database
+//!   publishes to a fresh queue or topic of the same broker (`outbox`). The clock stops when
+//!   the broker has confirmed the last event, so the rate includes the relay's work; the
+//!   report adds their rate up to the last ack and how long after it the last event was
+//!   confirmed, and checks that the destination holds every event once. `amqp: relay alone`
+//!   and `kafka: relay alone`: the relay by itself, draining an outbox filled with as many
+//!   such events before its clock starts (what the relay can publish a second).
 //!
 //! It prints msgs/s, this process's CPU time per message (`CPU µs`), the CPU time of the
 //! local PostgreSQL server processes (`PG µs`) and broker processes (`broker`: RabbitMQ's
@@ -45,7 +54,14 @@
 //! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`,
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
-//! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`).
+//! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`);
+//! `--relay-batch N` sets the rows a relay round of the `+ outbox` arms takes (100).
+//!
+//! `--outbox-latency N` runs no arm: instead, on each broker, N messages committed one at a
+//! time by the application through `Outbox::enqueue` on a pool of its own, so that only
+//! PostgreSQL's `LISTEN/NOTIFY` wakes the relay (which polls every 1 s), each timed from the
+//! commit to the broker's confirm and to its consumption, printed as p50 / p99 / max
+//! (`outbox_latency`).
 //! The servers come from `DATABASE_URL`, `AMQP_URL` and `KAFKA_BROKERS` (or `--database-url`,
 //! `--amqp-url`, `--kafka-brokers`).
 
@@ -55,6 +71,8 @@
 mod amqp;
 mod compare;
 mod kafka;
+mod outbox;
+mod outbox_latency;
 mod report;
 
 use std::collections::BTreeMap;
@@ -69,6 +87,7 @@ use consumer_core::{
 };
 use futures::future::BoxFuture;
 use futures::StreamExt;
+use outbox::OutboxArm;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres};
@@ -205,6 +224,16 @@ struct Options {
     #[arg(long, value_name = "0|1", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(0..=1))]
     latency: u8,
+    /// Rows a relay round takes in the `+ outbox` arms (`RelayConfig::batch`).
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    relay_batch: u32,
+    /// Instead of the arms: this many samples, on each broker, of the time from the commit of
+    /// a message the application wrote to the outbox (on a pool of its own, so only
+    /// PostgreSQL's NOTIFY wakes the relay) to the broker's confirm and to its consumption,
+    /// the relay polling every 1 s (0: the arms run).
+    #[arg(long, value_name = "SAMPLES", default_value_t = 0,
+          conflicts_with_all = ["compare", "compare_metrics"])]
+    outbox_latency: usize,
     /// The PostgreSQL to measure (`eval "$(scripts/postgres.sh env)"` sets it).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
@@ -214,6 +243,13 @@ struct Options {
     /// Kafka bootstrap servers for the `kafka:` arms; they are skipped without it.
     #[arg(long, env = "KAFKA_BROKERS")]
     kafka_brokers: Option<String>,
+}
+
+impl Options {
+    /// The relay of the `+ outbox` arms: the defaults (a poll every 1 s), `--relay-batch`.
+    fn relay_config(&self) -> consumer_core::RelayConfig {
+        consumer_core::RelayConfig::default().with_batch(self.relay_batch)
+    }
 }
 
 /// One arm's figures from one repetition.
@@ -230,6 +266,9 @@ struct Figures {
     /// CPU time of the broker processes (RabbitMQ's `beam.smp`, tansu) per message.
     broker_us_per_msg: f64,
     measured_latency: bool,
+    /// The `+ outbox` arms': how fast they consumed, and how long the relay took after.
+    #[serde(default)]
+    relay: Option<outbox::RelayFigures>,
 }
 
 /// Resident set size of this process (VmRSS), to show memory stays bounded.
@@ -396,13 +435,7 @@ fn perf_control(command: &str) {
 fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: Rss) -> Figures {
     perf_control("disable");
     latencies.sort_unstable();
-    let pct = |p: f64| {
-        if latencies.is_empty() {
-            return 0.0;
-        }
-        let i = ((latencies.len() as f64 - 1.0) * p).round() as usize;
-        latencies[i] as f64 / 1000.0
-    };
+    let pct = |p: f64| percentile_ms(latencies, p);
     Figures {
         rate: n as f64 / wall.as_secs_f64(),
         cpu_us_per_msg: cpu.as_secs_f64() * 1e6 / n as f64,
@@ -412,7 +445,17 @@ fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: 
         server_us_per_msg: since_per_msg(server_cpu_time(), &SERVER_CPU0_US, n),
         broker_us_per_msg: since_per_msg(broker_cpu_time(), &BROKER_CPU0_US, n),
         measured_latency: !latencies.is_empty(),
+        relay: None,
     }
+}
+
+/// The `p` quantile (0 to 1) of `sorted` microseconds, in milliseconds; 0 for none.
+fn percentile_ms(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
 }
 
 fn payload(id: u64, size: usize) -> String {
@@ -433,9 +476,12 @@ fn fill(broker: &MemoryBroker, queue: &str, first: u64, o: &Options) {
 }
 
 async fn reset(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::raw_sql("TRUNCATE effects; TRUNCATE floor_inbox; TRUNCATE consumer_inbox;")
-        .execute(pool)
-        .await?;
+    sqlx::raw_sql(
+        "TRUNCATE effects; TRUNCATE floor_inbox; TRUNCATE consumer_inbox; \
+         TRUNCATE consumer_inbox_outbox;",
+    )
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
@@ -597,6 +643,25 @@ fn bench_worker<H: Handler<Postgres>>(
     )?)
 }
 
+/// A framework arm on a broker: its handler, batched or not, and for an `+ outbox` arm the
+/// relay whose last publish stops the arm's clock.
+pub(crate) struct Fw<'a, H> {
+    pub(crate) handler: H,
+    pub(crate) batch: Option<BatchConfig>,
+    pub(crate) relay: Option<&'a outbox::Relaying>,
+}
+
+impl<H> Fw<'static, H> {
+    /// The framework without an outbox.
+    fn alone(handler: H, batch: Option<BatchConfig>) -> Self {
+        Fw {
+            handler,
+            batch,
+            relay: None,
+        }
+    }
+}
+
 /// The framework on the in-memory broker.
 async fn framework<H: Handler<Postgres>>(
     inbox: &Inbox<Postgres>,
@@ -669,8 +734,10 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let url = o.database_url.clone();
+    // The handlers' connections, and two more (a relay's rounds and its LISTEN).
+    let connections = u32::try_from(o.concurrency + 4).unwrap_or(12);
     let pool = PgPoolOptions::new()
-        .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
+        .max_connections(connections)
         .connect(&url)
         .await?;
     sqlx::raw_sql(
@@ -684,8 +751,8 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         .parse::<sqlx::postgres::PgConnectOptions>()?
         .options([("search_path", "bench")]);
     let pool = PgPoolOptions::new()
-        .max_connections(u32::try_from(o.concurrency + 2).unwrap_or(10))
-        .connect_with(options)
+        .max_connections(connections)
+        .connect_with(options.clone())
         .await?;
     let inbox = Inbox::new(pool.clone(), InboxConfig::in_schema("bench")).await?;
     sqlx::raw_sql(
@@ -698,6 +765,10 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     let sync_commit: String = sqlx::query_scalar("SHOW synchronous_commit")
         .fetch_one(&pool)
         .await?;
+    if o.outbox_latency > 0 {
+        let server = format!("PostgreSQL fsync={fsync} synchronous_commit={sync_commit}");
+        return outbox_latency::run(&inbox, options, &o, &server).await;
+    }
 
     let batched = Some(BatchConfig::new(o.batch, BATCH_WAIT));
     let amqp_url = o.amqp_url.clone();
@@ -718,6 +789,9 @@ async fn measure(o: Options) -> anyhow::Result<()> {
             "amqp: hand batched",
             "amqp: fw 1/tx",
             "amqp: fw batched",
+            "amqp: fw 1/tx + outbox",
+            "amqp: fw batched + outbox",
+            "amqp: relay alone",
         ]);
     } else {
         eprintln!("AMQP_URL is not set: skipping the RabbitMQ arms");
@@ -730,6 +804,9 @@ async fn measure(o: Options) -> anyhow::Result<()> {
             "kafka: fw transport only",
             "kafka: fw 1/tx",
             "kafka: fw batched",
+            "kafka: fw 1/tx + outbox",
+            "kafka: fw batched + outbox",
+            "kafka: relay alone",
         ]);
     } else {
         eprintln!("KAFKA_BROKERS is not set: skipping the Kafka arms");
@@ -756,17 +833,20 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     let mut results: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
     let mut first = 0u64;
     for rep in 0..o.reps {
-        for &arm in &arms {
+        for (index, &arm) in arms.iter().enumerate() {
             reset(&pool).await?;
-            if arm.starts_with("amqp") {
+            // The `relay alone` arms consume nothing.
+            let consumes = !arm.ends_with("relay alone");
+            if arm.starts_with("amqp") && consumes {
                 amqp::fill(amqp_url.as_deref().unwrap_or_default(), &queue, first, &o).await?;
             }
             let url = amqp_url.as_deref().unwrap_or_default();
             let brokers = kafka_brokers.as_deref().unwrap_or_default();
-            // A fresh topic and group per Kafka arm and repetition.
-            let topic = format!("{queue}_{rep}_{}", arm.len());
+            // A fresh topic and group per Kafka arm and repetition (by the arm's place in the
+            // list: two arms' names may have the same length).
+            let topic = format!("{queue}_{rep}_{index}");
             let group = format!("{topic}_g");
-            if arm.starts_with("kafka") {
+            if arm.starts_with("kafka") && consumes {
                 kafka::fill(brokers, &topic, first, &o).await?;
             }
             let f = match arm {
@@ -783,8 +863,21 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                 "amqp: raw ack each" => amqp::raw(url, &queue, &o, true).await?,
                 "amqp: hand 1/tx" => amqp::hand_written(url, &queue, &pool, &o).await?,
                 "amqp: hand batched" => amqp::hand_batched(url, &queue, &pool, &o).await?,
-                "amqp: fw 1/tx" => amqp::framework(url, &queue, &inbox, &o, None).await?,
-                "amqp: fw batched" => amqp::framework(url, &queue, &inbox, &o, batched).await?,
+                "amqp: fw 1/tx" => {
+                    amqp::framework(url, &queue, &inbox, &o, Fw::alone(record, None)).await?
+                }
+                "amqp: fw batched" => {
+                    amqp::framework(url, &queue, &inbox, &o, Fw::alone(record, batched)).await?
+                }
+                "amqp: fw 1/tx + outbox" => {
+                    amqp::outbox(url, &queue, &inbox, &o, OutboxArm::Framework(None)).await?
+                }
+                "amqp: fw batched + outbox" => {
+                    amqp::outbox(url, &queue, &inbox, &o, OutboxArm::Framework(batched)).await?
+                }
+                "amqp: relay alone" => {
+                    amqp::outbox(url, &queue, &inbox, &o, OutboxArm::RelayAlone).await?
+                }
                 "kafka: raw consume+store" => kafka::raw(brokers, &topic, &group, &o).await?,
                 "kafka: fw transport only" => {
                     kafka::transport_only(brokers, &topic, &group, &o).await?
@@ -793,9 +886,25 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                     kafka::hand_batched(brokers, &topic, &group, &pool, &o).await?
                 }
                 "kafka: fw 1/tx" => {
-                    kafka::framework(brokers, &topic, &group, &inbox, &o, None).await?
+                    let fw = Fw::alone(record, None);
+                    kafka::framework(brokers, &topic, &group, &inbox, &o, fw).await?
                 }
-                _ => kafka::framework(brokers, &topic, &group, &inbox, &o, batched).await?,
+                "kafka: fw 1/tx + outbox" => {
+                    let arm = OutboxArm::Framework(None);
+                    kafka::outbox(brokers, &topic, &group, &inbox, &o, arm).await?
+                }
+                "kafka: fw batched + outbox" => {
+                    let arm = OutboxArm::Framework(batched);
+                    kafka::outbox(brokers, &topic, &group, &inbox, &o, arm).await?
+                }
+                "kafka: relay alone" => {
+                    let arm = OutboxArm::RelayAlone;
+                    kafka::outbox(brokers, &topic, &group, &inbox, &o, arm).await?
+                }
+                _ => {
+                    let fw = Fw::alone(record, batched);
+                    kafka::framework(brokers, &topic, &group, &inbox, &o, fw).await?
+                }
             };
             eprintln!("rep {rep} {arm:<26} {:>9.0} msg/s", f.rate);
             results.entry(arm).or_default().push(f);

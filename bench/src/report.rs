@@ -11,6 +11,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::outbox::RelayFigures;
 use crate::Figures;
 
 /// What one invocation measured: the arms in the order they ran, and each arm's figures,
@@ -60,6 +61,9 @@ pub(crate) enum Measure {
     Rate,
     /// This process's CPU time a message: above 1, `over` costs more.
     Cpu,
+    /// Messages consumed a second: an `+ outbox` arm's rate up to its last ack, before its
+    /// relay has published the last event (any other arm's rate).
+    Consumed,
 }
 
 /// A ratio of the report: `over`'s figure over the smallest of `under`'s.
@@ -155,6 +159,50 @@ pub(crate) const RATIOS: &[Ratio] = &[
         "kafka: fw batched",
         &["kafka: raw consume+store", "db floor, N/tx"],
     ),
+    // What the outbox costs: each message also writes an event that a relay publishes, and
+    // the arm ends at the last event confirmed.
+    Ratio::rate(
+        "amqp: fw 1/tx + outbox / fw 1/tx",
+        "amqp: fw 1/tx + outbox",
+        &["amqp: fw 1/tx"],
+    ),
+    Ratio::rate(
+        "amqp: fw batched + outbox / fw batched",
+        "amqp: fw batched + outbox",
+        &["amqp: fw batched"],
+    ),
+    Ratio::rate(
+        "kafka: fw 1/tx + outbox / fw 1/tx",
+        "kafka: fw 1/tx + outbox",
+        &["kafka: fw 1/tx"],
+    ),
+    Ratio::rate(
+        "kafka: fw batched + outbox / fw batched",
+        "kafka: fw batched + outbox",
+        &["kafka: fw batched"],
+    ),
+    // Near 1, the relay's own pace bounds the arm.
+    Ratio::rate(
+        "amqp: fw batched + outbox / relay alone",
+        "amqp: fw batched + outbox",
+        &["amqp: relay alone"],
+    ),
+    Ratio::rate(
+        "kafka: fw batched + outbox / relay alone",
+        "kafka: fw batched + outbox",
+        &["kafka: relay alone"],
+    ),
+    // The same up to the last ack: the consumer's own pace beside its relay.
+    Ratio::consumed(
+        "acked: amqp fw batched + outbox / fw batched",
+        "amqp: fw batched + outbox",
+        &["amqp: fw batched"],
+    ),
+    Ratio::consumed(
+        "acked: kafka fw batched + outbox / fw batched",
+        "kafka: fw batched + outbox",
+        &["kafka: fw batched"],
+    ),
     // The framework's own cost: its client CPU a message over the hand-written consumer's.
     Ratio::cpu(
         "CPU: memory fw 1/tx / hand 1/tx",
@@ -176,29 +224,51 @@ pub(crate) const RATIOS: &[Ratio] = &[
         "kafka: fw batched",
         &["kafka: hand batched"],
     ),
+    Ratio::cpu(
+        "CPU: amqp fw batched + outbox / fw batched",
+        "amqp: fw batched + outbox",
+        &["amqp: fw batched"],
+    ),
+    Ratio::cpu(
+        "CPU: kafka fw batched + outbox / fw batched",
+        "kafka: fw batched + outbox",
+        &["kafka: fw batched"],
+    ),
 ];
 
 impl Ratio {
-    const fn rate(
+    const fn of(
+        measure: Measure,
         label: &'static str,
         over: &'static str,
         under: &'static [&'static str],
     ) -> Ratio {
         Ratio {
             label,
-            measure: Measure::Rate,
+            measure,
             over,
             under,
         }
     }
 
+    const fn rate(
+        label: &'static str,
+        over: &'static str,
+        under: &'static [&'static str],
+    ) -> Ratio {
+        Ratio::of(Measure::Rate, label, over, under)
+    }
+
     const fn cpu(label: &'static str, over: &'static str, under: &'static [&'static str]) -> Ratio {
-        Ratio {
-            label,
-            measure: Measure::Cpu,
-            over,
-            under,
-        }
+        Ratio::of(Measure::Cpu, label, over, under)
+    }
+
+    const fn consumed(
+        label: &'static str,
+        over: &'static str,
+        under: &'static [&'static str],
+    ) -> Ratio {
+        Ratio::of(Measure::Consumed, label, over, under)
     }
 }
 
@@ -225,6 +295,7 @@ impl Run {
         let figure = |f: &Figures| match r.measure {
             Measure::Rate => f.rate,
             Measure::Cpu => f.cpu_us_per_msg,
+            Measure::Consumed => f.relay.map_or(f.rate, |r| r.consumed_rate),
         };
         let over = self.figures.get(r.over)?;
         let under: Vec<&Vec<Figures>> = r
@@ -243,6 +314,51 @@ impl Run {
             })
             .collect();
         Spread::of(values)
+    }
+
+    /// The `+ outbox` arms' consumption rate (up to the last ack; the table's rate runs to the
+    /// last event relayed), the share of the events relayed by then, and how long after the
+    /// last ack the last event was confirmed.
+    fn print_relays(&self) {
+        let relayed: Vec<(&String, Vec<_>)> = self
+            .arms
+            .iter()
+            .filter_map(|arm| {
+                let r: Vec<_> = self
+                    .figures
+                    .get(arm)?
+                    .iter()
+                    .filter_map(|f| f.relay)
+                    .collect();
+                (!r.is_empty()).then_some((arm, r))
+            })
+            .collect();
+        if relayed.is_empty() {
+            return;
+        }
+        println!(
+            "\n{:<30} {:>26} {:>22} {:>32}",
+            "outbox arm",
+            "acked msgs/s [min, max]",
+            "relayed at last ack",
+            "last event after last ack, ms"
+        );
+        for (arm, r) in relayed {
+            let spread = |g: fn(&RelayFigures) -> f64| Spread::of(r.iter().map(g).collect());
+            let (Some(rate), Some(share), Some(tail)) = (
+                spread(|r| r.consumed_rate),
+                spread(|r| r.relayed_at_ack),
+                spread(|r| r.tail_ms),
+            ) else {
+                continue;
+            };
+            println!(
+                "{arm:<30} {:>26} {:>22} {:>32}",
+                format!("{rate:.0}"),
+                format!("{share:.2}"),
+                format!("{tail:.0}")
+            );
+        }
     }
 
     /// The arms' table and the ratios, as `bench` prints them at the end of a run.
@@ -295,6 +411,7 @@ impl Run {
                 m(|f| f.rss_mib),
             );
         }
+        self.print_relays();
         println!("\n{:<44}   median [min, max] over the repetitions", "ratio");
         for r in RATIOS {
             if let Some(s) = self.ratio(r) {
