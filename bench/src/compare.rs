@@ -15,16 +15,22 @@ use anyhow::{bail, Context as _};
 use crate::report::{Run, Spread, RATIOS};
 
 /// The options with a value that a side's run must not inherit from the driver's command
-/// line: the driver's own, and the ones it sets for each run (`--metrics`: each side's own
-/// under `--compare-metrics`).
-const DRIVER_OPTIONS: [&str; 4] = ["--compare", "--reps", "--json", "--metrics"];
+/// line: the driver's own and the ones it sets for each run. The options a side sets itself
+/// (`--metrics` under `--compare-metrics`) are left out too, and only those: under
+/// `--compare BEFORE`, a `--metrics on` of the command line goes to both builds.
+const DRIVER_OPTIONS: [&str; 3] = ["--compare", "--reps", "--json"];
 
 /// The driver's flags (no value) that a side's run must not inherit.
 const DRIVER_FLAGS: [&str; 1] = ["--compare-metrics"];
 
-/// The driver's arguments without [`DRIVER_OPTIONS`] (as `--name value` or `--name=value`)
-/// and [`DRIVER_FLAGS`].
-fn passed_on(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+/// The driver's arguments without [`DRIVER_OPTIONS`] and the options in `set_by_sides` (as
+/// `--name value` or `--name=value`), and without [`DRIVER_FLAGS`].
+fn passed_on(args: impl IntoIterator<Item = OsString>, set_by_sides: &[String]) -> Vec<OsString> {
+    let options: Vec<&str> = DRIVER_OPTIONS
+        .iter()
+        .copied()
+        .chain(set_by_sides.iter().map(String::as_str))
+        .collect();
     let mut out = Vec::new();
     let mut skip_value = false;
     for arg in args {
@@ -32,12 +38,10 @@ fn passed_on(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
             continue;
         }
         let text = arg.to_string_lossy();
-        if DRIVER_OPTIONS.contains(&text.as_ref()) {
+        if options.contains(&text.as_ref()) {
             skip_value = true;
         } else if !DRIVER_FLAGS.contains(&text.as_ref())
-            && !DRIVER_OPTIONS
-                .iter()
-                .any(|o| text.starts_with(&format!("{o}=")))
+            && !options.iter().any(|o| text.starts_with(&format!("{o}=")))
         {
             out.push(arg);
         }
@@ -68,6 +72,15 @@ impl Side {
             binary: std::env::current_exe().context("this binary's path")?,
             extra: extra.iter().map(OsString::from).collect(),
         })
+    }
+
+    /// The options (`--name`) this side sets itself.
+    fn options(&self) -> impl Iterator<Item = String> + '_ {
+        self.extra
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .filter(|a| a.starts_with("--"))
+            .map(|a| a.split('=').next().unwrap_or_default().to_owned())
     }
 
     fn describe(&self) -> String {
@@ -107,7 +120,8 @@ fn one_run(side: &Side, args: &[OsString], json: &Path) -> anyhow::Result<Run> {
 
 /// Runs the pair for `rounds` rounds and prints it.
 pub(crate) fn run(before: &Side, after: &Side, rounds: usize) -> anyhow::Result<()> {
-    let args = passed_on(std::env::args_os().skip(1));
+    let set_by_sides: Vec<String> = before.options().chain(after.options()).collect();
+    let args = passed_on(std::env::args_os().skip(1), &set_by_sides);
     let json = std::env::temp_dir().join(format!("bench-compare-{}.json", std::process::id()));
     let (mut a, mut b) = (Run::default(), Run::default());
     for round in 0..rounds {
@@ -181,9 +195,23 @@ mod tests {
             "--compare-metrics",
             "--metrics=on",
         ]);
+        // Under --compare-metrics each side sets --metrics: the command line's is left out.
+        let sides = vec!["--metrics".to_owned()];
         assert_eq!(
-            passed_on(args),
+            passed_on(args.clone(), &sides),
             strings(&["--messages", "3000", "--arms", "memory: fw"])
         );
+        // Under --compare neither side sets it: both builds get the command line's.
+        assert_eq!(
+            passed_on(args, &[]),
+            strings(&["--messages", "3000", "--arms", "memory: fw", "--metrics=on"])
+        );
+    }
+
+    #[test]
+    fn a_side_names_the_options_it_sets() {
+        let side = Side::this(&["--metrics", "on", "--relay-batch=5"]).unwrap();
+        let options: Vec<String> = side.options().collect();
+        assert_eq!(options, ["--metrics", "--relay-batch"]);
     }
 }
