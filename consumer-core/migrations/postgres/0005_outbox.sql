@@ -7,9 +7,9 @@
 --
 -- A statement-level trigger notifies the channel `consumer_outbox` with the table's
 -- `schema.table` at commit, which wakes the relays listening there.
--- `{outbox}`, `{outbox_due_index}`, `{outbox_sent_index}`, `{outbox_notify}` (the trigger)
--- and `{outbox_notify_fn}` (its function, in the table's schema) are replaced
--- by validated, quoted identifiers before this runs.
+-- `{outbox}`, `{outbox_due_index}`, `{outbox_key_index}`, `{outbox_sent_index}`,
+-- `{outbox_notify}` (the trigger) and `{outbox_notify_fn}` (its function, in the table's
+-- schema) are replaced by validated, quoted identifiers before this runs.
 CREATE TABLE IF NOT EXISTS {outbox} (
     id           BIGSERIAL   PRIMARY KEY,
     message_id   TEXT        NOT NULL,
@@ -24,6 +24,10 @@ CREATE TABLE IF NOT EXISTS {outbox} (
     published_at TIMESTAMPTZ
 );
 CREATE INDEX IF NOT EXISTS {outbox_due_index} ON {outbox} (id) WHERE published_at IS NULL;
+-- A key's unpublished rows in order: what the relay reads to leave a key alone while an
+-- earlier row of it is held elsewhere or failing.
+CREATE INDEX IF NOT EXISTS {outbox_key_index} ON {outbox} (ordering_key, id)
+    WHERE published_at IS NULL AND ordering_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS {outbox_sent_index} ON {outbox} (published_at)
     WHERE published_at IS NOT NULL;
 CREATE OR REPLACE FUNCTION {outbox_notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -84,6 +84,8 @@ pub struct TableNames {
     pub(crate) outbox: String,
     /// `"table_outbox_due"`: the outbox's unpublished rows by id.
     outbox_due_index: String,
+    /// `"table_outbox_key"`: its unpublished rows by ordering key and id.
+    outbox_key_index: String,
     /// `"table_outbox_sent"`: its published rows by publication time, for the retention.
     outbox_sent_index: String,
     /// `"table_outbox_notify"`: the trigger that wakes the relays (PostgreSQL).
@@ -175,6 +177,7 @@ impl TableNames {
             dead_expires_index: format!("\"{table}_dead_expires_at\""),
             outbox: qualify(&format!("{table}_outbox")),
             outbox_due_index: format!("\"{table}_outbox_due\""),
+            outbox_key_index: format!("\"{table}_outbox_key\""),
             outbox_sent_index: format!("\"{table}_outbox_sent\""),
             outbox_notify: format!("\"{table}_outbox_notify\""),
             outbox_notify_fn: qualify(&format!("{table}_outbox_notify")),
@@ -199,6 +202,7 @@ impl TableNames {
             .replace("{dead_expires_index}", &self.dead_expires_index)
             .replace("{outbox}", &self.outbox)
             .replace("{outbox_due_index}", &self.outbox_due_index)
+            .replace("{outbox_key_index}", &self.outbox_key_index)
             .replace("{outbox_sent_index}", &self.outbox_sent_index)
             .replace("{outbox_notify}", &self.outbox_notify)
             .replace("{outbox_notify_fn}", &self.outbox_notify_fn)
