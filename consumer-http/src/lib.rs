@@ -98,6 +98,16 @@
 //! another key waits for the running handler's commit (the pool's busy timeout), and a
 //! database file must not be shared by two processes.
 //!
+//! # Long operations
+//!
+//! A handler whose work takes longer than a request should record the work in its
+//! transaction (say, an `operations` row) and answer `202 Accepted` with the operation's id
+//! (and a `Location` of its status, listed in
+//! [`IdempotencyConfigBuilder::stored_headers`]). The 202 is stored like any 2xx: a retry
+//! with the key gets the same 202 and id and starts nothing, and the client polls the status
+//! endpoint, a `GET` the layer lets through. `examples/payments` does this for `POST
+//! /refunds`.
+//!
 //! # Redis fast path
 //!
 //! With the `redis` feature (on by default), [`IdempotencyLayer::with_redis`] puts a

@@ -1,8 +1,12 @@
-//! The payments example as a real process on PostgreSQL: killed right after charging an
-//! order (SIGABRT, before its transaction commits and before it answers), then restarted,
-//! the client's retry with the same `Idempotency-Key` charges once, because the charge and
-//! the stored answer are one transaction; the retry's answer is replayed byte for byte
-//! after that, and 50 concurrent requests with one key charge once.
+//! The payments example as a real process on PostgreSQL, called over HTTP:
+//!
+//! - killed right after charging an order (SIGABRT, before its transaction commits and
+//!   before it answers), then restarted, the client's retry with the same `Idempotency-Key`
+//!   charges once, because the charge and the stored answer are one transaction; the
+//!   retry's answer is replayed byte for byte after that, and 50 concurrent requests with one
+//!   key charge once;
+//! - a long operation (`POST /refunds`) answers 202 with an operation id, a retry gets the
+//!   same 202 and id and starts nothing, and the status endpoint tells when it is done.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -116,4 +120,59 @@ async fn a_process_killed_after_the_charge_charges_once_on_the_clients_retry() {
         1,
         "50 requests with one key charge once"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_operation_answers_202_once_and_its_status_endpoint_tells_how_it_went() {
+    let env = PgEnv::new().await;
+    let (_running, base) = start(&env, &[], "refunds").await;
+    let client = reqwest::Client::new();
+    let refund = || {
+        client
+            .post(format!("{base}/refunds"))
+            .header("Idempotency-Key", "refund-3")
+            .json(&json!({"order_id": 3, "amount": 40}))
+            .send()
+    };
+    let first = refund().await.expect("an answer");
+    assert_eq!(first.status().as_u16(), 202);
+    let location = first.headers()["location"].to_str().unwrap().to_owned();
+    let body: serde_json::Value = first.json().await.unwrap();
+    let id = body["operation_id"].as_i64().expect("an operation id");
+    assert_eq!(location, format!("/operations/{id}"));
+
+    let again = refund().await.expect("an answer");
+    assert_eq!(again.status().as_u16(), 202);
+    assert!(again.headers().contains_key("idempotent-replayed"));
+    assert_eq!(again.headers()["location"].to_str().unwrap(), location);
+    let again: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(
+        again["operation_id"].as_i64(),
+        Some(id),
+        "the same operation"
+    );
+
+    wait_until("the operation succeeds", || async {
+        let status: serde_json::Value = client
+            .get(format!("{base}{location}"))
+            .send()
+            .await
+            .expect("the status endpoint")
+            .json()
+            .await
+            .expect("JSON");
+        status["status"] == "succeeded"
+    })
+    .await;
+    let pool = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("connect");
+    let operations: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".operations",
+        env.schema
+    ))
+    .fetch_one(&pool)
+    .await
+    .expect("count operations");
+    assert_eq!(operations, 1, "the retry started nothing");
 }

@@ -6,6 +6,11 @@
 //!   the order through the provider stand-in (a row in `charges`) in the request's
 //!   transaction, which also stores the answer: a retry gets the same answer, byte for byte,
 //!   and charges nothing; the same key with another body is 422.
+//! - `POST /refunds` (a long operation) with an `Idempotency-Key` and `{"order_id",
+//!   "amount"}` records the refund as an operation in the request's transaction and answers
+//!   `202 Accepted` with its `operation_id` and `Location: /operations/<id>` at once; a retry
+//!   gets the same 202 and id. `GET /operations/<id>` tells how it went: a background task
+//!   stands in for the provider and settles pending operations.
 //! - `POST /webhooks/provider` takes the provider's signed events (`Webhook-Signature:
 //!   t=<unix seconds>,v1=<hex HMAC-SHA256 of "t.body">`, secret `WEBHOOK_SECRET`) and runs
 //!   `on_provider_event` once per event id through the consumer's inbox: a resend is answered
@@ -26,9 +31,10 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use consumer_core::{handler, Context, HandlerError, Inbox, InboxConfig, Worker};
 use consumer_http::{
@@ -69,6 +75,56 @@ async fn charge(
     ))
 }
 
+/// Records the refund as a pending operation and answers 202 with its id: the work is done
+/// later (by [`settle_operations`]), and the stored answer makes a retry get the same id.
+async fn refund(
+    mut tx: IdempotentTx<Postgres>,
+    Json(p): Json<Payment>,
+) -> Result<impl IntoResponse, StatusCode> {
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO operations (kind, order_id, amount) VALUES ('refund', $1, $2) RETURNING id",
+    )
+    .bind(p.order_id)
+    .bind(p.amount)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    let location = format!("/operations/{id}");
+    Ok((
+        StatusCode::ACCEPTED,
+        [(axum::http::header::LOCATION, location)],
+        Json(json!({"operation_id": id, "status": "pending"})),
+    ))
+}
+
+/// The status of an operation.
+async fn operation(
+    State(pool): State<PgPool>,
+    Path(id): Path<i64>,
+) -> Result<impl IntoResponse, StatusCode> {
+    let status: Option<String> = sqlx::query_scalar("SELECT status FROM operations WHERE id = $1")
+        .bind(id)
+        .fetch_optional(&pool)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    let status = status.ok_or(StatusCode::NOT_FOUND)?;
+    Ok(Json(json!({"operation_id": id, "status": status})))
+}
+
+/// The provider stand-in: settles the pending operations, a batch at a time.
+async fn settle_operations(pool: PgPool) {
+    loop {
+        let settled =
+            sqlx::query("UPDATE operations SET status = 'succeeded' WHERE status = 'pending'")
+                .execute(&pool)
+                .await;
+        if let Err(e) = settled {
+            tracing::warn!(error = %e, "settling operations failed");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A provider event: its id keys it in the inbox.
 #[derive(Debug, Deserialize)]
 struct ProviderEvent {
@@ -103,7 +159,8 @@ async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
         .context("connect to DATABASE_URL")?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS charges (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount BIGINT NOT NULL);
-         CREATE TABLE IF NOT EXISTS provider_events (event_id TEXT PRIMARY KEY, kind TEXT NOT NULL);",
+         CREATE TABLE IF NOT EXISTS provider_events (event_id TEXT PRIMARY KEY, kind TEXT NOT NULL);
+         CREATE TABLE IF NOT EXISTS operations (id BIGSERIAL PRIMARY KEY, kind TEXT NOT NULL, order_id BIGINT NOT NULL, amount BIGINT NOT NULL, status TEXT NOT NULL DEFAULT 'pending');",
     )
     .execute(&pool)
     .await
@@ -137,8 +194,12 @@ async fn main() -> anyhow::Result<()> {
         inbox_config = inbox_config.with_schema(schema.clone());
     }
     let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
-    let config = IdempotencyConfig::builder().lease(lease).build()?;
-    let inbox = Inbox::new(pool, inbox_config).await?;
+    let config = IdempotencyConfig::builder()
+        .lease(lease)
+        .stored_headers([axum::http::header::LOCATION])
+        .build()?;
+    let inbox = Inbox::new(pool.clone(), inbox_config).await?;
+    tokio::spawn(settle_operations(pool.clone()));
     let (webhooks, events) = WebhookIngress::builder("/webhooks/provider")
         .secret(secret)
         .build()?
@@ -147,8 +208,14 @@ async fn main() -> anyhow::Result<()> {
 
     let app = Router::new()
         .route("/payments", post(charge))
+        .route("/refunds", post(refund))
         .layer(IdempotencyLayer::new(store, config))
-        .merge(webhooks);
+        .merge(webhooks)
+        .merge(
+            Router::new()
+                .route("/operations/{id}", get(operation))
+                .with_state(pool),
+        );
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("listen on PAYMENTS_ADDR {addr}"))?;
