@@ -6,7 +6,9 @@
 //!   retry's answer is replayed byte for byte after that, and 50 concurrent requests with one
 //!   key charge once;
 //! - a long operation (`POST /refunds`) answers 202 with an operation id, a retry gets the
-//!   same 202 and id and starts nothing, and the status endpoint tells when it is done.
+//!   same 202 and id and starts nothing, and the status endpoint tells when it is done;
+//! - retrying clients under load while the server is killed and restarted on a schedule:
+//!   no charge lost, none doubled (the load profile of the issue, short enough for CI).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -175,4 +177,108 @@ async fn a_long_operation_answers_202_once_and_its_status_endpoint_tells_how_it_
     .await
     .expect("count operations");
     assert_eq!(operations, 1, "the retry started nothing");
+}
+
+/// A retrying client's load while the server is killed (SIGKILL) and restarted on a schedule:
+/// every payment is charged exactly once. 8 clients pay 25 orders each, one key per order,
+/// and retry each until it is answered 201 (a refused connection, a reset, a 409 while a dead
+/// request's claim holds the key, or a 503 are retried).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retrying_client_loses_and_doubles_no_charge_while_the_server_is_killed_and_restarted() {
+    const CLIENTS: i64 = 8;
+    const PER_CLIENT: i64 = 25;
+    const KILLS: usize = 4;
+    let env = PgEnv::new().await;
+    let (first, base) = start(&env, &[], "load-0").await;
+    let base = std::sync::Arc::new(tokio::sync::RwLock::new(base));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let retries = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+
+    let killer = {
+        let (base, done) = (base.clone(), done.clone());
+        let env_schema = env.schema.clone();
+        tokio::spawn(async move {
+            let env = PgEnv { schema: env_schema };
+            let mut running = first;
+            let mut restarts = 0;
+            for n in 1..=KILLS {
+                // The schedule of the kills, not a wait for anything.
+                tokio::time::sleep(Duration::from_millis(700)).await;
+                if done.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                drop(running); // SIGKILL, whatever is in flight
+                let (next, addr) = start(&env, &[], &format!("load-{n}")).await;
+                *base.write().await = addr;
+                running = next;
+                restarts += 1;
+            }
+            (running, restarts)
+        })
+    };
+
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("client");
+    let deadline = tokio::time::Instant::now() + DEADLINE * 2;
+    let payers: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (client, base, retries) = (client.clone(), base.clone(), retries.clone());
+            tokio::spawn(async move {
+                for i in 0..PER_CLIENT {
+                    let order = 1000 + c * PER_CLIENT + i;
+                    loop {
+                        let url = format!("{}/payments", base.read().await);
+                        let answer = client
+                            .post(url)
+                            .header("Idempotency-Key", format!("load-{order}"))
+                            .json(&json!({"order_id": order, "amount": 10}))
+                            .send()
+                            .await;
+                        match answer.map(|a| a.status().as_u16()) {
+                            Ok(201) => break,
+                            Ok(409 | 503) | Err(_) => {
+                                retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                assert!(
+                                    tokio::time::Instant::now() < deadline,
+                                    "order {order} was never answered 201"
+                                );
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            Ok(other) => panic!("order {order}: unexpected status {other}"),
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for p in payers {
+        p.await.expect("a client");
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (last, restarts) = killer.await.expect("the killer");
+    drop(last);
+    let retries = retries.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(restarts > 0, "the server was killed under the load");
+    assert!(retries > 0, "the kills hit requests in flight");
+    eprintln!("{restarts} kills, {retries} retried requests");
+
+    let pool = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("connect");
+    let per_order: Vec<(i64, i64)> = sqlx::query_as(&format!(
+        "SELECT order_id, count(*) FROM \"{}\".charges GROUP BY order_id ORDER BY order_id",
+        env.schema
+    ))
+    .fetch_all(&pool)
+    .await
+    .expect("charges per order");
+    let doubled: Vec<_> = per_order.iter().filter(|(_, n)| *n != 1).collect();
+    assert!(doubled.is_empty(), "charged more than once: {doubled:?}");
+    assert_eq!(
+        per_order.len() as i64,
+        CLIENTS * PER_CLIENT,
+        "every order charged (none lost)"
+    );
 }
