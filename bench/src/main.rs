@@ -57,6 +57,9 @@
 //! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`);
 //! `--relay-batch N` sets the rows a relay round of the `+ outbox` arms takes (100).
 //!
+//! `--http N` runs no arm either: the `Idempotency-Key` layer's cost on a trivial POST,
+//! with and without the Redis fast path (`http`).
+//!
 //! `--outbox-latency N` runs no arm: instead, on each broker, N messages committed one at a
 //! time by the application through `Outbox::enqueue` on a pool of its own, so that only
 //! PostgreSQL's `LISTEN/NOTIFY` wakes the relay (which polls every 1 s), each timed from the
@@ -70,6 +73,7 @@
 
 mod amqp;
 mod compare;
+mod http;
 mod kafka;
 mod outbox;
 mod outbox_latency;
@@ -234,6 +238,12 @@ struct Options {
     #[arg(long, value_name = "SAMPLES", default_value_t = 0,
           conflicts_with_all = ["compare", "compare_metrics"])]
     outbox_latency: usize,
+    /// Instead of the arms: the `Idempotency-Key` layer's cost on a trivial POST, this many
+    /// requests a case (no layer; PostgreSQL store, first requests and replays; the same
+    /// with the Redis fast path of `REDIS_URL`), `--reps` times (0: the arms run).
+    #[arg(long, value_name = "REQUESTS", default_value_t = 0,
+          conflicts_with_all = ["compare", "compare_metrics", "outbox_latency"])]
+    http: usize,
     /// The PostgreSQL to measure (`eval "$(scripts/postgres.sh env)"` sets it).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
@@ -768,6 +778,10 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     if o.outbox_latency > 0 {
         let server = format!("PostgreSQL fsync={fsync} synchronous_commit={sync_commit}");
         return outbox_latency::run(&inbox, options, &o, &server).await;
+    }
+    if o.http > 0 {
+        let server = format!("PostgreSQL fsync={fsync} synchronous_commit={sync_commit}");
+        return http::run(&pool, &o, o.http, &server).await;
     }
 
     let batched = Some(BatchConfig::new(o.batch, BATCH_WAIT));
