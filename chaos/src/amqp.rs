@@ -1,5 +1,5 @@
-//! RabbitMQ: the run's exchange and queues, publishing, queue depth, broker restarts, and
-//! reading the dead-letter queues back.
+//! RabbitMQ: the run's exchanges (jobs, events) and queues, publishing, queue depth, broker
+//! restarts, and reading the dead-letter queues back.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -7,12 +7,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use consumer_amqp::{headers, AmqpConfig, AmqpPublisher};
-use invoices::settings::Settings;
+use invoices::Part;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::types::AMQPValue;
 use lapin::{Connection, ConnectionProperties};
 
-use crate::fleet::Role;
 use crate::workload::{label, Outgoing};
 use crate::{DeadSeen, Names};
 
@@ -21,8 +20,8 @@ pub(crate) struct Amqp {
     url: String,
     scripts: PathBuf,
     prefix: String,
-    exchange: String,
-    configs: Vec<(Role, AmqpConfig)>,
+    exchanges: [String; 2],
+    configs: Vec<(Part, AmqpConfig)>,
     publisher: AmqpPublisher,
 }
 
@@ -30,29 +29,26 @@ impl Amqp {
     pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
         let url = std::env::var("AMQP_URL")
             .context("AMQP_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
+        let settings =
+            names.settings(&[("TRANSPORT", "amqp".to_owned()), ("AMQP_URL", url.clone())])?;
         let mut configs = Vec::new();
-        for role in [Role::Invoice, Role::Email] {
-            let vars = BTreeMap::from([
-                ("TRANSPORT", "amqp".to_owned()),
-                ("AMQP_URL", url.clone()),
-                ("DATABASE_URL", "postgres://unused".to_owned()),
-                ("EXCHANGE", names.exchange.clone()),
-            ]);
-            let settings = Settings::from_lookup(&names.queue(role), |k| vars.get(k).cloned())?;
-            let mut config = invoices::transport::amqp_config(&settings, &names.queue(role))?;
+        for part in [Part::Invoices, Part::Emails] {
+            let mut config = invoices::transport::amqp_config(&settings, part)?;
             // Publishes wait out a broker restart instead of failing.
             config.publish_timeout = Duration::from_secs(120);
             config.startup_timeout = Duration::from_secs(120);
             config.connection_name = Some(format!("chaos publisher {}", names.prefix));
-            configs.push((role, config));
+            configs.push((part, config));
         }
+        // Both queues exist before any worker starts (the relays declare the email queue
+        // too).
         let publisher = AmqpPublisher::connect(configs[0].1.clone()).await?;
         publisher.declare(&configs[1].1).await?;
         Ok(Amqp {
             url,
             scripts,
             prefix: names.prefix.clone(),
-            exchange: names.exchange.clone(),
+            exchanges: [names.exchange.clone(), names.events.clone()],
             configs,
             publisher,
         })
@@ -108,12 +104,12 @@ impl Amqp {
         crate::script(&self.scripts.join("rabbitmq.sh"), &["restart"]).await
     }
 
-    /// Takes every message from both dead-letter queues.
+    /// Takes every message from both dead-letter queues (the jobs' and the events').
     pub(crate) async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
         let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
         let channel = conn.create_channel().await?;
         let mut out = Vec::new();
-        for (role, config) in &self.configs {
+        for (part, config) in &self.configs {
             let queue = config.dead_letter_queue_name();
             while let Some(m) = channel
                 .basic_get(queue.as_str().into(), BasicGetOptions::default())
@@ -132,7 +128,7 @@ impl Amqp {
                         })
                 });
                 out.push(DeadSeen {
-                    role: *role,
+                    part: *part,
                     label: label(id.as_deref(), &m.delivery.data),
                     reason,
                 });
@@ -143,7 +139,7 @@ impl Amqp {
         Ok(out)
     }
 
-    /// Deletes the run's queues and exchange.
+    /// Deletes the run's queues and exchanges.
     pub(crate) async fn cleanup(&self) -> anyhow::Result<()> {
         self.publisher.close().await;
         let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
@@ -162,12 +158,11 @@ impl Amqp {
                     .await?;
             }
         }
-        channel
-            .exchange_delete(
-                self.exchange.as_str().into(),
-                ExchangeDeleteOptions::default(),
-            )
-            .await?;
+        for exchange in &self.exchanges {
+            channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await?;
+        }
         let _ = conn.close(200, "ok".into()).await;
         Ok(())
     }

@@ -12,28 +12,26 @@ use tokio::process::{Child, Command};
 
 use crate::rng::Rng;
 
-/// Which example worker.
+/// Which example binary a worker process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Role {
-    /// `invoice_worker` (`send_invoice`).
+    /// `invoice_worker`: `send_invoice` and the outbox's relay.
     Invoice,
-    /// `email_worker` (`send_email`).
+    /// `email_worker`: `send_email`.
     Email,
+    /// `invoices`: both handlers and the relay in one process (an `App`).
+    All,
 }
 
 impl Role {
+    /// Every role, in the order the fleet starts them.
+    pub(crate) const ALL: [Role; 3] = [Role::Invoice, Role::Email, Role::All];
+
     pub(crate) fn binary(self) -> &'static str {
         match self {
             Role::Invoice => "invoice_worker",
             Role::Email => "email_worker",
-        }
-    }
-
-    /// The handler's name in the ledger and the dead-letter headers.
-    pub(crate) fn handler(self) -> &'static str {
-        match self {
-            Role::Invoice => "send_invoice",
-            Role::Email => "send_email",
+            Role::All => "invoices",
         }
     }
 }
@@ -69,7 +67,7 @@ pub(crate) struct Counts {
 pub(crate) struct Fleet {
     bin_dir: PathBuf,
     log_dir: PathBuf,
-    env: Vec<(Role, Vec<(String, String)>)>,
+    env: Vec<(String, String)>,
     fault_spec: Option<String>,
     seed: u64,
     slots: Vec<Slot>,
@@ -80,7 +78,7 @@ impl Fleet {
     pub(crate) fn new(
         bin_dir: &Path,
         log_dir: &Path,
-        env: Vec<(Role, Vec<(String, String)>)>,
+        env: Vec<(String, String)>,
         fault_spec: Option<String>,
         seed: u64,
     ) -> Self {
@@ -125,9 +123,7 @@ impl Fleet {
             .stdout(Stdio::null())
             .stderr(Stdio::from(stderr))
             .kill_on_drop(true);
-        if let Some((_, env)) = self.env.iter().find(|(r, _)| *r == slot.role) {
-            cmd.envs(env.iter().map(|(k, v)| (k, v)));
-        }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(spec) = &self.fault_spec {
             // A different, reproducible fault sequence per worker and incarnation.
             let seed = self

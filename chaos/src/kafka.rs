@@ -1,5 +1,5 @@
-//! Kafka: the run's topic (one consumer group per worker binary), publishing, consumer lag,
-//! and reading the dead-letter topic back.
+//! Kafka: the run's topics (jobs and events, one consumer group per handler), publishing,
+//! consumer lag, and reading the dead-letter topics back.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use consumer_kafka::{headers, KafkaConfig, KafkaPublisher};
-use invoices::settings::Settings;
+use invoices::Part;
 use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
@@ -16,7 +16,6 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::fleet::Role;
 use crate::workload::{label, Outgoing};
 use crate::{DeadSeen, Names};
 
@@ -46,9 +45,10 @@ pub(crate) fn keeps_data() -> bool {
 pub(crate) struct Kafka {
     scripts: PathBuf,
     brokers: String,
+    /// The jobs topic.
     topic: String,
-    config: KafkaConfig,
-    groups: Vec<(Role, String)>,
+    /// Per handler: its topic's configuration (topic and group).
+    configs: Vec<(Part, KafkaConfig)>,
     publisher: KafkaPublisher,
 }
 
@@ -61,16 +61,17 @@ impl Kafka {
     pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
         let brokers = std::env::var("KAFKA_BROKERS")
             .context("KAFKA_BROKERS is not set: eval \"$(scripts/servers.sh env)\" first")?;
-        let vars = BTreeMap::from([
+        let settings = names.settings(&[
             ("TRANSPORT", "kafka".to_owned()),
             ("KAFKA_BROKERS", brokers.clone()),
-            ("DATABASE_URL", "postgres://unused".to_owned()),
-            ("EXCHANGE", names.exchange.clone()),
-        ]);
-        let settings = Settings::from_lookup("unused", |k| vars.get(k).cloned())?;
-        let config = invoices::transport::kafka_config(&settings, &names.queue(Role::Invoice))?;
-        consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
-        let mut publishing = config.clone();
+        ])?;
+        let mut configs = Vec::new();
+        for part in [Part::Invoices, Part::Emails] {
+            let config = invoices::transport::kafka_config(&settings, part)?;
+            consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
+            configs.push((part, config));
+        }
+        let mut publishing = configs[0].1.clone();
         publishing
             .producer_properties
             .set("message.max.bytes", PUBLISHER_MAX_MESSAGE_BYTES);
@@ -79,11 +80,7 @@ impl Kafka {
             scripts,
             brokers,
             topic: names.exchange.clone(),
-            groups: [Role::Invoice, Role::Email]
-                .into_iter()
-                .map(|r| (r, names.queue(r)))
-                .collect(),
-            config,
+            configs,
             publisher,
         })
     }
@@ -145,15 +142,25 @@ impl Kafka {
         c
     }
 
-    /// Consumer lag of both groups over the jobs topic and its retry topic: high watermark
-    /// minus committed offset, per partition. `None` if the broker cannot say right now.
+    /// Consumer lag of each group over its topic and that topic's retry topic: high
+    /// watermark minus committed offset, per partition. `None` if the broker cannot say
+    /// right now.
     pub(crate) async fn backlog(&self) -> Option<u64> {
-        let topics = [self.topic.clone(), self.config.retry_topic(&self.topic)];
-        let clients: Vec<ClientConfig> = self.groups.iter().map(|(_, g)| self.client(g)).collect();
+        let groups: Vec<(ClientConfig, [String; 2])> = self
+            .configs
+            .iter()
+            .map(|(_, c)| {
+                let topic = &c.topics[0];
+                (
+                    self.client(&c.group_id),
+                    [topic.clone(), c.retry_topic(topic)],
+                )
+            })
+            .collect();
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_secs(10);
             let mut total = 0u64;
-            for client in clients {
+            for (client, topics) in groups {
                 let consumer: BaseConsumer = client.create().ok()?;
                 let mut tpl = TopicPartitionList::new();
                 for topic in &topics {
@@ -183,16 +190,24 @@ impl Kafka {
         .flatten()
     }
 
-    /// Reads the whole dead-letter topic (shared by both groups; `x-handler` says whose),
-    /// each partition from [`LOG_START`] until the fetch says it is at the end (not to
-    /// ListOffsets' latest, which tansu 0.6 can answer short: `scripts/kafka.sh`).
+    /// Reads both dead-letter topics (`x-handler` says whose), each partition from
+    /// [`LOG_START`] until the fetch says it is at the end (not to ListOffsets' latest,
+    /// which tansu 0.6 can answer short: `scripts/kafka.sh`).
     pub(crate) async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
-        let topic = self.config.dead_letter_topic(&self.topic);
-        let mut client = self.client(&format!("{}_dlq_reader", self.topic));
+        let mut out = Vec::new();
+        for (_, config) in &self.configs {
+            out.extend(self.dead_letters_of(config).await?);
+        }
+        Ok(out)
+    }
+
+    async fn dead_letters_of(&self, config: &KafkaConfig) -> anyhow::Result<Vec<DeadSeen>> {
+        let topic = config.dead_letter_topic(&config.topics[0]);
+        let mut client = self.client(&format!("{topic}_reader"));
         client
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "true");
-        let id_header = self.config.message_id_header.clone();
+        let id_header = config.message_id_header.clone();
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_secs(10);
             let consumer: BaseConsumer = client.create()?;
@@ -229,13 +244,15 @@ impl Kafka {
                         }
                     }
                 }
-                let role = match hs.get(headers::HANDLER).map(String::as_str) {
-                    Some("send_invoice") => Role::Invoice,
-                    Some("send_email") => Role::Email,
-                    other => anyhow::bail!("dead letter with handler {other:?}"),
+                let handler = hs.get(headers::HANDLER).map(String::as_str);
+                let Some(part) = [Part::Invoices, Part::Emails]
+                    .into_iter()
+                    .find(|p| Some(p.handler()) == handler)
+                else {
+                    anyhow::bail!("dead letter with handler {handler:?}");
                 };
                 out.push(DeadSeen {
-                    role,
+                    part,
                     label: label(
                         hs.get(&id_header).map(String::as_str),
                         m.payload().unwrap_or_default(),
@@ -251,11 +268,18 @@ impl Kafka {
     /// Deletes the run's topics (best effort: the broker keeps them in memory anyway).
     pub(crate) async fn cleanup(&self) -> anyhow::Result<()> {
         let admin: AdminClient<DefaultClientContext> = self.client("unused").create()?;
-        let topics = [
-            self.topic.clone(),
-            self.config.retry_topic(&self.topic),
-            self.config.dead_letter_topic(&self.topic),
-        ];
+        let topics: Vec<String> = self
+            .configs
+            .iter()
+            .flat_map(|(_, c)| {
+                let topic = &c.topics[0];
+                [
+                    topic.clone(),
+                    c.retry_topic(topic),
+                    c.dead_letter_topic(topic),
+                ]
+            })
+            .collect();
         let names: Vec<&str> = topics.iter().map(String::as_str).collect();
         let _ = admin.delete_topics(&names, &AdminOptions::new()).await;
         Ok(())

@@ -1,7 +1,8 @@
-//! The chaos suite: runs the invoice example's workers as real processes against a real
-//! broker and PostgreSQL, kills them, stops them, restarts the broker and the database,
-//! lets fault points abort them, and then checks that every job's effects happened exactly
-//! once.
+//! The chaos suite: runs the invoice example's workers (the invoice handler with the
+//! outbox's relay, the email handler, and both in one process) as real processes against a
+//! real broker and PostgreSQL, kills them, stops them, restarts the broker and the database,
+//! lets fault points abort them (in the handlers and in the relay), and then checks that
+//! every job's effects happened exactly once, across the outbox's publish too.
 //!
 //! Run with:
 //!
@@ -35,6 +36,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
+
+use invoices::Part;
 
 use crate::fleet::{Fleet, Role};
 use crate::rng::Rng;
@@ -94,8 +97,8 @@ impl Profile {
                 broker_restarts: restarts(1),
                 db_restarts: 0,
                 fault_rate: 0.01,
-                // Poison emails take ~190 s of retry delays on RabbitMQ (16 attempts through
-                // the 1/5/15 s retry queues), so the runs drain ~190 s after publishing.
+                // A deadline, not a wait: a run ends when it has drained (poison jobs spend
+                // about 30 s in the invoice handler's retries before their dead letter).
                 drain_deadline: Duration::from_secs(420),
                 member_every: Duration::from_secs(10),
             },
@@ -164,7 +167,8 @@ struct Cli {
     /// Batched mode: deliveries per transaction (0: one per transaction).
     #[arg(long, default_value_t = 0)]
     batch: usize,
-    /// Worker processes at the start (at least 2: one of each worker).
+    /// Worker processes at the start (at least 2), cycling through `invoice_worker`,
+    /// `email_worker` and `invoices` (both handlers in one process).
     #[arg(long, default_value_t = 4, value_parser = at_least_two)]
     workers: usize,
     /// Publish for this many seconds instead of the profile's time.
@@ -197,7 +201,7 @@ enum ProfileName {
 fn at_least_two(s: &str) -> Result<usize, String> {
     let n: usize = s.parse().map_err(|e| format!("{e}"))?;
     if n < 2 {
-        return Err("at least 2 (one of each worker)".to_owned());
+        return Err("at least 2 (an invoice worker and an email worker)".to_owned());
     }
     Ok(n)
 }
@@ -265,12 +269,15 @@ impl Args {
     }
 }
 
-/// The run's names: schema, exchange or topic, queues or groups.
+/// The run's names: schema, exchanges or topics, queues or groups.
 #[derive(Debug, Clone)]
 pub(crate) struct Names {
     pub(crate) prefix: String,
     pub(crate) schema: String,
+    /// Where the jobs are published.
     pub(crate) exchange: String,
+    /// Where the relay publishes the `invoice_ready` events.
+    pub(crate) events: String,
 }
 
 impl Names {
@@ -283,30 +290,54 @@ impl Names {
         Names {
             schema: prefix.clone(),
             exchange: format!("{prefix}_jobs"),
+            events: format!("{prefix}_ready"),
             prefix,
         }
     }
 
-    /// The queue (RabbitMQ) or consumer group (Kafka) of a role.
-    pub(crate) fn queue(&self, role: Role) -> String {
-        match role {
-            Role::Invoice => format!("{}_invoices", self.prefix),
-            Role::Email => format!("{}_emails", self.prefix),
+    /// The queue (RabbitMQ) or consumer group (Kafka) of a handler.
+    pub(crate) fn queue(&self, part: Part) -> String {
+        match part {
+            Part::Invoices => format!("{}_invoices", self.prefix),
+            Part::Emails => format!("{}_emails", self.prefix),
         }
+    }
+
+    /// The settings every worker process gets for these names (and a broker's own
+    /// variables), as the example reads them.
+    pub(crate) fn settings(
+        &self,
+        vars: &[(&str, String)],
+    ) -> anyhow::Result<invoices::settings::Settings> {
+        let mut all: std::collections::BTreeMap<&str, String> = self.vars().into_iter().collect();
+        all.insert("DATABASE_URL", "postgres://unused".to_owned());
+        all.extend(vars.iter().cloned());
+        invoices::settings::Settings::from_lookup(|k| all.get(k).cloned())
+    }
+
+    /// The example's variables naming the run's exchanges (topics) and queues (groups).
+    pub(crate) fn vars(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("EXCHANGE", self.exchange.clone()),
+            ("EVENTS", self.events.clone()),
+            ("INVOICE_QUEUE", self.queue(Part::Invoices)),
+            ("EMAIL_QUEUE", self.queue(Part::Emails)),
+        ]
     }
 }
 
 /// A message found in a dead-letter destination.
 #[derive(Debug, Clone)]
 pub(crate) struct DeadSeen {
-    pub(crate) role: Role,
+    /// Whose dead letter it is.
+    pub(crate) part: Part,
     pub(crate) label: String,
     pub(crate) reason: Option<String>,
 }
 
 enum Broker {
     Amqp(amqp::Amqp),
-    Kafka(Box<kafka::Kafka>),
+    Kafka(kafka::Kafka),
 }
 
 impl Broker {
@@ -408,7 +439,7 @@ fn worker_binaries(build: bool) -> anyhow::Result<PathBuf> {
             bail!("cargo build -p invoices --bins failed");
         }
     }
-    for role in [Role::Invoice, Role::Email] {
+    for role in Role::ALL {
         let bin = dir.join(role.binary());
         if !bin.is_file() {
             bail!(
@@ -420,13 +451,16 @@ fn worker_binaries(build: bool) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Inbox keys with an attempt counted and no outcome yet; `None` if the database cannot say
-/// right now.
-async fn pending_keys(pool: &PgPool) -> Option<i64> {
-    sqlx::query_scalar("SELECT count(*) FROM consumer_inbox WHERE status = 'pending'")
-        .fetch_one(pool)
-        .await
-        .ok()
+/// Inbox keys with an attempt counted and no outcome yet, plus outbox events not published
+/// yet; `None` if the database cannot say right now.
+async fn unsettled(pool: &PgPool) -> Option<i64> {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM consumer_inbox WHERE status = 'pending') \
+         + (SELECT count(*) FROM consumer_inbox_outbox WHERE published_at IS NULL)",
+    )
+    .fetch_one(pool)
+    .await
+    .ok()
 }
 
 async fn connect_db(schema: &str) -> anyhow::Result<PgPool> {
@@ -501,49 +535,41 @@ async fn run() -> anyhow::Result<bool> {
 
     let broker = match args.broker {
         BrokerKind::Amqp => Broker::Amqp(amqp::Amqp::connect(&names, scripts.clone()).await?),
-        BrokerKind::Kafka => Broker::Kafka(Box::new(
-            kafka::Kafka::connect(&names, scripts.clone()).await?,
-        )),
+        BrokerKind::Kafka => Broker::Kafka(kafka::Kafka::connect(&names, scripts.clone()).await?),
     };
     let database_url = std::env::var("DATABASE_URL")?;
-    let mut env = Vec::new();
-    for role in [Role::Invoice, Role::Email] {
-        let mut e = broker.worker_env();
-        e.extend(
-            [
-                ("DATABASE_URL", database_url.clone()),
-                ("DB_SCHEMA", names.schema.clone()),
-                ("QUEUE", names.queue(role)),
-                ("EXCHANGE", names.exchange.clone()),
-                ("CONCURRENCY", "8".to_owned()),
-                ("BATCH_SIZE", args.batch.to_string()),
-                ("STATS_INTERVAL_MS", "1000".to_owned()),
-                (
-                    "RUST_LOG",
-                    std::env::var("CHAOS_WORKER_LOG")
-                        .unwrap_or_else(|_| "warn,lapin=off,rdkafka=off".to_owned()),
-                ),
-                (
-                    "CONSUMER_BROKEN_ACK_BEFORE_COMMIT",
-                    if args.broken { "1" } else { "0" }.to_owned(),
-                ),
-            ]
-            .map(|(k, v)| (k.to_owned(), v)),
-        );
-        if args.broker == BrokerKind::Kafka {
-            e.extend(kafka::slow_job_env());
-        }
-        env.push((role, e));
+    let mut env = broker.worker_env();
+    env.extend(names.vars().into_iter().map(|(k, v)| (k.to_owned(), v)));
+    env.extend(
+        [
+            ("DATABASE_URL", database_url),
+            ("DB_SCHEMA", names.schema.clone()),
+            ("CONCURRENCY", "8".to_owned()),
+            ("BATCH_SIZE", args.batch.to_string()),
+            ("STATS_INTERVAL_MS", "1000".to_owned()),
+            (
+                "RUST_LOG",
+                std::env::var("CHAOS_WORKER_LOG")
+                    .unwrap_or_else(|_| "warn,lapin=off,rdkafka=off".to_owned()),
+            ),
+            (
+                "CONSUMER_BROKEN_ACK_BEFORE_COMMIT",
+                if args.broken { "1" } else { "0" }.to_owned(),
+            ),
+        ]
+        .map(|(k, v)| (k.to_owned(), v)),
+    );
+    if args.broker == BrokerKind::Kafka {
+        env.extend(kafka::slow_job_env());
     }
     let r = p.fault_rate;
-    let faults = format!("before_commit={r},after_commit={r},after_ack={r},in_effect={r}");
+    let faults = format!(
+        "before_commit={r},after_commit={r},after_ack={r},in_effect={r},\
+         outbox_before_publish={r},outbox_after_publish={r}"
+    );
     let mut fleet = Fleet::new(&bin_dir, &log_dir, env, Some(faults), args.seed);
     for i in 0..args.workers {
-        fleet.add(if i % 2 == 0 {
-            Role::Invoice
-        } else {
-            Role::Email
-        })?;
+        fleet.add(Role::ALL[i % Role::ALL.len()])?;
     }
     let first_extra = args.workers;
 
@@ -641,12 +667,8 @@ async fn run() -> anyhow::Result<bool> {
         if args.broker == BrokerKind::Kafka && published_at.is_none() && now >= next_member {
             next_member += p.member_every;
             if add_next {
-                let role = if rng.below(2) == 0 {
-                    Role::Invoice
-                } else {
-                    Role::Email
-                };
-                fleet.add(role)?;
+                let pick = usize::try_from(rng.below(Role::ALL.len() as u64)).unwrap_or(0);
+                fleet.add(Role::ALL[pick])?;
                 fleet.counts.joined += 1;
             } else {
                 // tansu 0.6 loses a group's leader when it leaves gracefully during a
@@ -676,11 +698,12 @@ async fn run() -> anyhow::Result<bool> {
         let quiet =
             restarting.is_none() && broker_restart_at.is_empty() && db_restart_at.is_empty();
         // Drained: the queues are empty (RabbitMQ's counts of quorum queues can lag a few
-        // seconds, so a retry copy just confirmed into one may not show yet) and no key in
-        // the inbox is pending, i.e. none has an attempt counted without an outcome: every
-        // key ends completed or dead in a run that loses nothing. The broken build loses
-        // deliveries with keys left pending, so it drains on the queues alone.
-        let settled = args.broken || pending_keys(&pool).await == Some(0);
+        // seconds, so a retry copy just confirmed into one may not show yet), no key in
+        // the inbox is pending, i.e. none has an attempt counted without an outcome (every
+        // key ends completed or dead in a run that loses nothing), and the outbox has
+        // published every event. The broken build loses deliveries with keys left pending,
+        // so it drains on the queues alone.
+        let settled = args.broken || unsettled(&pool).await == Some(0);
         match broker.backlog().await {
             Some(0) if quiet && settled => empty_checks += 1,
             _ => empty_checks = 0,
@@ -790,9 +813,15 @@ async fn run() -> anyhow::Result<bool> {
             verdict.valid_dead_lettered.to_string(),
         ),
         ("  unexplained", verdict.dead_letter_unexplained.to_string()),
+        ("invoice_ready events (outbox)", verdict.events.to_string()),
+        ("  not published", verdict.events_unpublished.to_string()),
         ("lost", verdict.lost.to_string()),
         ("duplicated", verdict.duplicated.to_string()),
         ("unexpected", verdict.unexpected.to_string()),
+        (
+            "emails without an invoice",
+            verdict.email_without_invoice.to_string(),
+        ),
         (
             "drained",
             format!(

@@ -1,11 +1,12 @@
-//! The oracle: what the effect ledger, the provider's log and the dead-letter queues must
-//! hold after a run, and the table of figures.
+//! The oracle: what the effect ledger, the provider's log, the outbox and the dead-letter
+//! queues must hold after a run, and the table of figures.
 
 use std::collections::{BTreeMap, HashMap};
 
 use sqlx::PgPool;
 
-use crate::fleet::Role;
+use invoices::Part;
+
 use crate::workload::Workload;
 use crate::DeadSeen;
 
@@ -18,6 +19,13 @@ pub(crate) struct Verdict {
     pub(crate) duplicated: u64,
     /// Ledger rows or sends for jobs that were never published as valid.
     pub(crate) unexpected: u64,
+    /// Jobs with an email (a `send_email` ledger row or a provider send) but no committed
+    /// invoice: an event published for a transaction that did not commit.
+    pub(crate) email_without_invoice: u64,
+    /// `invoice_ready` events the handlers wrote to the outbox, and how many are not
+    /// published.
+    pub(crate) events: u64,
+    pub(crate) events_unpublished: u64,
     /// Dead letters, copies included.
     pub(crate) dead_lettered: u64,
     /// Extra copies of an expected dead letter (same message, same queue).
@@ -39,6 +47,8 @@ impl Verdict {
         self.lost == 0
             && self.duplicated == 0
             && self.unexpected == 0
+            && self.email_without_invoice == 0
+            && self.events_unpublished == 0
             && self.dead_letter_missing == 0
             && self.valid_dead_lettered == 0
             && self.dead_letter_unexplained == 0
@@ -51,7 +61,9 @@ impl Verdict {
     }
 }
 
-/// Checks the ledger, the provider log and the dead letters against the workload.
+/// Checks the ledger, the provider log, the outbox and the dead letters against the
+/// workload: every valid job has one invoice, one email and one provider send; no email
+/// goes out without its invoice; every event was published.
 pub(crate) async fn check(
     pool: &PgPool,
     workload: &Workload,
@@ -73,7 +85,7 @@ pub(crate) async fn check(
     let sends: HashMap<String, i64> = sends.into_iter().collect();
     let email_key = |id: i64| {
         consumer_core::idempotency_key(
-            Role::Email.handler(),
+            Part::Emails.handler(),
             &format!("invoice-email-{id}"),
             "invoice-ready-email",
         )
@@ -82,11 +94,11 @@ pub(crate) async fn check(
     for &id in &workload.valid {
         let mut lost = Vec::new();
         let mut dup = Vec::new();
-        for role in [Role::Invoice, Role::Email] {
-            match ledger.get(&(id, role.handler().to_owned())).copied() {
-                None => lost.push(role.handler().to_owned()),
+        for part in [Part::Invoices, Part::Emails] {
+            match ledger.get(&(id, part.handler().to_owned())).copied() {
+                None => lost.push(part.handler().to_owned()),
                 Some(1) => {}
-                Some(n) => dup.push(format!("{} x{n}", role.handler())),
+                Some(n) => dup.push(format!("{} x{n}", part.handler())),
             }
         }
         match sends.get(&email_key(id)).copied() {
@@ -103,6 +115,40 @@ pub(crate) async fn check(
             v.example(format!("duplicated: job {id}: {}", dup.join(", ")));
         }
     }
+    // No email without a committed invoice: the event exists only if the invoice's
+    // transaction committed.
+    let invoiced = |id: i64| ledger.contains_key(&(id, Part::Invoices.handler().to_owned()));
+    let mut emailed: Vec<i64> = ledger
+        .keys()
+        .filter(|(_, handler)| handler == Part::Emails.handler())
+        .map(|(job, _)| *job)
+        .chain(
+            workload
+                .valid
+                .iter()
+                .copied()
+                .filter(|&id| sends.contains_key(&email_key(id))),
+        )
+        .collect();
+    emailed.sort_unstable();
+    emailed.dedup();
+    for id in emailed.into_iter().filter(|&id| !invoiced(id)) {
+        v.email_without_invoice += 1;
+        v.example(format!("email without an invoice: job {id}"));
+    }
+    let (events, unpublished): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) FROM consumer_inbox_outbox",
+    )
+    .fetch_one(pool)
+    .await?;
+    v.events = u64::try_from(events).unwrap_or(0);
+    v.events_unpublished = u64::try_from(unpublished).unwrap_or(0);
+    if unpublished > 0 {
+        v.example(format!(
+            "{unpublished} invoice_ready events never published"
+        ));
+    }
+
     let mut strays: Vec<i64> = ledger
         .keys()
         .map(|(job, _)| *job)
@@ -125,38 +171,41 @@ pub(crate) async fn check(
         ));
     }
 
-    // Dead letters: per queue (handler), each expected message once, with a reason.
+    // Dead letters: each expected message once in the invoice handler's queue, with a
+    // reason; none in the email handler's (its events come only from committed invoices).
     v.dead_lettered = dead.len() as u64;
-    let mut seen: HashMap<(Role, &str), u64> = HashMap::new();
+    let mut seen: HashMap<(Part, &str), u64> = HashMap::new();
     for d in dead {
-        *seen.entry((d.role, d.label.as_str())).or_default() += 1;
+        *seen.entry((d.part, d.label.as_str())).or_default() += 1;
         let reason = d.reason.clone().unwrap_or_else(|| "(none)".to_owned());
         *v.reasons.entry(reason).or_default() += 1;
         if d.reason.is_none() {
             v.dead_letter_unexplained += 1;
             v.example(format!(
                 "dead letter without a reason: {} in {:?}",
-                d.label, d.role
+                d.label, d.part
             ));
         }
     }
-    for role in [Role::Invoice, Role::Email] {
-        for (label, what) in &workload.expected_dead {
-            match seen.get(&(role, label.as_str())).copied().unwrap_or(0) {
-                0 => {
-                    v.dead_letter_missing += 1;
-                    v.example(format!(
-                        "not dead-lettered by {}: {what} ({label})",
-                        role.handler()
-                    ));
-                }
-                1 => {}
-                n => v.dead_letter_copies += n - 1,
+    for (label, what) in &workload.expected_dead {
+        match seen
+            .get(&(Part::Invoices, label.as_str()))
+            .copied()
+            .unwrap_or(0)
+        {
+            0 => {
+                v.dead_letter_missing += 1;
+                v.example(format!(
+                    "not dead-lettered by {}: {what} ({label})",
+                    Part::Invoices.handler()
+                ));
             }
+            1 => {}
+            n => v.dead_letter_copies += n - 1,
         }
     }
-    for ((role, label), _) in seen {
-        if workload.expected_dead.contains_key(label) {
+    for ((part, label), _) in seen {
+        if part == Part::Invoices && workload.expected_dead.contains_key(label) {
             continue;
         }
         let valid = label
@@ -167,13 +216,13 @@ pub(crate) async fn check(
             v.valid_dead_lettered += 1;
             v.example(format!(
                 "valid job dead-lettered by {}: {label}",
-                role.handler()
+                part.handler()
             ));
         } else {
             v.dead_letter_unexplained += 1;
             v.example(format!(
                 "unexpected dead letter in {}: {label}",
-                role.handler()
+                part.handler()
             ));
         }
     }

@@ -57,13 +57,15 @@ async fn prometheus_scrapes_what_the_worker_did() {
         ("AMQP_URL", amqp_url()),
         ("DATABASE_URL", database_url()),
         ("DB_SCHEMA", db.schema.clone()),
-        ("QUEUE", queue.clone()),
+        ("INVOICE_QUEUE", queue.clone()),
+        ("EMAIL_QUEUE", format!("{queue}_emails")),
+        ("EVENTS", format!("{queue}_ready")),
         ("EXCHANGE", amqp::unique_name("jobs")),
         ("METRICS_ADDR", "127.0.0.1:0".to_owned()),
         ("INBOX_GAUGE_MS", "200".to_owned()),
     ]);
-    let settings = Settings::from_lookup("invoices", |k| vars.get(k).cloned()).unwrap();
-    let cfg = invoices::transport::amqp_config(&settings, &queue).unwrap();
+    let settings = Settings::from_lookup(|k| vars.get(k).cloned()).unwrap();
+    let cfg = invoices::transport::amqp_config(&settings, invoices::Part::Invoices).unwrap();
     let jobs: Vec<InvoiceJob> = (1..=JOBS).map(InvoiceJob::sample).collect();
     invoices::schema::place_orders(&db.pool, &jobs)
         .await

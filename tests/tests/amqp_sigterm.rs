@@ -76,7 +76,9 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
         ("AMQP_URL", amqp_url()),
         ("DATABASE_URL", named_database_url(&queue)),
         ("DB_SCHEMA", db.schema.clone()),
-        ("QUEUE", queue.clone()),
+        ("INVOICE_QUEUE", queue.clone()),
+        ("EMAIL_QUEUE", format!("{queue}_emails")),
+        ("EVENTS", format!("{queue}_ready")),
         ("EXCHANGE", amqp::unique_name("jobs")),
         ("CONCURRENCY", "4".to_owned()),
         ("PREFETCH", "8".to_owned()),
@@ -84,8 +86,8 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
         ("WORK_MS", "150".to_owned()),
     ]);
     // The worker's own settings give the publisher the same topology.
-    let settings = Settings::from_lookup("invoices", |k| vars.get(k).cloned()).unwrap();
-    let cfg = invoices::transport::amqp_config(&settings, &queue).unwrap();
+    let settings = Settings::from_lookup(|k| vars.get(k).cloned()).unwrap();
+    let cfg = invoices::transport::amqp_config(&settings, invoices::Part::Invoices).unwrap();
 
     let jobs: Vec<InvoiceJob> = (1..=JOBS).map(InvoiceJob::sample).collect();
     invoices::schema::place_orders(&db.pool, &jobs)
@@ -180,8 +182,8 @@ async fn sigterm_midstream_finishes_in_flight_jobs_and_loses_nothing() {
     assert!(status.success(), "{status}\n{log}");
     let stopped = log
         .lines()
-        .find(|l| l.contains("worker stopped"))
-        .unwrap_or_else(|| panic!("no `worker stopped` line:\n{log}"));
+        .find(|l| l.contains("handler stopped"))
+        .unwrap_or_else(|| panic!("no `handler stopped` line:\n{log}"));
     println!("second run: {stopped}");
     assert!(
         stopped.contains(&format!("completed={}", JOBS - done)),
@@ -230,7 +232,9 @@ async fn sigterm_while_starting_exits_cleanly() {
             "DATABASE_URL",
             "postgres://consumer@127.0.0.1:1/consumer".to_owned(),
         ),
-        ("QUEUE", queue.clone()),
+        ("INVOICE_QUEUE", queue.clone()),
+        ("EMAIL_QUEUE", format!("{queue}_emails")),
+        ("EVENTS", format!("{queue}_ready")),
         ("EXCHANGE", amqp::unique_name("jobs")),
     ]);
     let logs = std::env::temp_dir().join(&queue);

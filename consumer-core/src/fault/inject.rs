@@ -77,7 +77,8 @@ impl FaultInjector for CrashAlways {
 }
 
 /// The environment variable [`RandomFaults::from_env`] reads: `point=rate` pairs, e.g.
-/// `before_commit=0.01,after_commit=0.01,after_ack=0.01,in_effect=0.01`.
+/// `before_commit=0.01,after_commit=0.01,after_ack=0.01,in_effect=0.01` (every
+/// [`FaultPoint::ALL`] may be named).
 pub const FAULTS_ENV: &str = "CONSUMER_FAULTS";
 /// The environment variable with the seed of [`RandomFaults::from_env`] (default: random).
 pub const FAULT_SEED_ENV: &str = "CONSUMER_FAULT_SEED";
@@ -100,11 +101,10 @@ impl RandomFaults {
                 .split_once('=')
                 .ok_or_else(|| Error::config("faults", format!("{part:?} is not `point=rate`")))?;
             let point = FaultPoint::parse(point.trim()).ok_or_else(|| {
+                let valid: Vec<&str> = FaultPoint::ALL.iter().map(|p| p.as_str()).collect();
                 Error::config(
                     "faults",
-                    format!(
-                        "unknown fault point {point:?}; valid: before_commit, after_commit, after_ack, in_effect"
-                    ),
+                    format!("unknown fault point {point:?}; valid: {}", valid.join(", ")),
                 )
             })?;
             let rate: f64 = rate

@@ -35,17 +35,18 @@ impl FaultPoint {
         }
     }
 
+    /// Every fault point.
+    pub const ALL: [FaultPoint; 6] = [
+        FaultPoint::BeforeCommit,
+        FaultPoint::AfterCommit,
+        FaultPoint::AfterAck,
+        FaultPoint::InEffect,
+        FaultPoint::OutboxBeforePublish,
+        FaultPoint::OutboxAfterPublish,
+    ];
+
     /// Parses [`FaultPoint::as_str`].
     pub fn parse(s: &str) -> Option<Self> {
-        [
-            FaultPoint::BeforeCommit,
-            FaultPoint::AfterCommit,
-            FaultPoint::AfterAck,
-            FaultPoint::InEffect,
-            FaultPoint::OutboxBeforePublish,
-            FaultPoint::OutboxAfterPublish,
-        ]
-        .into_iter()
-        .find(|p| p.as_str() == s)
+        FaultPoint::ALL.into_iter().find(|p| p.as_str() == s)
     }
 }

@@ -1,12 +1,14 @@
-//! What every binary does around its handler: logging, settings, database, shutdown.
+//! What every binary does around its handlers: logging, settings, database, shutdown, and
+//! one [`App`] running the [`Part`]s the binary asks for.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use consumer_core::{Handler, Inbox, InboxConfig, Stats, Worker, WorkerConfig};
+use consumer_core::{App, AppHealth, Inbox, InboxConfig, RelayConfig, WorkerConfig};
 use futures::StreamExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
@@ -14,7 +16,8 @@ use sqlx::{PgPool, Postgres};
 use crate::ops::Ops;
 use crate::provider::EmailProvider;
 use crate::settings::Settings;
-use crate::{handlers, schema, transport};
+use crate::transport::{BoxTransport, Closed, EventPublisher};
+use crate::{handlers, schema, transport, Part};
 
 /// Logs to stderr; `RUST_LOG` overrides the default (`info`, sqlx's notices off).
 pub fn init_tracing() {
@@ -114,105 +117,190 @@ fn not_reachable_yet(e: &sqlx::Error) -> bool {
     }
 }
 
-/// The chaos suite's switches from the environment (`CONSUMER_FAULTS`,
-/// `CONSUMER_BROKEN_ACK_BEFORE_COMMIT`), with the `chaos` feature.
-#[cfg(feature = "chaos")]
-fn chaos_switches(settings: &Settings, config: WorkerConfig) -> anyhow::Result<WorkerConfig> {
-    use consumer_core::fault::{FaultInjector, RandomFaults};
-    let mut config = config.with_broken_ack_before_commit(settings.broken_ack_before_commit);
-    if let Some(faults) = RandomFaults::from_env()? {
-        tracing::warn!("fault points are on (CONSUMER_FAULTS): this process will abort at random");
-        config = config.with_faults(Arc::new(faults) as Arc<dyn FaultInjector>);
-    }
-    if settings.broken_ack_before_commit {
-        tracing::error!(
-            "CONSUMER_BROKEN_ACK_BEFORE_COMMIT=1: acking before the handler runs; \
-             effects WILL be lost (test-only switch, never in production)"
-        );
-    }
-    Ok(config)
+/// The chaos suite's switches (`CONSUMER_FAULTS`, `CONSUMER_BROKEN_ACK_BEFORE_COMMIT`),
+/// read once per process: one fault schedule for every handler and the relay.
+#[derive(Default)]
+struct Switches {
+    #[cfg(feature = "chaos")]
+    faults: Option<Arc<dyn consumer_core::fault::FaultInjector>>,
+    #[cfg(feature = "chaos")]
+    broken_ack_before_commit: bool,
 }
 
-/// Without the `chaos` feature, the chaos suite's switches are refused, not ignored.
-#[cfg(not(feature = "chaos"))]
-fn chaos_switches(settings: &Settings, config: WorkerConfig) -> anyhow::Result<WorkerConfig> {
-    let faults = std::env::var_os("CONSUMER_FAULTS").is_some_and(|v| !v.is_empty());
-    if faults || settings.broken_ack_before_commit {
-        anyhow::bail!(
-            "CONSUMER_FAULTS and CONSUMER_BROKEN_ACK_BEFORE_COMMIT need a build with the `chaos` feature"
-        );
+impl Switches {
+    /// From the environment, with the `chaos` feature.
+    #[cfg(feature = "chaos")]
+    fn read(settings: &Settings) -> anyhow::Result<Self> {
+        use consumer_core::fault::{FaultInjector, RandomFaults};
+        let faults = RandomFaults::from_env()?.map(|f| Arc::new(f) as Arc<dyn FaultInjector>);
+        if faults.is_some() {
+            tracing::warn!(
+                "fault points are on (CONSUMER_FAULTS): this process will abort at random"
+            );
+        }
+        if settings.broken_ack_before_commit {
+            tracing::error!(
+                "CONSUMER_BROKEN_ACK_BEFORE_COMMIT=1: acking before the handler runs; \
+                 effects WILL be lost (test-only switch, never in production)"
+            );
+        }
+        Ok(Switches {
+            faults,
+            broken_ack_before_commit: settings.broken_ack_before_commit,
+        })
     }
-    Ok(config)
+
+    /// Without the `chaos` feature, the chaos suite's switches are refused, not ignored.
+    #[cfg(not(feature = "chaos"))]
+    fn read(settings: &Settings) -> anyhow::Result<Self> {
+        let faults = std::env::var_os("CONSUMER_FAULTS").is_some_and(|v| !v.is_empty());
+        if faults || settings.broken_ack_before_commit {
+            anyhow::bail!(
+                "CONSUMER_FAULTS and CONSUMER_BROKEN_ACK_BEFORE_COMMIT need a build with the `chaos` feature"
+            );
+        }
+        Ok(Switches::default())
+    }
+
+    #[cfg(feature = "chaos")]
+    fn worker(&self, config: WorkerConfig) -> WorkerConfig {
+        let config = config.with_broken_ack_before_commit(self.broken_ack_before_commit);
+        match &self.faults {
+            Some(faults) => config.with_faults(faults.clone()),
+            None => config,
+        }
+    }
+
+    #[cfg(not(feature = "chaos"))]
+    fn worker(&self, config: WorkerConfig) -> WorkerConfig {
+        config
+    }
+
+    #[cfg(feature = "chaos")]
+    fn relay(&self, config: RelayConfig) -> RelayConfig {
+        match &self.faults {
+            Some(faults) => config.with_faults(faults.clone()),
+            None => config,
+        }
+    }
+
+    #[cfg(not(feature = "chaos"))]
+    fn relay(&self, config: RelayConfig) -> RelayConfig {
+        config
+    }
 }
 
-/// Runs `handler` on the queue from the settings (`default_queue` unless `QUEUE` is set)
-/// until SIGTERM or Ctrl-C, then lets in-flight jobs finish and settle before returning.
-pub async fn run_worker<H: Handler<Postgres>>(
-    handler: H,
-    default_queue: &str,
-) -> anyhow::Result<()> {
-    // SIGTERM is ours from here on: one that arrives while starting ends the start.
-    let mut shutdown_requested = Box::pin(shutdown_signal());
-    let settings = Settings::from_env(default_queue)?;
-    handlers::set_simulated_work(settings.work);
-    handlers::set_slow_jobs(settings.slow_job);
-    let start = async {
-        // Before the worker is built: it registers its metric handles then.
-        let ops = match settings.metrics_addr {
-            Some(addr) => {
-                let ops = Ops::install()?;
-                let bound = ops.serve(addr).await?;
-                tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
-                Some(ops)
+/// What a started process holds while it runs.
+struct Started {
+    ops: Option<Ops>,
+    pool: PgPool,
+    app: App<Postgres>,
+    closed: Vec<Closed>,
+    redelivered: Redelivered,
+}
+
+/// Per handler, the deliveries the broker flagged as delivered before (after a crash or a
+/// lost connection): a figure only the transport sees.
+type Redelivered = Arc<HashMap<&'static str, AtomicU64>>;
+
+/// Counts `part`'s redeliveries as they pass.
+fn counting(transport: BoxTransport, part: Part, redelivered: Redelivered) -> BoxTransport {
+    transport
+        .inspect(move |r| {
+            if r.as_ref().is_ok_and(|i| i.delivery.redelivered) {
+                if let Some(n) = redelivered.get(part.handler()) {
+                    n.fetch_add(1, Ordering::Relaxed);
+                }
             }
-            None => None,
-        };
-        let pool = connect_db(&settings).await?;
-        schema::migrate(&pool, &settings.schema).await?;
-        EmailProvider::install(&settings.schema, pool.clone())?;
-        let inbox = Inbox::new(
-            pool.clone(),
-            InboxConfig::in_schema(settings.schema.clone()),
-        )
-        .await?;
-        let config = chaos_switches(
-            &settings,
+        })
+        .boxed()
+}
+
+/// Connects, migrates and builds the app of `parts`: each handler on its own queue, and with
+/// [`Part::Invoices`] the outbox's relay, which publishes the `invoice_ready` events.
+async fn start(settings: &Settings, parts: &[Part]) -> anyhow::Result<Started> {
+    // Before the workers are built: they register their metric handles then.
+    let ops = match settings.metrics_addr {
+        Some(addr) => {
+            let ops = Ops::install()?;
+            let bound = ops.serve(addr).await?;
+            tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
+            Some(ops)
+        }
+        None => None,
+    };
+    let pool = connect_db(settings).await?;
+    schema::migrate(&pool, &settings.schema).await?;
+    EmailProvider::install(&settings.schema, pool.clone())?;
+    let inbox = Inbox::new(
+        pool.clone(),
+        InboxConfig::in_schema(settings.schema.clone()),
+    )
+    .await?;
+    let switches = Switches::read(settings)?;
+    let redelivered: Redelivered = Arc::new(
+        parts
+            .iter()
+            .map(|p| (p.handler(), AtomicU64::new(0)))
+            .collect(),
+    );
+    let mut app = App::new(inbox);
+    let mut closed = Vec::new();
+    for &part in parts {
+        let config = switches.worker(
             WorkerConfig::default()
                 .with_concurrency(settings.concurrency)
                 .with_batch(settings.batch)
                 .with_inbox_gauge_interval(settings.inbox_gauge_interval),
-        )?;
-        let worker = Worker::with_config(inbox, handler, config)?;
-        let (transport, closed) = transport::consumer(&settings).await?;
-        anyhow::Ok((ops, pool, worker, transport, closed))
-    };
-    let (ops, pool, worker, transport, closed) = tokio::select! {
-        started = start => started?,
+        );
+        let (consumer, done) = transport::consumer(settings, part).await?;
+        closed.push(done);
+        let consumer = counting(consumer, part, redelivered.clone());
+        app = match part {
+            Part::Invoices => app
+                .handler_with(handlers::send_invoice, consumer, config)
+                .relay_with(
+                    EventPublisher::connect(settings).await?,
+                    switches.relay(RelayConfig::default()),
+                ),
+            Part::Emails => app.handler_with(handlers::send_email, consumer, config),
+        };
+    }
+    Ok(Started {
+        ops,
+        pool,
+        app,
+        closed,
+        redelivered,
+    })
+}
+
+/// Runs `parts` (each handler on its queue from the settings, and the relay with
+/// [`Part::Invoices`]) until SIGTERM or Ctrl-C, then lets every handler finish and settle
+/// its in-flight jobs, and the relay its round, before returning.
+pub async fn run(parts: &[Part]) -> anyhow::Result<()> {
+    // SIGTERM is ours from here on: one that arrives while starting ends the start.
+    let mut shutdown_requested = Box::pin(shutdown_signal());
+    let settings = Settings::from_env()?;
+    handlers::set_simulated_work(settings.work);
+    handlers::set_slow_jobs(settings.slow_job);
+    let Started {
+        ops,
+        pool,
+        app,
+        closed,
+        redelivered,
+    } = tokio::select! {
+        started = start(&settings, parts) => started?,
         () = &mut shutdown_requested => {
             tracing::info!("stopped while starting: nothing was consumed");
             return Ok(());
         }
     };
-    // Counts deliveries the broker flags as delivered before (after a crash or a lost
-    // connection): a figure only the transport sees.
-    let redelivered = Arc::new(AtomicU64::new(0));
-    let transport = {
-        let redelivered = redelivered.clone();
-        transport
-            .inspect(move |r| {
-                if r.as_ref().is_ok_and(|i| i.delivery.redelivered) {
-                    redelivered.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-            .boxed()
-    };
+    let health = app.health();
+    let recorder = StatsRecorder::new(pool.clone(), health.clone(), redelivered);
     let stats_task = settings.stats_interval.map(|every| {
-        let recorder = StatsRecorder::new(
-            pool.clone(),
-            worker.handler_name(),
-            worker.stats(),
-            redelivered.clone(),
-        );
+        let recorder = recorder.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
@@ -221,13 +309,15 @@ pub async fn run_worker<H: Handler<Postgres>>(
         })
     });
     tracing::info!(
-        handler = worker.handler_name(),
-        queue = %settings.queue,
+        handlers = ?parts.iter().map(|p| p.handler()).collect::<Vec<_>>(),
+        relay = parts.contains(&Part::Invoices),
+        jobs = %settings.invoice_queue,
+        events = %settings.email_queue,
         concurrency = settings.concurrency,
         prefetch = settings.prefetch,
         batch = ?settings.batch.map(|b| b.max_messages),
         database = %settings.database_url,
-        "worker started"
+        "started"
     );
     let ready = ops.clone();
     if let Some(ops) = &ops {
@@ -240,48 +330,45 @@ pub async fn run_worker<H: Handler<Postgres>>(
             ops.set_ready(false);
         }
     };
-    worker.run(transport, shutdown).await?;
-    // The transport is dropped: let it close its connection, so the last acks reach the
-    // broker before the process exits.
-    if tokio::time::timeout(Duration::from_secs(5), closed)
+    let result = app.run(shutdown).await;
+    // The transports are dropped: let them close their connections, so the last acks reach
+    // the broker before the process exits.
+    let all_closed = futures::future::join_all(closed);
+    if tokio::time::timeout(Duration::from_secs(5), all_closed)
         .await
         .is_err()
     {
-        tracing::warn!("the broker connection did not close within 5s");
+        tracing::warn!("the broker connections did not close within 5s");
     }
     if let Some(task) = stats_task {
         task.abort();
-        StatsRecorder::new(
-            pool.clone(),
-            worker.handler_name(),
-            worker.stats(),
-            redelivered,
-        )
-        .write()
-        .await;
+        recorder.write().await;
     }
-    let s = worker.snapshot();
-    tracing::info!(
-        received = s.received,
-        completed = s.completed,
-        duplicates = s.duplicates,
-        superseded = s.superseded,
-        retries = s.retries,
-        dead_lettered = s.dead_lettered,
-        settle_errors = s.settle_errors,
-        "worker stopped"
-    );
-    Ok(())
+    for h in health.handlers() {
+        let s = &h.stats;
+        tracing::info!(
+            handler = h.name,
+            received = s.received,
+            completed = s.completed,
+            duplicates = s.duplicates,
+            superseded = s.superseded,
+            retries = s.retries,
+            dead_lettered = s.dead_lettered,
+            settle_errors = s.settle_errors,
+            "handler stopped"
+        );
+    }
+    Ok(result?)
 }
 
-/// Writes one process's counters to `worker_stats` (one row per process, upserted), so the
-/// chaos suite can total them after processes were killed. A killed process loses what it
-/// counted since its last write.
+/// Writes one process's counters to `worker_stats` (one row per process and handler,
+/// upserted), so the chaos suite can total them after processes were killed. A killed
+/// process loses what it counted since its last write.
+#[derive(Clone)]
 struct StatsRecorder {
     pool: PgPool,
-    handler: String,
-    stats: Arc<Stats>,
-    redelivered: Arc<AtomicU64>,
+    health: AppHealth,
+    redelivered: Redelivered,
     pid: i32,
 }
 
@@ -292,30 +379,45 @@ fn started_at() -> std::time::SystemTime {
 }
 
 impl StatsRecorder {
-    fn new(pool: PgPool, handler: &str, stats: Arc<Stats>, redelivered: Arc<AtomicU64>) -> Self {
+    fn new(pool: PgPool, health: AppHealth, redelivered: Redelivered) -> Self {
         let _ = started_at();
         StatsRecorder {
             pool,
-            handler: handler.to_owned(),
-            stats,
+            health,
             redelivered,
             pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
         }
     }
 
     async fn write(&self) {
-        let s = self.stats.snapshot();
+        for handler in self.health.handlers() {
+            let redelivered = self
+                .redelivered
+                .get(handler.name.as_str())
+                .map_or(0, |n| n.load(Ordering::Relaxed));
+            if let Err(e) = self.write_one(&handler, redelivered).await {
+                tracing::warn!(error = %e, "cannot write worker_stats");
+            }
+        }
+    }
+
+    async fn write_one(
+        &self,
+        handler: &consumer_core::HandlerHealth,
+        redelivered: u64,
+    ) -> Result<(), sqlx::Error> {
+        let s = &handler.stats;
         let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let started = started_at()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
-        let result = sqlx::query(
+        sqlx::query(
             "INSERT INTO worker_stats (pid, started_at, handler, received, redelivered, \
              handler_runs, completed, duplicates, superseded, retries, dead_lettered, quarantined, \
              settle_errors) \
              VALUES ($1, to_timestamp($2), $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
-             ON CONFLICT (pid, started_at) DO UPDATE SET received = EXCLUDED.received, \
+             ON CONFLICT (pid, started_at, handler) DO UPDATE SET received = EXCLUDED.received, \
              redelivered = EXCLUDED.redelivered, handler_runs = EXCLUDED.handler_runs, \
              completed = EXCLUDED.completed, duplicates = EXCLUDED.duplicates, \
              superseded = EXCLUDED.superseded, \
@@ -325,9 +427,9 @@ impl StatsRecorder {
         )
         .bind(self.pid)
         .bind(started)
-        .bind(&self.handler)
+        .bind(&handler.name)
         .bind(n(s.received))
-        .bind(n(self.redelivered.load(Ordering::Relaxed)))
+        .bind(n(redelivered))
         .bind(n(s.handler_runs))
         .bind(n(s.completed))
         .bind(n(s.duplicates))
@@ -337,9 +439,7 @@ impl StatsRecorder {
         .bind(n(s.quarantined))
         .bind(n(s.settle_errors))
         .execute(&self.pool)
-        .await;
-        if let Err(e) = result {
-            tracing::warn!(error = %e, "cannot write worker_stats");
-        }
+        .await?;
+        Ok(())
     }
 }

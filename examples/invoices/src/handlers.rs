@@ -1,14 +1,20 @@
 //! The two handlers. Both run inside the transaction that marks their key completed in the
-//! inbox, so their database writes happen exactly once per job.
+//! inbox, so their database writes happen exactly once per job, and so does the event
+//! `send_invoice` writes to the outbox for `send_email`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use consumer_core::{handler, Context, FlagGuard, HandlerError};
+use consumer_core::{handler, Context, FlagGuard, HandlerError, OutboxMessage};
 use sqlx::Postgres;
 
 use crate::provider::{Email, EmailProvider};
-use crate::InvoiceJob;
+use crate::{is_slow_order, InvoiceJob, InvoiceReady};
+
+/// The outbox destination of the [`InvoiceReady`] events. The example's publisher
+/// ([`crate::transport::EventPublisher`]) sends it to the events exchange or topic
+/// (`EVENTS`), so the handler does not depend on where the deployment puts them.
+pub const INVOICE_READY: &str = "invoice_ready";
 
 static SIMULATED_WORK_MS: AtomicU64 = AtomicU64::new(0);
 static SLOW_JOB_MS: AtomicU64 = AtomicU64::new(0);
@@ -28,9 +34,9 @@ pub fn set_simulated_work(work: Duration) {
     SIMULATED_WORK_MS.store(ms, Ordering::Relaxed);
 }
 
-async fn simulated_work(job: &InvoiceJob) {
+async fn simulated_work(order_id: i64) {
     let mut ms = SIMULATED_WORK_MS.load(Ordering::Relaxed);
-    if job.is_slow() {
+    if is_slow_order(order_id) {
         ms = ms.saturating_add(SLOW_JOB_MS.load(Ordering::Relaxed));
     }
     if ms > 0 {
@@ -52,17 +58,14 @@ fn refuse_poison(job: &InvoiceJob) -> Result<(), HandlerError> {
 
 /// Appends this run's row to `effect_ledger`, in the handler's transaction: it exists iff
 /// the run committed, so the chaos suite's oracle can count committed runs per job.
-async fn record_effect(
-    ctx: &mut Context<'_, Postgres>,
-    job: &InvoiceJob,
-) -> Result<(), HandlerError> {
+async fn record_effect(ctx: &mut Context<'_, Postgres>, order_id: i64) -> Result<(), HandlerError> {
     let handler = ctx.handler().to_owned();
     let key = ctx.key().to_owned();
     let attempt = i32::try_from(ctx.attempt()).unwrap_or(i32::MAX);
     sqlx::query(
         "INSERT INTO effect_ledger (job_id, handler, key, attempt, pid) VALUES ($1, $2, $3, $4, $5)",
     )
-    .bind(job.order_id)
+    .bind(order_id)
     .bind(handler)
     .bind(key)
     .bind(attempt)
@@ -72,12 +75,19 @@ async fn record_effect(
     Ok(())
 }
 
-/// Creates the invoice of an order and sets `orders.invoice_sent`.
+/// Creates the invoice of an order, sets `orders.invoice_sent` and publishes an
+/// [`InvoiceReady`] event through the outbox.
 ///
 /// The guarded update is the first write: whichever attempt commits first sets the flag;
 /// any other message for the same order sees it set and creates nothing. A job for an order
 /// that does not exist fails permanently (it goes to the dead-letter queue at once). Each
 /// committed run appends one row to `effect_ledger`.
+///
+/// The event is written to the outbox in the handler's transaction, so it exists if and
+/// only if the invoice does; the relay publishes it after the commit. Its message id comes
+/// from the handler and the key, the same on every attempt, so a re-sent event is a
+/// duplicate to the email handler. The Kafka key is the order id (one order's events stay
+/// in order).
 #[handler(
     name = "send_invoice",
     key = "invoice-{order_id}",
@@ -89,8 +99,8 @@ pub async fn send_invoice(
     job: InvoiceJob,
 ) -> Result<(), HandlerError> {
     refuse_poison(&job)?;
-    simulated_work(&job).await;
-    record_effect(ctx, &job).await?;
+    simulated_work(job.order_id).await;
+    record_effect(ctx, job.order_id).await?;
     let invoice_sent = FlagGuard::new("orders", "invoice_sent", "id")?;
     if !invoice_sent.set(ctx, job.order_id).await? {
         let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM orders WHERE id = $1)")
@@ -106,23 +116,27 @@ pub async fn send_invoice(
         tracing::info!(order_id = job.order_id, "invoice already created");
         return Ok(());
     }
-    sqlx::query("INSERT INTO invoices (order_id, amount) VALUES ($1, $2)")
-        .bind(job.order_id)
-        .bind(job.amount)
-        .execute(ctx.db())
+    let invoice_id: i64 =
+        sqlx::query_scalar("INSERT INTO invoices (order_id, amount) VALUES ($1, $2) RETURNING id")
+            .bind(job.order_id)
+            .bind(job.amount)
+            .fetch_one(ctx.db())
+            .await?;
+    let ready = InvoiceReady {
+        order_id: job.order_id,
+        invoice_id,
+        email: job.email,
+    };
+    ctx.publish(OutboxMessage::json(INVOICE_READY, &ready)?.key(job.order_id.to_string()))
         .await?;
     Ok(())
 }
 
-/// Sends the "invoice ready" email once the invoice exists.
+/// Sends the "invoice ready" email of an [`InvoiceReady`] event.
 ///
-/// Until the invoice worker has created the invoice, it fails transiently and is retried
-/// after a backoff. The invoice comes from another worker (another consumer group on
-/// Kafka), which may fall behind: in the chaos suite's Kafka profile, rebalance after
-/// rebalance held one partition of the invoice group for 73 s (seed 71935). So the email
-/// keeps trying for at least 90 s (16 attempts, `1s..15s`: each delay is at least half its
-/// nominal value) before it is dead-lettered; on RabbitMQ, whose retry queues round delays
-/// up to 1 s, 5 s and 15 s, for 191 s (the sum of those buckets' delays).
+/// The event exists only once its invoice is committed (the outbox), so there is nothing to
+/// wait for; an event for an order without an invoice is refused permanently (it would be a
+/// bug upstream, and lands in the dead-letter queue with the reason).
 ///
 /// The guard `orders.email_sent` is set in the handler's transaction before the provider
 /// is called, so among all attempts that commit exactly one calls the
@@ -133,38 +147,28 @@ pub async fn send_invoice(
 #[handler(
     name = "send_email",
     key = "invoice-email-{order_id}",
-    max_attempts = 16,
+    max_attempts = 5,
     backoff = "1s..15s"
 )]
 pub async fn send_email(
     ctx: &mut Context<'_, Postgres>,
-    job: InvoiceJob,
+    event: InvoiceReady,
 ) -> Result<(), HandlerError> {
-    refuse_poison(&job)?;
-    simulated_work(&job).await;
+    simulated_work(event.order_id).await;
     let invoiced: Option<bool> =
         sqlx::query_scalar("SELECT invoice_sent FROM orders WHERE id = $1")
-            .bind(job.order_id)
+            .bind(event.order_id)
             .fetch_optional(ctx.db())
             .await?;
-    match invoiced {
-        None => {
-            return Err(HandlerError::permanent(format!(
-                "order {} does not exist",
-                job.order_id
-            )))
-        }
-        Some(false) => {
-            return Err(HandlerError::transient(format!(
-                "the invoice of order {} is not created yet",
-                job.order_id
-            )))
-        }
-        Some(true) => {}
+    if invoiced != Some(true) {
+        return Err(HandlerError::permanent(format!(
+            "invoice_ready for order {}, which has no invoice",
+            event.order_id
+        )));
     }
     let email_sent = FlagGuard::new("orders", "email_sent", "id")?;
-    if !email_sent.set(ctx, job.order_id).await? {
-        tracing::info!(order_id = job.order_id, "email already sent");
+    if !email_sent.set(ctx, event.order_id).await? {
+        tracing::info!(order_id = event.order_id, "email already sent");
         return Ok(());
     }
     let schema: String = sqlx::query_scalar("SELECT current_schema()")
@@ -173,10 +177,10 @@ pub async fn send_email(
     let provider = EmailProvider::for_schema(&schema).ok_or_else(|| {
         HandlerError::transient(format!("no email provider installed for schema {schema:?}"))
     })?;
-    record_effect(ctx, &job).await?;
+    record_effect(ctx, event.order_id).await?;
     let email = Email {
-        to: job.email,
-        subject: format!("Your invoice for order {} is ready", job.order_id),
+        to: event.email,
+        subject: format!("Your invoice for order {} is ready", event.order_id),
         idempotency_key: ctx.idempotency_key("invoice-ready-email"),
     };
     if !provider.accepted(&email.idempotency_key).await? {

@@ -14,7 +14,7 @@ use sqlx::PgPool;
 /// `effect_ledger` is the chaos suite's oracle: one row per committed handler run, written
 /// by the handler inside its transaction, with no unique key on `(job_id, handler)`, so an
 /// effect committed twice shows as two rows. `worker_stats` holds each worker process's
-/// counters, written periodically and at shutdown when `STATS_INTERVAL_MS` is set.
+/// counters (a row per process and handler), written periodically and at shutdown when `STATS_INTERVAL_MS` is set.
 pub const TABLES: &str = r#"
 CREATE TABLE IF NOT EXISTS {schema}.orders (
     id           BIGINT PRIMARY KEY,
@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS {schema}.worker_stats (
     quarantined   BIGINT NOT NULL,
     settle_errors BIGINT NOT NULL,
     updated_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
-    PRIMARY KEY (pid, started_at)
+    PRIMARY KEY (pid, started_at, handler)
 );
 "#;
 

@@ -9,8 +9,10 @@
 //! | other `KAFKA_*` | | passed to `consumer_kafka::KafkaConfig::from_vars`, e.g. `KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS` |
 //! | `DATABASE_URL` | required | PostgreSQL, e.g. `postgres://user:pass@localhost/db` |
 //! | `DB_SCHEMA` | `public` | schema of the tables and the inbox |
-//! | `QUEUE` | per binary | the queue this worker consumes (Kafka: its consumer group) |
+//! | `INVOICE_QUEUE` | `invoices` | the queue `send_invoice` consumes jobs from (Kafka: its consumer group) |
+//! | `EMAIL_QUEUE` | `emails` | the queue `send_email` consumes events from (Kafka: its consumer group) |
 //! | `EXCHANGE` | `invoice_jobs` | fanout exchange the jobs are published to (Kafka: the topic) |
+//! | `EVENTS` | `invoice_ready` | fanout exchange the relay publishes the `invoice_ready` events to (Kafka: the topic) |
 //! | `QUEUE_TYPE` | `classic` | `classic` or `quorum` |
 //! | `CONCURRENCY` | `8` | deliveries processed at once |
 //! | `PREFETCH` | `32` | deliveries the broker sends ahead |
@@ -47,10 +49,14 @@ pub struct Settings {
     pub database_url: RedactedUrl,
     /// Schema of the tables and the inbox.
     pub schema: String,
-    /// The queue to consume.
-    pub queue: String,
-    /// The exchange jobs are published to.
+    /// The queue of the invoice jobs (Kafka: the invoice handler's group).
+    pub invoice_queue: String,
+    /// The queue of the `invoice_ready` events (Kafka: the email handler's group).
+    pub email_queue: String,
+    /// The exchange jobs are published to (Kafka: the jobs topic).
     pub exchange: String,
+    /// The exchange the relay publishes the events to (Kafka: the events topic).
+    pub events: String,
     /// Classic or quorum queues.
     pub queue_type: QueueType,
     /// Deliveries processed at once.
@@ -74,16 +80,13 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Reads the process environment; `default_queue` is used when `QUEUE` is unset.
-    pub fn from_env(default_queue: &str) -> anyhow::Result<Self> {
-        Self::from_lookup(default_queue, |name| std::env::var(name).ok())
+    /// Reads the process environment.
+    pub fn from_env() -> anyhow::Result<Self> {
+        Self::from_lookup(|name| std::env::var(name).ok())
     }
 
     /// Reads settings through `lookup` (the environment, or a map in tests).
-    pub fn from_lookup(
-        default_queue: &str,
-        lookup: impl Fn(&str) -> Option<String>,
-    ) -> anyhow::Result<Self> {
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
         let get = |name: &str| lookup(name).filter(|v| !v.trim().is_empty());
         let transport: TransportKind = get("TRANSPORT").as_deref().unwrap_or("amqp").parse()?;
         let amqp_url = get("AMQP_URL").map(RedactedUrl::new);
@@ -138,8 +141,10 @@ impl Settings {
             kafka_partitions,
             database_url,
             schema: get("DB_SCHEMA").unwrap_or_else(|| "public".to_owned()),
-            queue: get("QUEUE").unwrap_or_else(|| default_queue.to_owned()),
+            invoice_queue: get("INVOICE_QUEUE").unwrap_or_else(|| "invoices".to_owned()),
+            email_queue: get("EMAIL_QUEUE").unwrap_or_else(|| "emails".to_owned()),
             exchange: get("EXCHANGE").unwrap_or_else(|| "invoice_jobs".to_owned()),
+            events: get("EVENTS").unwrap_or_else(|| "invoice_ready".to_owned()),
             queue_type,
             concurrency: usize::try_from(concurrency).context("CONCURRENCY is too large")?,
             prefetch,
@@ -172,7 +177,7 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        Settings::from_lookup("invoices", |k| map.get(k).cloned())
+        Settings::from_lookup(|k| map.get(k).cloned())
     }
 
     const BASE: [(&str, &str); 2] = [
@@ -184,12 +189,28 @@ mod tests {
     fn defaults_and_overrides() {
         let s = settings(&BASE).unwrap();
         assert_eq!(
-            (s.queue.as_str(), s.concurrency, s.prefetch),
-            ("invoices", 8, 32)
+            (
+                s.invoice_queue.as_str(),
+                s.email_queue.as_str(),
+                s.events.as_str(),
+                s.concurrency,
+                s.prefetch
+            ),
+            ("invoices", "emails", "invoice_ready", 8, 32)
         );
         assert!(!format!("{s:?}").contains("secret"));
-        let s = settings(&[BASE[0], BASE[1], ("QUEUE", "q"), ("CONCURRENCY", "3")]).unwrap();
-        assert_eq!((s.queue.as_str(), s.concurrency), ("q", 3));
+        let s = settings(&[
+            BASE[0],
+            BASE[1],
+            ("EMAIL_QUEUE", "q"),
+            ("EVENTS", "e"),
+            ("CONCURRENCY", "3"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (s.email_queue.as_str(), s.events.as_str(), s.concurrency),
+            ("q", "e", 3)
+        );
     }
 
     /// Passwords with the characters that end a URL's parts, raw and percent-escaped:

@@ -1,23 +1,29 @@
 //! The one place that knows which broker the binaries use. Everything else sees a
-//! [`BoxTransport`] (any stream of deliveries) and a [`JobPublisher`].
+//! [`BoxTransport`] (any stream of deliveries), a [`JobPublisher`] and an
+//! [`EventPublisher`] (the outbox relay's).
 //!
-//! To add a broker: a [`TransportKind`] variant, its arm in [`consumer`] and in
-//! [`JobPublisher`], and its settings in [`crate::settings`].
+//! Two flows, each with its own exchange (Kafka: topic) and queue (Kafka: consumer group):
+//! the jobs (`EXCHANGE` → `INVOICE_QUEUE`, for `send_invoice`) and the `invoice_ready`
+//! events (`EVENTS` → `EMAIL_QUEUE`, for `send_email`); [`Part`] names which.
+//!
+//! To add a broker: a [`TransportKind`] variant, its arm in [`consumer`], [`JobPublisher`]
+//! and [`EventPublisher`], and its settings in [`crate::settings`].
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
 use anyhow::{bail, Context as _};
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, ExchangeType};
-use consumer_core::{Incoming, TransportError};
+use consumer_core::{Incoming, OutboxMessage, PublishError, Publisher, TransportError};
 use consumer_kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher};
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::FutureExt;
 use futures::StreamExt;
 
+use crate::handlers::INVOICE_READY;
 use crate::settings::Settings;
-use crate::InvoiceJob;
+use crate::{InvoiceJob, Part};
 
 /// Which broker (`TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,11 +50,20 @@ impl FromStr for TransportKind {
 /// A transport whatever the broker: what [`consumer_core::Worker::run`] consumes.
 pub type BoxTransport = BoxStream<'static, Result<Incoming, TransportError>>;
 
-/// The RabbitMQ configuration of `queue`: bound to the fanout exchange the jobs go to.
-pub fn amqp_config(settings: &Settings, queue: &str) -> anyhow::Result<AmqpConfig> {
+/// The exchange (Kafka: topic) and the queue (Kafka: group) of `part`'s flow.
+pub fn flow(settings: &Settings, part: Part) -> (&str, &str) {
+    match part {
+        Part::Invoices => (&settings.exchange, &settings.invoice_queue),
+        Part::Emails => (&settings.events, &settings.email_queue),
+    }
+}
+
+/// The RabbitMQ configuration of `part`'s queue: bound to its fanout exchange.
+pub fn amqp_config(settings: &Settings, part: Part) -> anyhow::Result<AmqpConfig> {
     let url = settings.amqp_url.as_ref().context("AMQP_URL is not set")?;
+    let (exchange, queue) = flow(settings, part);
     let mut config = AmqpConfig::new(url.expose(), queue);
-    config.exchange = settings.exchange.clone();
+    config.exchange = exchange.to_owned();
     config.exchange_type = ExchangeType::Fanout;
     config.queue_type = settings.queue_type;
     config.prefetch = settings.prefetch;
@@ -57,11 +72,11 @@ pub fn amqp_config(settings: &Settings, queue: &str) -> anyhow::Result<AmqpConfi
     Ok(config)
 }
 
-/// The Kafka configuration of consumer group `group` on the jobs topic (`EXCHANGE`). Every
-/// other `KAFKA_*` variable of the process is passed to [`KafkaConfig::from_vars`] (e.g.
-/// `KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS=7000`); retry copies carry the group, so
-/// the groups share the retry and dead-letter topics.
-pub fn kafka_config(settings: &Settings, group: &str) -> anyhow::Result<KafkaConfig> {
+/// The Kafka configuration of `part`'s consumer group on its topic. Every other `KAFKA_*`
+/// variable of the process is passed to [`KafkaConfig::from_vars`] (e.g.
+/// `KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS=7000`).
+pub fn kafka_config(settings: &Settings, part: Part) -> anyhow::Result<KafkaConfig> {
+    let (topic, group) = flow(settings, part);
     let brokers = settings
         .kafka_brokers
         .as_ref()
@@ -71,7 +86,7 @@ pub fn kafka_config(settings: &Settings, group: &str) -> anyhow::Result<KafkaCon
         .collect();
     vars.insert("KAFKA_BROKERS".to_owned(), brokers.clone());
     vars.insert("KAFKA_GROUP_ID".to_owned(), group.to_owned());
-    vars.insert("KAFKA_TOPICS".to_owned(), settings.exchange.clone());
+    vars.insert("KAFKA_TOPICS".to_owned(), topic.to_owned());
     let config = KafkaConfig::from_vars(vars)?;
     config.validate()?;
     Ok(config)
@@ -80,18 +95,18 @@ pub fn kafka_config(settings: &Settings, group: &str) -> anyhow::Result<KafkaCon
 /// Completes once a dropped transport has closed its connection (its last acks are in).
 pub type Closed = BoxFuture<'static, ()>;
 
-/// Connects the consumer of `settings.queue`.
-pub async fn consumer(settings: &Settings) -> anyhow::Result<(BoxTransport, Closed)> {
+/// Connects the consumer of `part`'s queue.
+pub async fn consumer(settings: &Settings, part: Part) -> anyhow::Result<(BoxTransport, Closed)> {
     match settings.transport {
         TransportKind::Amqp => {
-            let config = amqp_config(settings, &settings.queue)?;
+            let config = amqp_config(settings, part)?;
             let consumer = AmqpConsumer::connect(config).await?;
             let health = consumer.health();
             let closed = async move { health.closed().await }.boxed();
             Ok((consumer.boxed(), closed))
         }
         TransportKind::Kafka => {
-            let config = kafka_config(settings, &settings.queue)?;
+            let config = kafka_config(settings, part)?;
             consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
             let consumer = KafkaConsumer::new(config)?;
             let closed = consumer.closed().boxed();
@@ -100,7 +115,7 @@ pub async fn consumer(settings: &Settings) -> anyhow::Result<(BoxTransport, Clos
     }
 }
 
-/// Publishes invoice jobs, each once, to every worker's queue.
+/// Publishes invoice jobs, each once, to the jobs exchange (Kafka: topic).
 #[derive(Debug)]
 pub enum JobPublisher {
     /// Through RabbitMQ's fanout exchange.
@@ -115,23 +130,17 @@ pub enum JobPublisher {
 }
 
 impl JobPublisher {
-    /// Connects and makes sure each of `queues` exists and receives the jobs, so none is
-    /// published before its queue is there.
-    pub async fn connect(settings: &Settings, queues: &[String]) -> anyhow::Result<Self> {
-        let Some((first, rest)) = queues.split_first() else {
-            bail!("no queue to publish to");
-        };
+    /// Connects and makes sure the invoice queue exists and receives the jobs, so none is
+    /// published before it is there.
+    pub async fn connect(settings: &Settings) -> anyhow::Result<Self> {
         match settings.transport {
             TransportKind::Amqp => {
-                let publisher = AmqpPublisher::connect(amqp_config(settings, first)?).await?;
-                for queue in rest {
-                    publisher.declare(&amqp_config(settings, queue)?).await?;
-                }
-                Ok(JobPublisher::Amqp(publisher))
+                let config = amqp_config(settings, Part::Invoices)?;
+                Ok(JobPublisher::Amqp(AmqpPublisher::connect(config).await?))
             }
             TransportKind::Kafka => {
-                // One topic for every group: creating it is all "declaring" means here.
-                let config = kafka_config(settings, first)?;
+                // Creating the topic is all "declaring" means here.
+                let config = kafka_config(settings, Part::Invoices)?;
                 consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
                 Ok(JobPublisher::Kafka {
                     publisher: KafkaPublisher::new(&config)?,
@@ -167,6 +176,69 @@ impl JobPublisher {
         match self {
             JobPublisher::Amqp(p) => p.close().await,
             JobPublisher::Kafka { .. } => {}
+        }
+    }
+}
+
+/// The outbox relay's publisher: sends the [`INVOICE_READY`] events to the events exchange
+/// (RabbitMQ, confirmed and mandatory) or topic (Kafka, idempotent producer, keyed by order
+/// id). Any other destination is refused (the relay logs it and keeps the row).
+#[derive(Debug)]
+pub enum EventPublisher {
+    /// To the fanout exchange `EVENTS`, bound to the email queue.
+    Amqp(AmqpPublisher),
+    /// To the topic `EVENTS`.
+    Kafka {
+        /// The producer.
+        publisher: KafkaPublisher,
+        /// The events topic.
+        topic: String,
+    },
+}
+
+impl EventPublisher {
+    /// Connects, and makes sure the email queue exists and is bound to the events exchange
+    /// (Kafka: the events topic exists), so no event is published where nobody would get
+    /// it.
+    pub async fn connect(settings: &Settings) -> anyhow::Result<Self> {
+        match settings.transport {
+            TransportKind::Amqp => {
+                let mut config = amqp_config(settings, Part::Emails)?;
+                config.connection_name = Some("invoices relay".to_owned());
+                Ok(EventPublisher::Amqp(AmqpPublisher::connect(config).await?))
+            }
+            TransportKind::Kafka => {
+                let config = kafka_config(settings, Part::Emails)?;
+                consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
+                Ok(EventPublisher::Kafka {
+                    publisher: KafkaPublisher::new(&config)?,
+                    topic: settings.events.clone(),
+                })
+            }
+        }
+    }
+}
+
+impl Publisher for EventPublisher {
+    fn publish<'a>(
+        &'a self,
+        message: &'a OutboxMessage,
+    ) -> BoxFuture<'a, Result<(), PublishError>> {
+        if message.destination != INVOICE_READY {
+            let refused = PublishError::refused(format!(
+                "no route for outbox destination {:?} (this service publishes {INVOICE_READY:?})",
+                message.destination
+            ));
+            return async move { Err(refused) }.boxed();
+        }
+        match self {
+            EventPublisher::Amqp(p) => Publisher::publish(p, message),
+            EventPublisher::Kafka { publisher, topic } => async move {
+                let mut message = message.clone();
+                message.destination.clone_from(topic);
+                Publisher::publish(publisher, &message).await
+            }
+            .boxed(),
         }
     }
 }

@@ -1,6 +1,6 @@
-//! Sends the "invoice ready" email of each order once its invoice exists: consumes invoice
-//! jobs from RabbitMQ and runs `send_email`, which calls the provider stand-in (recorded in
-//! `provider_calls`) at most once per order among committed attempts.
+//! Sends the "invoice ready" email of each new invoice: consumes the `invoice_ready` events
+//! the invoice worker's relay publishes and runs `send_email`, which calls the provider
+//! stand-in (recorded in `provider_calls`) at most once per order among committed attempts.
 //!
 //! Run with:
 //!
@@ -9,11 +9,12 @@
 //! cargo run -p invoices --bin email_worker
 //! ```
 //!
-//! Settings come from the environment (`AMQP_URL`, `DATABASE_URL`, `QUEUE`, `CONCURRENCY`,
-//! `PREFETCH`, …; see `invoices::settings`). SIGTERM or Ctrl-C stops it gracefully.
+//! Settings come from the environment (`AMQP_URL`, `DATABASE_URL`, `EMAIL_QUEUE`, `EVENTS`,
+//! `CONCURRENCY`, `PREFETCH`, …; see `invoices::settings`). SIGTERM or Ctrl-C stops it
+//! gracefully.
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     invoices::app::init_tracing();
-    invoices::app::run_worker(invoices::send_email, "emails").await
+    invoices::app::run(&[invoices::Part::Emails]).await
 }

@@ -9,8 +9,8 @@
 //! ```
 //!
 //! Besides the workers' settings it reads `JOBS` (default 100), `DUPLICATE_PERCENT`
-//! (default 10), `FIRST_ORDER` (default 1) and `QUEUES` (default `invoices,emails`: the
-//! queues that must receive the jobs, declared before anything is published).
+//! (default 10) and `FIRST_ORDER` (default 1). It declares the invoice queue
+//! (`INVOICE_QUEUE`) before anything is published.
 
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt};
@@ -31,23 +31,17 @@ fn number(name: &str, default: i64) -> anyhow::Result<i64> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     app::init_tracing();
-    let settings = Settings::from_env("invoices")?;
+    let settings = Settings::from_env()?;
     let jobs = number("JOBS", 100)?;
     let duplicate_percent = number("DUPLICATE_PERCENT", 10)?;
     let first = number("FIRST_ORDER", 1)?;
-    let queues: Vec<String> = std::env::var("QUEUES")
-        .unwrap_or_else(|_| "invoices,emails".to_owned())
-        .split(',')
-        .map(|q| q.trim().to_owned())
-        .filter(|q| !q.is_empty())
-        .collect();
 
     let pool = app::connect_db(&settings).await?;
     schema::migrate(&pool, &settings.schema).await?;
     let all: Vec<InvoiceJob> = (first..first + jobs).map(InvoiceJob::sample).collect();
     schema::place_orders(&pool, &all).await?;
 
-    let publisher = JobPublisher::connect(&settings, &queues).await?;
+    let publisher = JobPublisher::connect(&settings).await?;
     let duplicates: Vec<&InvoiceJob> = all
         .iter()
         .filter(|j| (j.order_id - first) % 100 < duplicate_percent)
@@ -62,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(
         jobs,
         republished = duplicates.len(),
-        queues = %queues.join(","),
+        queue = %settings.invoice_queue,
         "published and confirmed"
     );
     Ok(())
