@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use consumer_core::{Inbox, InboxConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::Postgres;
+use sqlx::{PgPool, Postgres};
 
 pub use consumer_scenarios::env::{run_until, unique, wait_for, wait_until, SqliteEnv, DEADLINE};
 
@@ -16,6 +16,12 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").expect(
         "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
     )
+}
+
+/// The Redis URL started by `scripts/servers.sh` (see the README's test command).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL")
+        .expect("REDIS_URL is not set: run the tests with `scripts/test.sh`, which starts Redis")
 }
 
 /// A fresh PostgreSQL schema with the test tables; connections use it as `search_path`.
@@ -53,16 +59,20 @@ impl PgEnv {
 
     /// [`PgEnv::inbox`] with `config` (an unqualified table resolves to this schema).
     pub async fn inbox_with(&self, config: InboxConfig) -> Inbox<Postgres> {
+        Inbox::new(self.pool(6).await, config).await.expect("inbox")
+    }
+
+    /// A new pool of up to `max` connections whose `search_path` is this schema.
+    pub async fn pool(&self, max: u32) -> PgPool {
         let options = PgConnectOptions::from_str(&database_url())
             .expect("DATABASE_URL")
             .options([("search_path", self.schema.as_str())]);
-        let pool = PgPoolOptions::new()
-            .max_connections(6)
+        PgPoolOptions::new()
+            .max_connections(max)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options)
             .await
-            .expect("connect to PostgreSQL");
-        Inbox::new(pool, config).await.expect("inbox")
+            .expect("connect to PostgreSQL")
     }
 }
 

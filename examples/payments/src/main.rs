@@ -16,18 +16,40 @@
 //!   `on_provider_event` once per event id through the consumer's inbox: a resend is answered
 //!   200 and runs nothing.
 //!
-//! Settings from the environment: `DATABASE_URL`, `PAYMENTS_ADDR` (`127.0.0.1:8080`),
-//! `DB_SCHEMA` (the connection's default), `WEBHOOK_SECRET` (`whsec_example`),
-//! `IDEMPOTENCY_LEASE_MS` (how long a request's claim holds its key if the process dies
-//! mid-request, 60000). The address it listens on is logged as `listening on ADDR`; SIGTERM
-//! or Ctrl-C stops it after the requests in flight.
+//! Settings from the environment (a value that does not parse, or that the layer refuses,
+//! stops the process with an error naming the variable):
 //!
-//! For the tests, `PAYMENTS_ABORT_AFTER_CHARGE=ORDER` makes the process abort right after
-//! charging that order, before its transaction commits and before it answers: the charge
-//! rolls back with the stored answer, and the client's retry (once the lease has run out)
-//! charges once.
+//! - `DATABASE_URL`; `DB_SCHEMA` (the connection's default schema);
+//! - `PAYMENTS_ADDR` (`127.0.0.1:8080`; port 0 picks a free one);
+//! - `WEBHOOK_SECRET` (`whsec_example`);
+//! - `IDEMPOTENCY_LEASE_MS` (60000): how long a request's claim holds its key if the process
+//!   dies mid-request;
+//! - `IDEMPOTENCY_TTL_MS` (86400000, 24 h, at least the lease): how long a completed answer
+//!   is replayed; after it the key runs again. Expired records are purged every TTL (at
+//!   least every second, at most every hour);
+//! - `REDIS_URL` (unset or empty: none): puts the Redis fast path in front of the database
+//!   (replays and concurrent duplicates answered from Redis; the database still decides).
+//!
+//! The address it listens on is logged as `listening on ADDR`; SIGTERM or Ctrl-C stops it
+//! after the requests in flight.
+//!
+//! Three settings show the provider failing or slow, all off by default:
+//!
+//! - `PAYMENTS_PROVIDER_OUTAGE=N`: the payment provider is down for the first N charges
+//!   the process makes. Each answers `502 Bad Gateway` after its `INSERT`, which rolls back;
+//!   the layer does not store a 5xx and releases the key, so the client's retry with the
+//!   same `Idempotency-Key` runs the charge again, and charges once.
+//! - `PAYMENTS_PROVIDER_LATENCY_MS=MS`: each charge takes that long at the provider (after
+//!   its `INSERT`, before its answer): a retry sent meanwhile waits for the first request
+//!   and gets its answer.
+//! - `PAYMENTS_ABORT_AFTER_CHARGE=ORDER` makes the process abort right after charging that
+//!   order, before its transaction commits and before it answers: the charge rolls back
+//!   with the stored answer, and the client's retry (once the lease has run out) charges
+//!   once.
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -38,8 +60,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use consumer_core::{handler, Context, HandlerError, Inbox, InboxConfig, Worker};
 use consumer_http::{
-    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, IdempotentTx, StoreConfig,
-    WebhookIngress,
+    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, IdempotentTx, RedisFastPath,
+    StoreConfig, WebhookIngress,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -52,9 +74,30 @@ struct Payment {
     amount: i64,
 }
 
+/// The payment provider stand-in: a row in `charges`, an outage of a number of charges
+/// (`PAYMENTS_PROVIDER_OUTAGE`) and a latency (`PAYMENTS_PROVIDER_LATENCY_MS`).
+#[derive(Debug, Default)]
+struct Provider {
+    /// How many more charges find the provider down.
+    outage_left: AtomicU64,
+    /// How long each charge takes.
+    latency: Duration,
+}
+
+impl Provider {
+    /// Whether the provider is down for this charge (and one charge less of the outage).
+    fn is_down(&self) -> bool {
+        self.outage_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
 /// Charges the order: the provider stand-in's row commits with the stored answer, or not at
-/// all.
+/// all. While the provider is down the charge answers 502, which rolls the row back and
+/// releases the key.
 async fn charge(
+    State(provider): State<Arc<Provider>>,
     mut tx: IdempotentTx<Postgres>,
     Json(p): Json<Payment>,
 ) -> Result<impl IntoResponse, StatusCode> {
@@ -65,6 +108,13 @@ async fn charge(
             .fetch_one(&mut *tx)
             .await
             .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    tokio::time::sleep(provider.latency).await;
+    if provider.is_down() {
+        tracing::warn!(order_id = p.order_id, "the payment provider is down");
+        let answer =
+            json!({"error": "the payment provider is unavailable", "order_id": p.order_id});
+        return Ok((StatusCode::BAD_GATEWAY, Json(answer)));
+    }
     if std::env::var("PAYMENTS_ABORT_AFTER_CHARGE").ok() == Some(p.order_id.to_string()) {
         tracing::error!(order_id = p.order_id, "aborting after the charge, as asked");
         std::process::abort();
@@ -147,6 +197,44 @@ async fn on_provider_event(
     Ok(())
 }
 
+/// Deletes the expired idempotency records every `ttl` (at least every second, at most every
+/// hour). An expired record is never replayed even before this runs: it only reclaims space.
+async fn purge_expired(store: IdempotencyStore<Postgres>, ttl: Duration) {
+    let every = ttl.clamp(Duration::from_secs(1), Duration::from_secs(60 * 60));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match store.purge_expired(1000).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(n, "purged expired idempotency records"),
+            Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
+        }
+    }
+}
+
+/// The setting `name`, `what` it holds, or `default` if it is unset; an error names it.
+fn setting<T: FromStr>(name: &str, what: &str, default: T) -> anyhow::Result<T> {
+    match std::env::var(name) {
+        Ok(value) => value
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("the setting {name}: expected {what}, got {value:?}")),
+        Err(std::env::VarError::NotPresent) => Ok(default),
+        Err(e) => Err(e).with_context(|| format!("the setting {name}")),
+    }
+}
+
+/// The setting `name` in milliseconds, or `default`.
+fn millis(name: &str, default: Duration) -> anyhow::Result<Duration> {
+    let ms = setting(
+        name,
+        "whole milliseconds",
+        u64::try_from(default.as_millis())?,
+    )?;
+    Ok(Duration::from_millis(ms))
+}
+
 async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
     let mut options = PgConnectOptions::from_str(url).context("DATABASE_URL is not a valid URL")?;
     if let Some(schema) = schema {
@@ -181,10 +269,39 @@ async fn main() -> anyhow::Result<()> {
     let schema = std::env::var("DB_SCHEMA").ok();
     let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
     let secret = std::env::var("WEBHOOK_SECRET").unwrap_or_else(|_| "whsec_example".to_owned());
-    let lease = match std::env::var("IDEMPOTENCY_LEASE_MS") {
-        Ok(ms) => Duration::from_millis(ms.parse().context("IDEMPOTENCY_LEASE_MS: milliseconds")?),
-        Err(_) => Duration::from_secs(60),
+    let lease = millis("IDEMPOTENCY_LEASE_MS", Duration::from_secs(60))?;
+    let ttl = millis("IDEMPOTENCY_TTL_MS", Duration::from_secs(24 * 60 * 60))?;
+    let config = IdempotencyConfig::builder()
+        .lease(lease)
+        .ttl(ttl)
+        .stored_headers([axum::http::header::LOCATION])
+        .build()
+        .map_err(|e| match &e {
+            consumer_http::Error::Config { field: "lease", .. } => {
+                anyhow::Error::new(e).context("the setting IDEMPOTENCY_LEASE_MS")
+            }
+            consumer_http::Error::Config { field: "ttl", .. } => {
+                anyhow::Error::new(e).context("the setting IDEMPOTENCY_TTL_MS")
+            }
+            _ => e.into(),
+        })?;
+    let redis = match std::env::var("REDIS_URL") {
+        // Connects lazily; the error names the setting, never the URL's credentials.
+        Ok(url) if !url.is_empty() => Some(
+            RedisFastPath::builder(url)
+                .build()
+                .context("the setting REDIS_URL")?,
+        ),
+        _ => None,
     };
+    let provider = Arc::new(Provider {
+        outage_left: AtomicU64::new(setting(
+            "PAYMENTS_PROVIDER_OUTAGE",
+            "a number of charges",
+            0,
+        )?),
+        latency: millis("PAYMENTS_PROVIDER_LATENCY_MS", Duration::ZERO)?,
+    });
     let pool = connect(&url, schema.as_deref()).await?;
 
     let mut store_config = StoreConfig::builder();
@@ -194,10 +311,12 @@ async fn main() -> anyhow::Result<()> {
         inbox_config = inbox_config.with_schema(schema.clone());
     }
     let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
-    let config = IdempotencyConfig::builder()
-        .lease(lease)
-        .stored_headers([axum::http::header::LOCATION])
-        .build()?;
+    tokio::spawn(purge_expired(store.clone(), ttl));
+    let mut idempotency = IdempotencyLayer::new(store, config);
+    if let Some(fast) = redis {
+        tracing::info!(?fast, "the Redis fast path is on");
+        idempotency = idempotency.with_redis(fast);
+    }
     let inbox = Inbox::new(pool.clone(), inbox_config).await?;
     tokio::spawn(settle_operations(pool.clone()));
     let (webhooks, events) = WebhookIngress::builder("/webhooks/provider")
@@ -209,7 +328,8 @@ async fn main() -> anyhow::Result<()> {
     let app = Router::new()
         .route("/payments", post(charge))
         .route("/refunds", post(refund))
-        .layer(IdempotencyLayer::new(store, config))
+        .with_state(provider)
+        .layer(idempotency)
         .merge(webhooks)
         .merge(
             Router::new()

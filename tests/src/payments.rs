@@ -1,0 +1,221 @@
+//! The payments example (`examples/payments`) as a real process on PostgreSQL, and what its
+//! tests share: a fresh schema, one pool and one HTTP client per test, the process started
+//! on `127.0.0.1:0` (on PostgreSQL alone, or with the Redis fast path), and the answers read
+//! whole.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::common::{database_url, redis_url, wait_until, PgEnv};
+use crate::process::{package_binary, Process};
+
+/// Which store answers the example's `Idempotency-Key` layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Store {
+    /// The database alone.
+    Postgres,
+    /// The Redis fast path (`REDIS_URL`) in front of the database.
+    PostgresRedis,
+}
+
+/// One test's payments example: its schema, a pool on it and an HTTP client, shared by every
+/// process the test starts and every request it sends. Cheap to clone.
+#[derive(Clone)]
+pub struct Payments {
+    schema: String,
+    store: Store,
+    pool: PgPool,
+    client: reqwest::Client,
+}
+
+/// A running example process: dropping it kills it (SIGKILL).
+pub struct Server {
+    /// The process.
+    pub process: Process,
+    /// `http://ADDR`, the address it logged.
+    pub base: String,
+}
+
+/// An answer, read whole.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// The status code.
+    pub status: u16,
+    /// The headers.
+    pub headers: reqwest::header::HeaderMap,
+    /// The body.
+    pub body: String,
+}
+
+impl Answer {
+    /// Reads `response` whole.
+    pub async fn read(response: reqwest::Response) -> reqwest::Result<Answer> {
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        Ok(Answer {
+            status,
+            headers,
+            body: response.text().await?,
+        })
+    }
+
+    /// Whether the layer replayed a stored answer (`Idempotent-Replayed: true`).
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    /// The header `name`, if it is there and text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The body as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("a JSON body ({e}): {self:?}"))
+    }
+
+    /// An `application/problem+json` answer with `status`.
+    pub fn assert_problem(&self, status: u16) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        assert_eq!(self.json()["status"], json!(status), "{self:?}");
+    }
+}
+
+impl Payments {
+    /// A fresh schema for the example on the database alone.
+    pub async fn new() -> Payments {
+        Payments::on(Store::Postgres).await
+    }
+
+    /// A fresh schema for the example with `store` behind its layer.
+    pub async fn on(store: Store) -> Payments {
+        let env = PgEnv::new().await;
+        let pool = env.pool(4).await;
+        let schema = env.schema;
+        // Bounded, so a request to a process that stopped answering fails the test rather
+        // than hanging it; far above the layer's 5 s wait for a request in progress.
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .expect("an HTTP client");
+        Payments {
+            schema,
+            store,
+            pool,
+            client,
+        }
+    }
+
+    /// The test's schema.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The store behind the layer.
+    pub fn store(&self) -> Store {
+        self.store
+    }
+
+    /// A pool on the test's schema (its `search_path`).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The HTTP client.
+    pub fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// The example's settings for this test, before the test's own: the schema, a free
+    /// port, a lease of 1 s, and `REDIS_URL` (empty without the fast path).
+    fn settings(&self) -> HashMap<&'static str, String> {
+        let mut vars = HashMap::from([
+            ("DATABASE_URL", database_url()),
+            ("DB_SCHEMA", self.schema.clone()),
+            ("PAYMENTS_ADDR", "127.0.0.1:0".to_owned()),
+            ("IDEMPOTENCY_LEASE_MS", "1000".to_owned()),
+        ]);
+        // The test command exports `REDIS_URL`, and the process inherits the environment:
+        // empty turns the fast path off.
+        let redis = match self.store {
+            Store::Postgres => String::new(),
+            Store::PostgresRedis => redis_url(),
+        };
+        vars.insert("REDIS_URL", redis);
+        vars
+    }
+
+    /// Starts the example with `extra` settings, its log in a file named after the schema
+    /// and `log`.
+    pub fn spawn(&self, extra: &[(&'static str, &str)], log: &str) -> Process {
+        let mut vars = self.settings();
+        for (k, v) in extra {
+            vars.insert(k, (*v).to_owned());
+        }
+        let log = std::env::temp_dir().join(format!("{}-{log}.log", self.schema));
+        Process::spawn_binary(package_binary("payments", "payments"), &vars, log)
+    }
+
+    /// [`Payments::spawn`], then waits for the address it listens on.
+    pub async fn start(&self, extra: &[(&'static str, &str)], log: &str) -> Server {
+        let process = self.spawn(extra, log);
+        let mut addr = String::new();
+        wait_until("the example listens", || {
+            let log = process.log();
+            addr = log
+                .lines()
+                .find_map(|l| l.split("listening on ").nth(1))
+                .map(|a| a.trim().to_owned())
+                .unwrap_or_default();
+            std::future::ready(!addr.is_empty())
+        })
+        .await;
+        Server {
+            process,
+            base: format!("http://{addr}"),
+        }
+    }
+
+    /// POSTs `body` to `url` with `Idempotency-Key: key`.
+    pub async fn post(&self, url: &str, key: &str, body: &Value) -> reqwest::Result<Answer> {
+        let request = self
+            .client
+            .post(url)
+            .header("Idempotency-Key", key)
+            .json(body);
+        Answer::read(request.send().await?).await
+    }
+
+    /// Pays 100 for `order` at `base` with `Idempotency-Key: key`.
+    pub async fn pay(&self, base: &str, key: &str, order: i64) -> reqwest::Result<Answer> {
+        let body = json!({"order_id": order, "amount": 100});
+        self.post(&format!("{base}/payments"), key, &body).await
+    }
+
+    /// How many charges of `order` have committed.
+    pub async fn charges(&self, order: i64) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM charges WHERE order_id = $1")
+            .bind(order)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count charges")
+    }
+
+    /// `SELECT count(*)` of `table`, in the test's schema.
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("count {table}: {e}"))
+    }
+}
