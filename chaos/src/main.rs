@@ -98,7 +98,7 @@ impl Profile {
                 db_restarts: 0,
                 fault_rate: 0.01,
                 // A deadline, not a wait: a run ends when it has drained (poison jobs spend
-                // about 30 s in the invoice handler's retries before their dead letter).
+                // about 40 s in the invoice handler's retries before their dead letter).
                 drain_deadline: Duration::from_secs(420),
                 member_every: Duration::from_secs(10),
             },

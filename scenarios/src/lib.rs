@@ -86,6 +86,12 @@ macro_rules! scenarios {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn crash_every_time_quarantines_only_the_crashing_message() {
+                $crate::runs::crash_loop_quarantines_only_its_own_message($harness($batch).await)
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn crash_every_time_on_a_log_is_quarantined() {
                 $crate::runs::crash_loop_over_a_log_is_quarantined($harness($batch).await).await;
             }

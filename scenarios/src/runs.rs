@@ -235,6 +235,51 @@ async fn crash_loop<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>, log:
     assert_eq!((h.ledger)((h.new_inbox)().await, "k".into()).await, 0);
 }
 
+/// A delivery that crashes its worker every time, sharing a queue (and, in batched mode,
+/// its batches) with innocent ones: only it is quarantined. Redelivered jobs run alone, so
+/// the crashes it causes cost the others no attempt once they have been redelivered.
+pub async fn crash_loop_quarantines_only_its_own_message<DB: Backend, H: Handler<DB> + Clone>(
+    h: Harness<DB, H>,
+) {
+    let broker = MemoryBroker::new();
+    let queue = unique("q");
+    let innocent = ["a", "b", "c"];
+    broker.publish(&queue, msg("k", json!({"id": "k"})));
+    for id in innocent {
+        broker.publish(&queue, msg(id, json!({ "id": id })));
+    }
+    let cfg = h.config().with_faults(Arc::new(CrashAlways {
+        point: FaultPoint::BeforeCommit,
+        key: "k".to_owned(),
+        action: FaultAction::StopWorker,
+    }));
+    let mut crashes = 0;
+    loop {
+        let w = Worker::with_config((h.new_inbox)().await, h.handler.clone(), cfg.clone()).unwrap();
+        match run_until_drained(&w, &broker, &queue).await {
+            Err(Error::Crashed(_)) => crashes += 1,
+            Ok(()) => break,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            crashes <= 8,
+            "the message loops instead of being quarantined"
+        );
+    }
+    let dead = broker.dead_letters(&queue);
+    let dead_keys: Vec<_> = dead
+        .iter()
+        .map(|d| (d.dead_letter.key.as_deref(), d.dead_letter.reason))
+        .collect();
+    assert_eq!(dead_keys, [(Some("k"), DeadLetterReason::Quarantined)]);
+    let inbox = (h.new_inbox)().await;
+    for id in innocent {
+        assert_eq!((h.ledger)(inbox.clone(), id.into()).await, 1, "{id}");
+        let entry = inbox.entry("record", id).await.unwrap().unwrap();
+        assert_eq!(entry.status, EntryStatus::Completed, "{id}");
+    }
+}
+
 /// A log's records take the fresh path once the log mark is raised past them; a new
 /// process reading the log again does not trust what lies below the mark it finds.
 pub async fn log_records_are_proven_fresh<DB: Backend, H: Handler<DB> + Clone>(h: Harness<DB, H>) {

@@ -124,13 +124,14 @@ async fn prometheus_scrapes_what_the_worker_did() {
     scraped(delivered("duplicate"), DUPLICATES as f64).await;
     scraped(dead("key_conflict"), 1.0).await;
     scraped(series("consumer_conflicts_total", ""), 1.0).await;
-    // The poison job: four retries, then dead after its fifth attempt (max_attempts = 5).
+    // The poison job: nine retries, then dead after its tenth attempt (send_invoice's
+    // max_attempts = 10).
     scraped(dead("max_attempts_exceeded"), 1.0).await;
-    scraped(delivered("retried"), 4.0).await;
+    scraped(delivered("retried"), 9.0).await;
     scraped(delivered("completed"), JOBS as f64).await;
     scraped(
         series("consumer_received_total", ""),
-        (JOBS + DUPLICATES + 2 + 4) as f64,
+        (JOBS + DUPLICATES + 2 + 9) as f64,
     )
     .await;
     // While it was retried its key was pending, and its age grew between attempts (at
@@ -156,10 +157,10 @@ async fn prometheus_scrapes_what_the_worker_did() {
         JOBS as f64,
     )
     .await;
-    // The handler ran once per original job and five times for the poison one.
+    // The handler ran once per original job and ten times for the poison one.
     scraped(
         series("consumer_handler_duration_seconds_count", ""),
-        (JOBS + 5) as f64,
+        (JOBS + 10) as f64,
     )
     .await;
 

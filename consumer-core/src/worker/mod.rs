@@ -8,10 +8,11 @@
 //!    cannot run gets its verdict here. The inbox then judges which jobs are fresh
 //!    ([`Freshness`]).
 //! 2. **claim** ([`claim`]): fresh jobs claim their keys in the handler's transaction;
-//!    the others count their attempt first, with one statement for the group, and the
-//!    claim decides: run as attempt n, or settle (duplicate, conflict, dead, quarantined).
-//! 3. **execute** ([`execute`]): one transaction for the group, one commit; if a handler
-//!    fails in a group of several, each job runs again alone.
+//!    the others (attempted before) each count their attempt first, alone, and the claim
+//!    decides: run as attempt n, or settle (duplicate, conflict, dead, quarantined).
+//! 3. **execute** ([`execute`]): one transaction for the group (the fresh jobs, or one job
+//!    attempted before), one commit; if a handler fails in a group of several, each job
+//!    runs again alone.
 //! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers.
 //!
 //! [`attempt`] computes every attempt number; [`background`] runs the retention purge and
@@ -377,8 +378,14 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let mut alone = Vec::new();
         self.run_group(fresh, true, &mut settled, &mut alone)
             .await?;
-        self.run_group(counted, false, &mut settled, &mut alone)
-            .await?;
+        // A job attempted before (redelivered after a crash, a retry copy) runs alone: its
+        // attempt is counted and committed before it runs, so a crash in a group would cost
+        // every member an attempt, and a message that crashes the worker would get its
+        // batch-mates quarantined with it.
+        for job in counted {
+            self.run_group(vec![job], false, &mut settled, &mut alone)
+                .await?;
+        }
         // Fresh jobs whose keys had rows (a republished duplicate, say), and the jobs of a
         // statement the inbox refused, now that this batch's locks are released.
         for mut job in alone {
