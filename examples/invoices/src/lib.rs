@@ -10,7 +10,8 @@
 //!   by `orders.email_sent`, with a stable idempotency key.
 //! - [`settings`] reads the environment; [`transport`] is the one place that picks the
 //!   broker; [`app`] runs a worker until SIGTERM or Ctrl-C; [`ops`] serves its metrics and
-//!   health endpoints.
+//!   health endpoints; [`telemetry`] exports the spans over OTLP (the `opentelemetry`
+//!   feature).
 //!
 //! `publish_jobs` publishes each job once to a fanout exchange (`invoice_jobs`) bound to
 //! both queues, so each worker gets its own copy. The email worker retries (transiently)
@@ -22,6 +23,7 @@ pub mod ops;
 pub mod provider;
 pub mod schema;
 pub mod settings;
+pub mod telemetry;
 pub mod transport;
 
 pub use handlers::{send_email, send_invoice};

@@ -14,6 +14,6 @@
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    invoices::app::init_tracing();
+    let _telemetry = invoices::app::init_tracing();
     invoices::app::run_worker(invoices::send_invoice, "invoices").await
 }
