@@ -23,38 +23,22 @@
 #   CONSUMER_PROMETHEUS_PORT   first port to try (default 59090)
 set -euo pipefail
 
-STATE_DIR="$(realpath -m "${CONSUMER_STATE_DIR:-/tmp/consumer-test}")"
-PROM_DIR="$STATE_DIR/prometheus"
-PID_FILE="$PROM_DIR/prometheus.pid"
-PORT_FILE="$PROM_DIR/port"
-ENV_FILE="$PROM_DIR/env"
-LOG_FILE="$PROM_DIR/prometheus.log"
-CONFIG="$PROM_DIR/prometheus.yml"
-TARGETS="$PROM_DIR/targets"
-FIRST_PORT="${CONSUMER_PROMETHEUS_PORT:-59090}"
-TIMEOUT=60
-
 source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
 
-# The pid in the pid file is alive and is our prometheus (not a recycled pid).
-server_pid() {
-    pid_from_file "prometheus.*$CONFIG"
-}
+pid_server_files prometheus
+CONFIG="$SERVICE_DIR/prometheus.yml"
+TARGETS="$SERVICE_DIR/targets"
+FIRST_PORT="${CONSUMER_PROMETHEUS_PORT:-59090}"
+TIMEOUT=60
+SERVER_PATTERN="prometheus.*$CONFIG"
 
 server_ready() {
     python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
         "http://127.0.0.1:$1/-/ready" >/dev/null 2>&1
 }
 
-server_running() {
-    local port
-    server_pid >/dev/null || return 1
-    port=$(stored_port) || return 1
-    server_ready "$port"
-}
-
 write_config() {
-    mkdir -p "$TARGETS" "$PROM_DIR/data"
+    mkdir -p "$TARGETS" "$SERVICE_DIR/data"
     cat >"$CONFIG" <<EOF
 # Written by scripts/prometheus.sh: every target a test names in $TARGETS/*.json,
 # scraped every second.
@@ -91,7 +75,7 @@ start_server() {
     (
         exec setsid nohup prometheus \
             --config.file="$CONFIG" \
-            --storage.tsdb.path="$PROM_DIR/data" \
+            --storage.tsdb.path="$SERVICE_DIR/data" \
             --storage.tsdb.retention.time=1d \
             --web.listen-address="127.0.0.1:$port" \
             </dev/null >>"$LOG_FILE" 2>&1 9>&-
@@ -100,41 +84,9 @@ start_server() {
     wait_started prometheus server_ready server_pid "$port"
 }
 
-stop_server() {
-    stop_by_pid_file server_pid
+prometheus_url() {
+    printf 'http://127.0.0.1:%s\n' "$(stored_port)"
 }
 
-main() {
-    local cmd="${1:-start}"
-    [[ $# -gt 0 ]] && shift
-    case "$cmd" in
-        start | env | stop | restart | status) ;;
-        -h | --help | help) usage ;;
-        *) log "unknown command: $cmd"; usage ;;
-    esac
-    mkdir -p "$PROM_DIR"
-    exec 9>"$STATE_DIR/.prometheus.lock"
-    flock -w 300 9 || die "timed out waiting for $STATE_DIR/.prometheus.lock"
-    case "$cmd" in
-        start | env)
-            start_server any
-            cat "$ENV_FILE"
-            ;;
-        restart)
-            stop_server
-            start_server keep
-            cat "$ENV_FILE"
-            ;;
-        stop) stop_server ;;
-        status)
-            if server_running; then
-                printf 'http://127.0.0.1:%s\n' "$(stored_port)"
-            else
-                log "not running"
-                exit 3
-            fi
-            ;;
-    esac
-}
-
-main "$@"
+mkdir -p "$SERVICE_DIR"
+service_main prometheus start_server stop_server server_running prometheus_url "$@"

@@ -24,32 +24,16 @@
 #   CONSUMER_REDIS_PORT   first port to try (default 56379)
 set -euo pipefail
 
-STATE_DIR="$(realpath -m "${CONSUMER_STATE_DIR:-/tmp/consumer-test}")"
-REDIS_DIR="$STATE_DIR/redis"
-PID_FILE="$REDIS_DIR/redis.pid"
-PORT_FILE="$REDIS_DIR/port"
-ENV_FILE="$REDIS_DIR/env"
-LOG_FILE="$REDIS_DIR/redis.log"
-CONFIG="$REDIS_DIR/redis.conf"
-FIRST_PORT="${CONSUMER_REDIS_PORT:-56379}"
-TIMEOUT=60
-
 source "$(dirname "${BASH_SOURCE[0]}")/service-lib.sh"
 
-# The pid in the pid file is alive and is our redis-server (not a recycled pid).
-server_pid() {
-    pid_from_file 'redis-server'
-}
+pid_server_files redis
+CONFIG="$SERVICE_DIR/redis.conf"
+FIRST_PORT="${CONSUMER_REDIS_PORT:-56379}"
+TIMEOUT=60
+SERVER_PATTERN='redis-server'
 
 server_ready() {
     [[ "$(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null)" == PONG ]]
-}
-
-server_running() {
-    local port
-    server_pid >/dev/null || return 1
-    port=$(stored_port) || return 1
-    server_ready "$port"
 }
 
 write_config() {
@@ -59,7 +43,7 @@ bind 127.0.0.1
 port $1
 protected-mode yes
 daemonize no
-dir $REDIS_DIR
+dir $SERVICE_DIR
 logfile ""
 save ""
 appendonly no
@@ -91,13 +75,9 @@ start_server() {
     wait_started redis server_ready server_pid "$port"
 }
 
-stop_server() {
-    stop_by_pid_file server_pid
-}
-
 redis_url() {
     printf 'redis://127.0.0.1:%s\n' "$(stored_port)"
 }
 
-mkdir -p "$REDIS_DIR"
+mkdir -p "$SERVICE_DIR"
 service_main redis start_server stop_server server_running redis_url "$@"

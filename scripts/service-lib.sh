@@ -1,8 +1,8 @@
 # Shared by the service scripts (postgres.sh, rabbitmq.sh, kafka.sh, prometheus.sh, redis.sh): their
 # logging, usage text, ports, pid handling and the wait for a started server. Sourced, never
-# run. Before sourcing, a script sets FIRST_PORT (the first port to try) and PORT_FILE (where
-# its port is kept); wait_started also reads TIMEOUT and LOG_FILE; service_main also reads
-# STATE_DIR and ENV_FILE.
+# run. A script sets FIRST_PORT (the first port to try) and PORT_FILE (where its port is
+# kept), before sourcing or with pid_server_files; wait_started also reads TIMEOUT and
+# LOG_FILE; service_main also reads STATE_DIR and ENV_FILE.
 
 # Messages go to stderr, prefixed with the script's name: stdout is for `export` lines.
 log() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; }
@@ -90,6 +90,38 @@ pid_from_file() {
     [[ -r "/proc/$pid/cmdline" ]] || return 1
     tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$1" || return 1
     printf '%s\n' "$pid"
+}
+
+# The files of a server that the script starts in the background and keeps the pid of
+# (prometheus.sh, redis.sh), by its name $1: sets STATE_DIR (CONSUMER_STATE_DIR, default
+# /tmp/consumer-test), SERVICE_DIR (STATE_DIR/$1) and in it PID_FILE ($1.pid), PORT_FILE
+# (port), ENV_FILE (env) and LOG_FILE ($1.log). Such a script then sets SERVER_PATTERN and
+# defines `server_ready PORT`, for server_pid, server_running and stop_server below.
+pid_server_files() {
+    STATE_DIR="$(realpath -m "${CONSUMER_STATE_DIR:-/tmp/consumer-test}")"
+    SERVICE_DIR="$STATE_DIR/$1"
+    PID_FILE="$SERVICE_DIR/$1.pid"
+    PORT_FILE="$SERVICE_DIR/port"
+    ENV_FILE="$SERVICE_DIR/env"
+    LOG_FILE="$SERVICE_DIR/$1.log"
+}
+
+# The pid in PID_FILE is alive and is our server: its command line matches SERVER_PATTERN
+# (not a recycled pid).
+server_pid() {
+    pid_from_file "$SERVER_PATTERN"
+}
+
+# Our server is alive and answers on its stored port.
+server_running() {
+    local port
+    server_pid >/dev/null || return 1
+    port=$(stored_port) || return 1
+    server_ready "$port"
+}
+
+stop_server() {
+    stop_by_pid_file server_pid
 }
 
 # Stops the server whose pid the function $1 prints (TERM, then KILL after 15 s) and removes

@@ -27,6 +27,7 @@ use consumer_http::{
 };
 use sqlx::{PgPool, Postgres};
 
+use crate::report::Spread;
 use crate::{percentile_ms, Options};
 
 /// One case's figures in one repetition.
@@ -124,12 +125,6 @@ async fn drive(
     })
 }
 
-/// Median, min and max of `v`.
-fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
-}
-
 /// Runs the cases `o.reps` times, `n` requests each, and prints them.
 pub(crate) async fn run(pool: &PgPool, o: &Options, n: usize, server: &str) -> anyhow::Result<()> {
     sqlx::query("CREATE TABLE http_effects (n BIGINT NOT NULL)")
@@ -208,29 +203,31 @@ pub(crate) async fn run(pool: &PgPool, o: &Options, n: usize, server: &str) -> a
         "case", "req/s [min, max]", "p50 ms", "p99 ms"
     );
     for (name, cases) in CASES.iter().zip(&figures) {
-        if cases.is_empty() {
+        // A case that did not run (no REDIS_URL) has no values, so no spread.
+        let of = |figure: fn(&Case) -> f64| Spread::of(cases.iter().map(figure).collect());
+        let (Some(rate), Some(p50), Some(p99)) =
+            (of(|c| c.rate), of(|c| c.p50_ms), of(|c| c.p99_ms))
+        else {
             continue;
-        }
-        let (rate, lo, hi) = spread(cases.iter().map(|c| c.rate).collect());
-        let (p50, _, _) = spread(cases.iter().map(|c| c.p50_ms).collect());
-        let (p99, _, _) = spread(cases.iter().map(|c| c.p99_ms).collect());
+        };
         println!(
-            "{name:<26} {:>24} {p50:>8.2} {p99:>8.2}",
-            format!("{rate:.0} [{lo:.0}, {hi:.0}]")
+            "{name:<26} {:>24} {:>8.2} {:>8.2}",
+            format!("{rate:.0}"),
+            p50.median,
+            p99.median
         );
     }
     println!("\nratio to `http: no layer`, same repetition: median [min, max]");
     for (name, cases) in CASES.iter().zip(&figures).skip(1) {
-        if cases.is_empty() {
-            continue;
-        }
         let ratios = cases
             .iter()
             .zip(&figures[0])
             .map(|(c, base)| c.rate / base.rate)
             .collect();
-        let (r, lo, hi) = spread(ratios);
-        println!("{name:<26} = {r:.2} [{lo:.2}, {hi:.2}]");
+        let Some(ratio) = Spread::of(ratios) else {
+            continue;
+        };
+        println!("{name:<26} = {ratio:.2}");
     }
     Ok(())
 }

@@ -179,10 +179,8 @@ pub struct BatchContext<'c, DB: Backend> {
     pub(crate) handler: &'c str,
     pub(crate) members: &'c [BatchMember<'c>],
     pub(crate) names: &'c TableNames,
-    /// Messages written to the outbox so far, by member (for their ids).
-    pub(crate) published: Vec<u32>,
-    /// The members that replied (a request gets one reply).
-    pub(crate) replied: Vec<bool>,
+    /// What each member has written to the outbox so far, by index (filled on first use).
+    pub(crate) written: Vec<Written>,
     /// Set when a message was written: the runtime wakes the relays after the commit.
     pub(crate) wrote: &'c AtomicBool,
 }
@@ -234,22 +232,7 @@ impl<'c, DB: Backend> BatchContext<'c, DB> {
     /// (see [`Context::publish`]: its id, unless it has one, derives from message `i`'s key,
     /// so it is the same whether the message runs in a batch or alone). Returns the id.
     pub async fn publish(&mut self, i: usize, message: OutboxMessage) -> Result<String, Error> {
-        if self.published.len() < self.members.len() {
-            self.published.resize(self.members.len(), 0);
-        }
-        let n = self.published[i];
-        let id = match &message.message_id {
-            Some(id) => id.clone(),
-            None => outbox_message_id(self.handler, self.members[i].key, n),
-        };
-        let parent = self.members[i]
-            .delivery
-            .headers
-            .get(crate::trace::TRACEPARENT);
-        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id, parent).await?;
-        self.published[i] = n + 1;
-        self.wrote.store(true, Ordering::Relaxed);
-        Ok(id)
+        self.run_outbox(i).publish(message).await
     }
 
     /// [`Context::reply`] to message `i` of the batch.
@@ -258,26 +241,24 @@ impl<'c, DB: Backend> BatchContext<'c, DB> {
         i: usize,
         body: impl Into<bytes::Bytes>,
     ) -> Result<String, Error> {
-        if self.replied.len() < self.members.len() {
-            self.replied.resize(self.members.len(), false);
-        }
-        if self.replied[i] {
-            return Err(Error::Message("a request gets one reply".to_owned()));
+        self.run_outbox(i).reply(body.into()).await
+    }
+
+    /// The outbox as message `i`'s run writes to it.
+    fn run_outbox(&mut self, i: usize) -> RunOutbox<'_, DB> {
+        if self.written.len() < self.members.len() {
+            self.written.resize(self.members.len(), Written::default());
         }
         let m = &self.members[i];
-        let (key, delivery) = (m.key, m.delivery);
-        let id = crate::outbox::reply::write::<DB>(
-            self.conn,
-            self.names,
-            self.handler,
-            key,
-            delivery,
-            body.into(),
-        )
-        .await?;
-        self.replied[i] = true;
-        self.wrote.store(true, Ordering::Relaxed);
-        Ok(id)
+        RunOutbox {
+            conn: &mut *self.conn,
+            names: self.names,
+            handler: self.handler,
+            key: m.key,
+            delivery: m.delivery,
+            written: &mut self.written[i],
+            wrote: self.wrote,
+        }
     }
 
     /// A stable key for an effect of message `i` outside the database: the same as
@@ -300,10 +281,8 @@ pub struct Context<'c, DB: Backend> {
     pub(crate) delivery: &'c Delivery,
     pub(crate) fresh: bool,
     pub(crate) names: &'c TableNames,
-    /// Messages written to the outbox so far in this attempt (for their ids).
-    pub(crate) published: u32,
-    /// Whether this attempt replied (a request gets one reply).
-    pub(crate) replied: bool,
+    /// What this attempt has written to the outbox so far.
+    pub(crate) written: Written,
     /// Set when a message was written: the runtime wakes the relays after the commit.
     pub(crate) wrote: &'c AtomicBool,
     #[cfg(feature = "fault-injection")]
@@ -376,15 +355,7 @@ impl<'c, DB: Backend> Context<'c, DB> {
     /// run wrote before, so that every attempt and redelivery writes the same ids and the
     /// receiving inbox deduplicates a re-send.
     pub async fn publish(&mut self, message: OutboxMessage) -> Result<String, Error> {
-        let id = match &message.message_id {
-            Some(id) => id.clone(),
-            None => outbox_message_id(self.handler, self.key, self.published),
-        };
-        let parent = self.delivery.headers.get(crate::trace::TRACEPARENT);
-        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id, parent).await?;
-        self.published += 1;
-        self.wrote.store(true, Ordering::Relaxed);
-        Ok(id)
+        self.run_outbox().publish(message).await
     }
 
     /// Replies to this request with `body`, through the outbox in this handler's
@@ -398,27 +369,81 @@ impl<'c, DB: Backend> Context<'c, DB> {
     /// [`REPLY_TO_HEADER`]: crate::REPLY_TO_HEADER
     /// [`CORRELATION_ID_HEADER`]: crate::CORRELATION_ID_HEADER
     pub async fn reply(&mut self, body: impl Into<bytes::Bytes>) -> Result<String, Error> {
-        if self.replied {
-            return Err(Error::Message("a request gets one reply".to_owned()));
+        self.run_outbox().reply(body.into()).await
+    }
+
+    /// The outbox as this attempt writes to it.
+    fn run_outbox(&mut self) -> RunOutbox<'_, DB> {
+        RunOutbox {
+            conn: &mut *self.conn,
+            names: self.names,
+            handler: self.handler,
+            key: self.key,
+            delivery: self.delivery,
+            written: &mut self.written,
+            wrote: self.wrote,
         }
-        let (handler, key, delivery) = (self.handler, self.key, self.delivery);
-        let id = crate::outbox::reply::write::<DB>(
-            self.conn,
-            self.names,
-            handler,
-            key,
-            delivery,
-            body.into(),
-        )
-        .await?;
-        self.replied = true;
-        self.wrote.store(true, Ordering::Relaxed);
-        Ok(id)
     }
 
     /// A stable key for an effect outside the database, e.g. a provider's
     /// `Idempotency-Key` header: the same for every attempt and redelivery of this message.
     pub fn idempotency_key(&self, effect: &str) -> String {
         crate::key::idempotency_key(self.handler, self.key, effect)
+    }
+}
+
+/// What one message's run has written to the outbox.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Written {
+    /// Messages published so far (the next one's id derives from the count).
+    published: u32,
+    /// Whether it replied (a request gets one reply).
+    replied: bool,
+}
+
+/// The outbox as one message's run writes to it: what [`Context`] and [`BatchContext`] both
+/// write through, so that a message writes the same ids in a batch as alone.
+struct RunOutbox<'r, DB: Backend> {
+    conn: &'r mut DB::Connection,
+    names: &'r TableNames,
+    handler: &'r str,
+    key: &'r str,
+    delivery: &'r Delivery,
+    written: &'r mut Written,
+    /// Set when a message was written: the runtime wakes the relays after the commit.
+    wrote: &'r AtomicBool,
+}
+
+impl<DB: Backend> RunOutbox<'_, DB> {
+    /// See [`Context::publish`].
+    async fn publish(self, message: OutboxMessage) -> Result<String, Error> {
+        let id = match &message.message_id {
+            Some(id) => id.clone(),
+            None => outbox_message_id(self.handler, self.key, self.written.published),
+        };
+        let parent = self.delivery.headers.get(crate::trace::TRACEPARENT);
+        crate::outbox::insert::<DB>(self.conn, self.names, &message, &id, parent).await?;
+        self.written.published += 1;
+        self.wrote.store(true, Ordering::Relaxed);
+        Ok(id)
+    }
+
+    /// See [`Context::reply`].
+    async fn reply(self, body: bytes::Bytes) -> Result<String, Error> {
+        if self.written.replied {
+            return Err(Error::Message("a request gets one reply".to_owned()));
+        }
+        let id = crate::outbox::reply::write::<DB>(
+            self.conn,
+            self.names,
+            self.handler,
+            self.key,
+            self.delivery,
+            body,
+        )
+        .await?;
+        self.written.replied = true;
+        self.wrote.store(true, Ordering::Relaxed);
+        Ok(id)
     }
 }

@@ -59,15 +59,18 @@ pub trait OutboxStore: Execute {
         names: &'a TableNames,
     ) -> BoxFuture<'a, Result<BoxStream<'static, ()>, sqlx::Error>>;
 
+    /// Inserts `message` under `message_id`, with `extra_header` beside its own headers (the
+    /// trace context it carries).
     #[doc(hidden)]
     fn outbox_insert<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         message: &'a OutboxMessage,
         message_id: &'a str,
+        extra_header: Option<(&'a str, &'a str)>,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            let headers = headers_json(&message.headers);
+            let headers = headers_json(&message.headers, extra_header);
             let args = [
                 Arg::Text(message_id),
                 Arg::Text(&message.destination),
@@ -167,7 +170,7 @@ pub trait OutboxStore: Execute {
         reply: &'a OutboxMessage,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            let headers = headers_json(&reply.headers);
+            let headers = headers_json(&reply.headers, None);
             let args = [
                 Arg::Text(handler),
                 Arg::Text(key),
@@ -226,8 +229,21 @@ pub trait OutboxStore: Execute {
 /// The channel the outbox trigger notifies (see the migration `0005_outbox.sql`).
 const CHANNEL: &str = "consumer_outbox";
 
-fn headers_json(headers: &BTreeMap<String, String>) -> String {
-    serde_json::to_string(headers).unwrap_or_else(|_| "{}".to_owned())
+/// `headers` as a JSON object, with `extra` added (replacing a header of its name) when
+/// there is one, so that a header to carry needs no copy of the message.
+fn headers_json(headers: &BTreeMap<String, String>, extra: Option<(&str, &str)>) -> String {
+    let json = match extra {
+        None => serde_json::to_string(headers),
+        Some((name, value)) => {
+            let mut all: BTreeMap<&str, &str> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            all.insert(name, value);
+            serde_json::to_string(&all)
+        }
+    };
+    json.unwrap_or_else(|_| "{}".to_owned())
 }
 
 fn decode(rows: Vec<OutboxRaw>) -> Result<Vec<OutboxRow>, sqlx::Error> {

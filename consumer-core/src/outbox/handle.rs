@@ -1,5 +1,6 @@
 //! The [`Outbox`] handle: the table beside an inbox, and writing to it in a transaction.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use sqlx::Pool;
@@ -7,6 +8,7 @@ use tokio::sync::Notify;
 
 use super::message::{self, OutboxMessage};
 use crate::inbox::{Backend, OutboxStats, TableNames};
+use crate::trace::TRACEPARENT;
 use crate::{Error, Inbox};
 
 /// The outbox of an [`Inbox`](crate::Inbox): its table (`<inbox table>_outbox`, created by
@@ -90,10 +92,10 @@ impl<DB: Backend> Outbox<DB> {
     }
 }
 
-/// Validates and writes one message with the id `id`. A message without a `traceparent`
-/// carries the current span's (with the `opentelemetry` feature), else `inherited` (the
-/// incoming message's, for a handler's message), so that one trace runs from the request to
-/// what it caused.
+/// Validates and writes one message with the id `id` (the message's own, or the one the
+/// outbox assigned). A message without a `traceparent` carries the current span's (with the
+/// `opentelemetry` feature), else `inherited` (the incoming message's, for a handler's
+/// message), so that one trace runs from the request to what it caused.
 pub(crate) async fn insert<DB: Backend>(
     conn: &mut DB::Connection,
     names: &TableNames,
@@ -101,25 +103,22 @@ pub(crate) async fn insert<DB: Backend>(
     id: &str,
     inherited: Option<&String>,
 ) -> Result<(), Error> {
-    message.validate()?;
-    message::check_name("message id", id)?;
-    let traced;
-    let message = match traced_copy(message, inherited) {
-        Some(copy) => {
-            traced = copy;
-            &traced
-        }
-        None => message,
-    };
-    Ok(DB::outbox_insert(conn, names, message, id).await?)
+    message.validate(id)?;
+    let parent = trace_to_carry(message, inherited);
+    let extra_header = parent.as_deref().map(|p| (TRACEPARENT, p));
+    Ok(DB::outbox_insert(conn, names, message, id, extra_header).await?)
 }
 
-/// `message` with a trace context to carry, if it has none of its own and there is one.
-fn traced_copy(message: &OutboxMessage, inherited: Option<&String>) -> Option<OutboxMessage> {
-    use crate::trace::TRACEPARENT;
+/// The trace context to add to `message`: none if it has its own, else the current span's,
+/// else `inherited`.
+fn trace_to_carry<'m>(
+    message: &OutboxMessage,
+    inherited: Option<&'m String>,
+) -> Option<Cow<'m, str>> {
     if message.headers.contains_key(TRACEPARENT) {
         return None;
     }
-    let parent = crate::trace::current_traceparent().or_else(|| inherited.cloned())?;
-    Some(message.clone().header(TRACEPARENT, parent))
+    crate::trace::current_traceparent()
+        .map(Cow::Owned)
+        .or_else(|| inherited.map(|p| Cow::Borrowed(p.as_str())))
 }

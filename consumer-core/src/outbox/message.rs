@@ -75,22 +75,20 @@ impl OutboxMessage {
         self
     }
 
-    /// Checks what the outbox stores: a destination, and names that fit.
-    pub(crate) fn validate(&self) -> Result<(), Error> {
+    /// Checks what the outbox stores: a destination, and names that fit, the message id
+    /// being `id` (the message's own, or the one the outbox assigned).
+    pub(crate) fn validate(&self, id: &str) -> Result<(), Error> {
         check_name("destination", &self.destination)?;
         if let Some(key) = &self.key {
             check_name("ordering key", key)?;
         }
-        if let Some(id) = &self.message_id {
-            check_name("message id", id)?;
-        }
-        Ok(())
+        check_name("message id", id)
     }
 }
 
 /// A destination, key or id must be non-empty, at most [`MAX_OUTBOX_NAME_BYTES`], and hold
 /// no control character.
-pub(crate) fn check_name(what: &str, value: &str) -> Result<(), Error> {
+fn check_name(what: &str, value: &str) -> Result<(), Error> {
     if value.is_empty() {
         return Err(Error::Message(format!("the {what} is empty")));
     }
@@ -136,14 +134,15 @@ mod tests {
 
     #[test]
     fn a_message_needs_a_destination_and_printable_names() {
-        assert!(OutboxMessage::new("q", "x").validate().is_ok());
-        assert!(OutboxMessage::new("", "x").validate().is_err());
-        assert!(OutboxMessage::new("q", "x").key("a\nb").validate().is_err());
-        let long = "k".repeat(MAX_OUTBOX_NAME_BYTES + 1);
+        assert!(OutboxMessage::new("q", "x").validate("id").is_ok());
+        assert!(OutboxMessage::new("", "x").validate("id").is_err());
         assert!(OutboxMessage::new("q", "x")
-            .message_id(long)
-            .validate()
+            .key("a\nb")
+            .validate("id")
             .is_err());
+        let long = "k".repeat(MAX_OUTBOX_NAME_BYTES + 1);
+        assert!(OutboxMessage::new("q", "x").validate(&long).is_err());
+        assert!(OutboxMessage::new("q", "x").validate("").is_err());
     }
 
     #[test]

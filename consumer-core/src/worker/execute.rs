@@ -13,7 +13,7 @@ use super::job::Job;
 use super::settle::{Attempted, Settled};
 use super::{Crash, Inner};
 use crate::fault::point::FaultPoint;
-use crate::handler::{BatchContext, BatchMember, Context, Handler};
+use crate::handler::{BatchContext, BatchMember, Context, Handler, Written};
 use crate::inbox::{Backend, Lease};
 use crate::HandlerError;
 
@@ -263,8 +263,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 handler: &self.name,
                 members: &members,
                 names: self.inbox.names(),
-                published: Vec::new(),
-                replied: Vec::new(),
+                written: Vec::new(),
                 wrote,
             };
             runs = messages.len() as u64;
@@ -288,8 +287,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     delivery: &job.delivery,
                     fresh: job.fresh,
                     names: self.inbox.names(),
-                    published: 0,
-                    replied: false,
+                    written: Written::default(),
                     wrote,
                     #[cfg(feature = "fault-injection")]
                     faults: self.faults.as_deref(),

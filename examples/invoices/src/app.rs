@@ -19,15 +19,18 @@ use crate::settings::Settings;
 use crate::transport::{BoxTransport, Closed, EventPublisher};
 use crate::{handlers, schema, transport, Part};
 
-/// Logs to stderr; `RUST_LOG` overrides the default (`info`, sqlx's notices off).
-pub fn init_tracing() {
-    tracing_subscriber::fmt()
+/// Logs to stderr; `RUST_LOG` overrides the default (`info`, sqlx's notices off). With
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` set, also exports the spans ([`crate::telemetry`]): hold
+/// the returned guard until `main` returns, so the last spans are flushed.
+pub fn init_tracing() -> crate::telemetry::Telemetry {
+    let subscriber = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,sqlx=warn".into()),
         )
-        .init();
+        .finish();
+    crate::telemetry::init(subscriber)
 }
 
 /// Completes on SIGTERM (what `docker stop` and `kill` send) or Ctrl-C.

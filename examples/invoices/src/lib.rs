@@ -14,7 +14,8 @@
 //! - [`settings`] reads the environment; [`transport`] is the one place that picks the
 //!   broker; [`app`] runs the parts a binary asks for ([`Part`]: the invoice handler with the
 //!   outbox's relay, the email handler, or both) until SIGTERM or Ctrl-C; [`ops`] serves the
-//!   metrics and health endpoints.
+//!   metrics and health endpoints; [`telemetry`] exports the spans over OTLP (the
+//!   `opentelemetry` feature).
 //!
 //! `publish_jobs` publishes each job once to the jobs exchange (`invoice_jobs`). The relay
 //! publishes each committed invoice's event once (at least once: a re-send after a crash
@@ -28,6 +29,7 @@ pub mod ops;
 pub mod provider;
 pub mod schema;
 pub mod settings;
+pub mod telemetry;
 pub mod transport;
 
 pub use handlers::{send_email, send_invoice};

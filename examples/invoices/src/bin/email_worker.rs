@@ -15,6 +15,6 @@
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    invoices::app::init_tracing();
+    let _telemetry = invoices::app::init_tracing();
     invoices::app::run(&[invoices::Part::Emails]).await
 }

@@ -17,6 +17,6 @@
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    invoices::app::init_tracing();
+    let _telemetry = invoices::app::init_tracing();
     invoices::app::run(&[invoices::Part::Invoices]).await
 }

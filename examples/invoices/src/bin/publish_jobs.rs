@@ -30,7 +30,7 @@ fn number(name: &str, default: i64) -> anyhow::Result<i64> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    app::init_tracing();
+    let _telemetry = app::init_tracing();
     let settings = Settings::from_env()?;
     let jobs = number("JOBS", 100)?;
     let duplicate_percent = number("DUPLICATE_PERCENT", 10)?;
