@@ -95,7 +95,7 @@ fn incompressible(len: usize) -> String {
         .collect()
 }
 
-/// Runs a worker until `queue` is drained; panics if it does not drain in [`DRAIN_LIMIT`].
+/// Runs a worker until `queue` is drained; panics if it does not drain in `DRAIN_LIMIT`.
 pub async fn drain<DB: Backend, H: Handler<DB>>(
     inbox: Inbox<DB>,
     handler: H,

@@ -13,7 +13,7 @@
 //!
 //! # Layout
 //!
-//! - [`env`]: server-free fixtures every test shares (unique names, waiting on a condition
+//! - [`env`](mod@env): server-free fixtures every test shares (unique names, waiting on a condition
 //!   with a deadline, running a worker until a condition holds, a fresh SQLite file); the
 //!   workspace tests re-export them.
 //! - [`jobs`]: the scenarios' job, whose fields script the handler's behaviour, and its
