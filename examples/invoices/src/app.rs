@@ -204,16 +204,14 @@ struct Started {
 
 /// Per handler, the deliveries the broker flagged as delivered before (after a crash or a
 /// lost connection): a figure only the transport sees.
-type Redelivered = Arc<HashMap<&'static str, AtomicU64>>;
+type Redelivered = HashMap<&'static str, Arc<AtomicU64>>;
 
-/// Counts `part`'s redeliveries as they pass.
-fn counting(transport: BoxTransport, part: Part, redelivered: Redelivered) -> BoxTransport {
+/// Counts the redeliveries of `transport` in `redelivered` as they pass.
+fn counting(transport: BoxTransport, redelivered: Arc<AtomicU64>) -> BoxTransport {
     transport
         .inspect(move |r| {
             if r.as_ref().is_ok_and(|i| i.delivery.redelivered) {
-                if let Some(n) = redelivered.get(part.handler()) {
-                    n.fetch_add(1, Ordering::Relaxed);
-                }
+                redelivered.fetch_add(1, Ordering::Relaxed);
             }
         })
         .boxed()
@@ -241,12 +239,7 @@ async fn start(settings: &Settings, parts: &[Part]) -> anyhow::Result<Started> {
     )
     .await?;
     let switches = Switches::read(settings)?;
-    let redelivered: Redelivered = Arc::new(
-        parts
-            .iter()
-            .map(|p| (p.handler(), AtomicU64::new(0)))
-            .collect(),
-    );
+    let mut redelivered = Redelivered::new();
     let mut app = App::new(inbox);
     let mut closed = Vec::new();
     for &part in parts {
@@ -258,7 +251,9 @@ async fn start(settings: &Settings, parts: &[Part]) -> anyhow::Result<Started> {
         );
         let (consumer, done) = transport::consumer(settings, part).await?;
         closed.push(done);
-        let consumer = counting(consumer, part, redelivered.clone());
+        let counter = Arc::new(AtomicU64::new(0));
+        redelivered.insert(part.handler(), counter.clone());
+        let consumer = counting(consumer, counter);
         app = match part {
             Part::Invoices => app
                 .handler_with(handlers::send_invoice, consumer, config)

@@ -91,9 +91,9 @@ async fn record_effect(ctx: &mut Context<'_, Postgres>, order_id: i64) -> Result
 ///
 /// Both handlers get 10 attempts. The budget counts attempts that a crash cut short too
 /// (the runtime quarantines a message that used them all up without an outcome, a crash
-/// loop), and under the chaos suite about one attempt in seven is cut short by a kill or an
-/// abort: 10 leave a valid job a chance of about 10^-8 of running out. A poison job spends
-/// about 40 s in retries (`1s..5s`) before its dead letter.
+/// loop), and in the chaos suite's per-message runs about one attempt in seven is cut
+/// short by a kill or an abort: 10 leave a valid job a chance of about 10^-8 of running
+/// out. A poison job spends about 40 s in retries (`1s..5s`) before its dead letter.
 #[handler(
     name = "send_invoice",
     key = "invoice-{order_id}",

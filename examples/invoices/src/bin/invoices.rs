@@ -1,6 +1,6 @@
 //! The whole invoice service in one process: `send_invoice` on the jobs queue, the outbox's
 //! relay publishing its `invoice_ready` events, and `send_email` on the events queue, under
-//! one shutdown (an `consumer_core::App`).
+//! one shutdown (a `consumer_core::App`).
 //!
 //! Run with:
 //!
