@@ -177,6 +177,7 @@ async fn bad_requests_are_refused_before_running(db: Db) {
         .body(body.to_string());
     common::Answer::read(request.send().await.unwrap())
         .await
+        .unwrap()
         .assert_problem(400);
     let large = json!({"amount": 1, "note": "x".repeat(100)});
     app.post("/payments", Some("big"), &large)

@@ -135,7 +135,9 @@ impl Ingress {
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
-        Answer::read(request.send().await.expect("send")).await
+        Answer::read(request.send().await.expect("send"))
+            .await
+            .expect("body")
     }
 
     /// Posts `body` signed now with the current secret, as the provider does.

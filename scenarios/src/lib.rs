@@ -24,6 +24,7 @@
 //!   with handlers of their own.
 //! - [`runs`]: how often a job runs (duplicates, crashes, conflicts, panics, quarantine,
 //!   freshness on a log, retries and the numbering of their copies).
+//! - `http` (feature `http`): an HTTP answer read whole, for the tests of HTTP routes.
 //! - [`keys`]: a key's life in the inbox (guards, retention, batches, lost and overdue
 //!   copies, inboxes that share no locks, dead keys released).
 
@@ -32,6 +33,8 @@
 
 pub mod env;
 pub mod harness;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod invalid;
 pub mod jobs;
 pub mod keys;

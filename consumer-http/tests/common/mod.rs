@@ -376,7 +376,9 @@ impl App {
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
-        Answer::read(request.send().await.expect("send")).await
+        Answer::read(request.send().await.expect("send"))
+            .await
+            .expect("body")
     }
 
     /// Waits until `n` handlers wait at the gate.
@@ -447,48 +449,4 @@ async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> 
     }
 }
 
-/// A response, read whole.
-#[derive(Debug, Clone)]
-pub struct Answer {
-    pub status: u16,
-    pub headers: reqwest::header::HeaderMap,
-    pub body: bytes::Bytes,
-}
-
-impl Answer {
-    pub async fn read(r: reqwest::Response) -> Answer {
-        let status = r.status().as_u16();
-        let headers = r.headers().clone();
-        let body = r.bytes().await.expect("body");
-        Answer {
-            status,
-            headers,
-            body,
-        }
-    }
-
-    pub fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).expect("a JSON body")
-    }
-
-    /// A problem+json answer with `status`.
-    pub fn assert_problem(&self, status: u16) {
-        assert_eq!(self.status, status, "{self:?}");
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
-        assert_eq!(self.json()["status"], json!(status));
-    }
-}
+pub use consumer_scenarios::http::Answer;
