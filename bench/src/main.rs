@@ -51,7 +51,8 @@
 //!
 //! Options (`--help` lists them with their defaults): `--messages N --reps N --size BYTES
 //! --batch N --concurrency N --prefetch N`; `--arms a,b` runs
-//! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`,
+//! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`),
+//! or end in one given with a trailing `$` (`--arms 'kafka: fw batched$'`, that arm alone,
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
 //! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`);
@@ -212,8 +213,9 @@ struct Options {
     /// RabbitMQ prefetch (unacked deliveries the broker hands out at once).
     #[arg(long, default_value_t = 256)]
     prefetch: u16,
-    /// Only the arms whose name contains one of these strings (e.g. `--arms 'memory: fw'`);
-    /// every arm if not given.
+    /// Only the arms whose name contains one of these strings (e.g. `--arms 'memory: fw'`),
+    /// or, for one ending in `$`, ends in the rest (`--arms 'kafka: fw batched$'`); every
+    /// arm if not given.
     #[arg(long, value_name = "NAME[,NAME...]", value_delimiter = ',')]
     arms: Vec<String>,
     /// Print this process's RSS to stderr every this many milliseconds (0: never).
@@ -409,6 +411,15 @@ impl<F: FnOnce(&Settlement) + Send + 'static> Acknowledger for Timed<F> {
             (this.on_settled)(&kind);
             r
         })
+    }
+}
+
+/// Whether the arm named `arm` is one `--arms` asked for with `want`: a name containing it,
+/// or, for a `want` ending in `$`, a name ending in the rest.
+fn arm_matches(arm: &str, want: &str) -> bool {
+    match want.strip_suffix('$') {
+        Some(end) => arm.ends_with(end),
+        None => arm.contains(want),
     }
 }
 
@@ -826,7 +837,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         eprintln!("KAFKA_BROKERS is not set: skipping the Kafka arms");
     }
     if !o.arms.is_empty() {
-        arms.retain(|arm| o.arms.iter().any(|want| arm.contains(want.as_str())));
+        arms.retain(|arm| o.arms.iter().any(|want| arm_matches(arm, want)));
     }
     if o.rss_every_ms > 0 {
         // A flat line here over a long run is the "RSS stays flat" check.
