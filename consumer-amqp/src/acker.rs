@@ -11,7 +11,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
-    Acknowledger, DeadLetter, Delivery, Incoming, Origin, Settlement, Source, TransportError,
+    Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
+    TransportError,
 };
 
 use crate::ack_book::{AckPlan, ACK_WAIT_FOR_OLDER};
@@ -19,9 +20,47 @@ use crate::headers;
 use crate::link::Link;
 use crate::Error;
 
+/// The locations of one queue's deliveries, `<queue> (exchange="…", routing_key="…")`: the
+/// last one is kept, so the deliveries that came the same way (most of them) share its text
+/// instead of formatting their own.
+pub(crate) struct Locations {
+    queue: String,
+    last: Option<(ShortString, ShortString, Arc<str>)>,
+}
+
+impl Locations {
+    pub(crate) fn new(queue: &str) -> Self {
+        Locations {
+            queue: queue.to_owned(),
+            last: None,
+        }
+    }
+
+    /// The location of a delivery that came from `exchange` with `routing_key`.
+    fn of(&mut self, exchange: &ShortString, routing_key: &ShortString) -> Location {
+        match &self.last {
+            Some((e, r, text)) if e == exchange && r == routing_key => Location::Text(text.clone()),
+            _ => {
+                let text: Arc<str> = Arc::from(format!(
+                    "{} (exchange={:?}, routing_key={:?})",
+                    self.queue,
+                    exchange.as_str(),
+                    routing_key.as_str()
+                ));
+                self.last = Some((exchange.clone(), routing_key.clone(), text.clone()));
+                Location::Text(text)
+            }
+        }
+    }
+}
+
 /// Builds the runtime's envelope: `message_id` from the AMQP property, `attempt` from
 /// [`headers::ATTEMPT`], `redelivered` from the AMQP flag, headers as strings.
-pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &str) -> Incoming {
+pub(crate) fn incoming(
+    d: lapin::message::Delivery,
+    link: &Arc<Link>,
+    locations: &mut Locations,
+) -> Incoming {
     let lapin::message::Delivery {
         delivery_tag,
         exchange,
@@ -54,11 +93,7 @@ pub(crate) fn incoming(d: lapin::message::Delivery, link: &Arc<Link>, queue: &st
         origin: Origin::First,
         source: Source {
             transport: "amqp",
-            location: format!(
-                "{queue} (exchange={:?}, routing_key={:?})",
-                exchange.as_str(),
-                routing_key.as_str()
-            ),
+            location: locations.of(&exchange, &routing_key),
         },
     };
     Incoming {

@@ -289,12 +289,13 @@ enum Stop {
 /// for many deliveries, not one each.
 async fn pump(session: &mut Session, tx: &mpsc::Sender<Item>, queue: &str) -> Stop {
     let mut taken: Vec<Incoming> = Vec::new();
+    let mut locations = acker::Locations::new(queue);
     loop {
         tokio::select! {
             biased;
             () = session.link.reset_requested() => return Stop::Reset,
             next = session.consumer.next() => {
-                if let Err(stop) = take_ready(session, next, &mut taken, queue) {
+                if let Err(stop) = take_ready(session, next, &mut taken, &mut locations) {
                     return stop;
                 }
             }
@@ -316,12 +317,12 @@ fn take_ready(
     session: &mut Session,
     first: Option<lapin::Result<lapin::message::Delivery>>,
     taken: &mut Vec<Incoming>,
-    queue: &str,
+    locations: &mut acker::Locations,
 ) -> Result<(), Stop> {
     let mut next = Some(first);
     while let Some(delivery) = next {
         match delivery {
-            Some(Ok(d)) => taken.push(acker::incoming(d, &session.link, queue)),
+            Some(Ok(d)) => taken.push(acker::incoming(d, &session.link, locations)),
             Some(Err(e)) => return Err(Stop::Lost(e)),
             None => return Err(Stop::Cancelled),
         }

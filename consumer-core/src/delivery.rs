@@ -35,12 +35,82 @@ pub struct Source {
     /// The transport, e.g. `memory`, `amqp`, `kafka`.
     pub transport: &'static str,
     /// Transport-specific location, e.g. a queue name or `topic/partition@offset`.
-    pub location: String,
+    pub location: Location,
 }
 
 impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.transport, self.location)
+    }
+}
+
+/// Where a delivery sits at its transport, as its [`Display`](fmt::Display) shows it: a
+/// queue (and how the message got there), or a record's `topic/partition@offset`.
+///
+/// Made of shared parts and formatted only when shown (a log line, a dead letter), so a
+/// transport builds one per delivery without formatting or copying text. Two locations are
+/// equal when they are the same variant with equal parts; compare with a `&str` to compare
+/// the text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// Text, shared by the deliveries that have it (e.g. a queue's).
+    Text(Arc<str>),
+    /// A record in a log: `topic/partition@offset`.
+    Record {
+        /// The topic.
+        topic: Arc<str>,
+        /// The partition.
+        partition: i32,
+        /// The record's offset.
+        offset: i64,
+    },
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Text(text) => f.write_str(text),
+            Location::Record {
+                topic,
+                partition,
+                offset,
+            } => write!(f, "{topic}/{partition}@{offset}"),
+        }
+    }
+}
+
+impl From<&str> for Location {
+    fn from(text: &str) -> Self {
+        Location::Text(Arc::from(text))
+    }
+}
+
+impl From<String> for Location {
+    fn from(text: String) -> Self {
+        Location::Text(Arc::from(text))
+    }
+}
+
+impl From<Arc<str>> for Location {
+    fn from(text: Arc<str>) -> Self {
+        Location::Text(text)
+    }
+}
+
+impl PartialEq<&str> for Location {
+    /// Whether the location reads `text`.
+    fn eq(&self, text: &&str) -> bool {
+        /// Compares what is written with the rest of the text, piece by piece.
+        struct Reads<'a>(Option<&'a str>);
+        impl fmt::Write for Reads<'_> {
+            fn write_str(&mut self, piece: &str) -> fmt::Result {
+                self.0 = self.0.and_then(|rest| rest.strip_prefix(piece));
+                Ok(())
+            }
+        }
+        let mut reads = Reads(Some(text));
+        let _ = fmt::Write::write_fmt(&mut reads, format_args!("{self}"));
+        reads.0 == Some("")
     }
 }
 
@@ -264,6 +334,28 @@ pub trait Acknowledger: Send + 'static {
     }
 }
 
+/// The future of a settlement an [`Acknowledger`] has already applied, before returning:
+/// `Ok(())` at once. It holds nothing, so boxing it allocates nothing (an `async` block
+/// would be one allocation a delivery): for a transport whose ack is a local step, such as
+/// marking a Kafka offset settled.
+pub fn settled_now() -> BoxFuture<'static, Result<(), TransportError>> {
+    Box::pin(SettledNow)
+}
+
+/// See [`settled_now`].
+struct SettledNow;
+
+impl std::future::Future for SettledNow {
+    type Output = Result<(), TransportError>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
 /// A source of deliveries: any stream of [`Incoming`].
 ///
 /// An `Err` item is logged and consumption continues; the stream ending ends the worker.
@@ -275,4 +367,36 @@ pub trait Transport:
 impl<S> Transport for S where
     S: Stream<Item = Result<Incoming, TransportError>> + Send + Unpin + 'static
 {
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_location_reads_as_its_text() {
+        let record = Location::Record {
+            topic: Arc::from("jobs"),
+            partition: 3,
+            offset: 41,
+        };
+        assert_eq!(record.to_string(), "jobs/3@41");
+        assert_eq!(record, "jobs/3@41");
+        for other in ["jobs/3@4", "jobs/3@411", "jobs/3", "", "jobs/3@41 "] {
+            assert_ne!(record, other);
+        }
+        let queue = Location::from("q (exchange=\"\", routing_key=\"q\")");
+        assert_eq!(queue, "q (exchange=\"\", routing_key=\"q\")");
+        assert_ne!(queue, "q");
+        let source = Source {
+            transport: "kafka",
+            location: record,
+        };
+        assert_eq!(source.to_string(), "kafka:jobs/3@41");
+    }
+
+    #[tokio::test]
+    async fn a_settlement_already_applied_is_ready_at_once() {
+        assert!(settled_now().await.is_ok());
+    }
 }

@@ -145,26 +145,44 @@ impl KeyTemplate {
 /// request fingerprint of `consumer-http`, are both this function. Stored hashes depend on
 /// its exact bytes, so it never changes.
 pub fn canonical_hash(payload: &Value) -> String {
-    // Serialised straight into the hasher: no sorted copy of the payload, no byte buffer.
-    // serde_json's `Map` is a BTreeMap unless `preserve_order` is on; `Canonical` sorts the
-    // keys itself, so the bytes do not depend on that feature.
-    let mut hasher = HashWriter(Sha256::new());
-    if serde_json::to_writer(&mut hasher, &Canonical(payload)).is_err() {
-        // Unreachable: a `Value` always serialises and the writer never fails.
-        return to_hex(&Sha256::digest(b"").into());
-    }
-    to_hex(&hasher.0.finalize().into())
+    PayloadHash::of(payload).as_str().to_owned()
 }
 
-/// A SHA-256 digest as 64 lowercase hex characters: one allocation, no per-character
-/// iterator (this runs once per delivery).
-fn to_hex(digest: &[u8; 32]) -> String {
-    let mut out = [0u8; 64];
-    // A 32-byte digest always fits 64 characters.
-    if hex::encode_to_slice(digest, &mut out).is_err() {
-        return hex::encode(digest);
+/// [`canonical_hash`] held inline, as a job carries it through the pipeline: 64 lowercase
+/// hex characters, without an allocation a delivery.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PayloadHash([u8; 64]);
+
+impl PayloadHash {
+    /// The canonical hash of `payload`.
+    pub(crate) fn of(payload: &Value) -> Self {
+        // Serialised straight into the hasher: no sorted copy of the payload, no byte
+        // buffer. serde_json's `Map` is a BTreeMap unless `preserve_order` is on;
+        // `Canonical` sorts the keys itself, so the bytes do not depend on that feature.
+        let mut hasher = HashWriter(Sha256::new());
+        let digest: [u8; 32] = if serde_json::to_writer(&mut hasher, &Canonical(payload)).is_ok() {
+            hasher.0.finalize().into()
+        } else {
+            // Unreachable: a `Value` always serialises and the writer never fails.
+            Sha256::digest(b"").into()
+        };
+        let mut hex = [b'0'; 64];
+        // A 32-byte digest always fits 64 characters.
+        let _ = hex::encode_to_slice(digest, &mut hex);
+        PayloadHash(hex)
     }
-    out.iter().map(|&b| char::from(b)).collect()
+
+    /// The 64 hex characters.
+    pub(crate) fn as_str(&self) -> &str {
+        // Always ASCII hex digits.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for PayloadHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A `Value` serialised with object keys in sorted order.
@@ -228,7 +246,7 @@ pub(crate) fn sha256(parts: &[&[u8]]) -> [u8; 32] {
 
 /// SHA-256 (hex) of raw bytes: the payload fingerprint for non-JSON-equal comparisons.
 pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
-    to_hex(&sha256(parts))
+    hex::encode(sha256(parts))
 }
 
 /// A stable idempotency key for `effect` of message `key` in `handler`: 64 hex characters

@@ -133,8 +133,8 @@ mod worker;
 pub use app::{App, AppHealth, HandlerHealth, PartState};
 pub use consumer_macros::handler;
 pub use delivery::{
-    Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, LogPosition, Origin,
-    Settlement, Source, Transport, CORRELATION_ID_HEADER, REPLY_TO_HEADER,
+    settled_now, Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Location,
+    LogPosition, Origin, Settlement, Source, Transport, CORRELATION_ID_HEADER, REPLY_TO_HEADER,
 };
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};

@@ -12,7 +12,9 @@ use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use tokio::sync::Notify;
 
-use crate::delivery::{Acknowledger, DeadLetter, Delivery, Incoming, Origin, Settlement, Source};
+use crate::delivery::{
+    Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
+};
 use crate::TransportError;
 
 /// The header carrying the attempt number of a retried copy.
@@ -186,16 +188,20 @@ impl MemoryBroker {
             state.next_consumer
         };
         let shared = self.shared.clone();
-        let name = queue.to_owned();
+        // Shared by every delivery and acknowledger of this consumer.
+        let names = Arc::new(ConsumerNames {
+            queue: Arc::from(queue),
+            scope: format!("memory:{}/{queue}", self.shared.id),
+        });
         let stream = futures::stream::unfold((), move |()| {
             let shared = shared.clone();
-            let name = name.clone();
+            let names = names.clone();
             async move {
                 loop {
                     let notified = shared.notify.notified();
                     futures::pin_mut!(notified);
                     notified.as_mut().enable();
-                    if let Some(incoming) = take(&shared, &name, id) {
+                    if let Some(incoming) = take(&shared, &names, id) {
                         return Some((Ok(incoming), ()));
                     }
                     notified.await;
@@ -250,7 +256,15 @@ impl MemoryBroker {
     }
 }
 
-fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
+/// A consumer's queue name and retry scope, shared by its deliveries.
+struct ConsumerNames {
+    queue: Arc<str>,
+    /// `memory:<broker id>/<queue>`: where its deliveries' retry copies come back.
+    scope: String,
+}
+
+fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, consumer: u64) -> Option<Incoming> {
+    let queue = &*names.queue;
     let mut state = shared.lock();
     state.next_tag += 1;
     let tag = state.next_tag;
@@ -265,18 +279,17 @@ fn take(shared: &Arc<Shared>, queue: &str, consumer: u64) -> Option<Incoming> {
         origin: Origin::First,
         source: Source {
             transport: "memory",
-            location: queue.to_owned(),
+            location: Location::Text(names.queue.clone()),
         },
     };
     q.unacked.insert(tag, (consumer, stored));
     Some(Incoming {
         delivery,
         acker: Box::new(MemoryAcker {
-            scope: format!("memory:{}/{queue}", shared.id),
+            names: names.clone(),
             broker: MemoryBroker {
                 shared: shared.clone(),
             },
-            queue: queue.to_owned(),
             tag,
             consumer,
         }),
@@ -337,10 +350,9 @@ impl Drop for MemoryConsumer {
 }
 
 struct MemoryAcker {
-    /// `memory:<broker id>/<queue>`: where this delivery's retry copies come back.
-    scope: String,
+    /// Its queue, and where its retry copies come back.
+    names: Arc<ConsumerNames>,
     broker: MemoryBroker,
-    queue: String,
     tag: u64,
     consumer: u64,
 }
@@ -355,7 +367,7 @@ impl Acknowledger for MemoryAcker {
                 let mut state = self.broker.shared.lock();
                 let q = state
                     .queues
-                    .get_mut(&self.queue)
+                    .get_mut(&*self.names.queue)
                     .ok_or_else(|| TransportError::msg("queue vanished"))?;
                 match q.unacked.get(&self.tag) {
                     // Like an AMQP delivery tag of a closed channel: it cannot be settled.
@@ -387,7 +399,7 @@ impl Acknowledger for MemoryAcker {
             self.broker.shared.notify.notify_waiters();
             if let Some((mut stored, delay, attempt)) = stored {
                 let broker = self.broker.clone();
-                let queue = self.queue.clone();
+                let queue = self.names.queue.to_string();
                 // The delay runs on its own task: nothing else waits for it.
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
@@ -413,7 +425,7 @@ impl Acknowledger for MemoryAcker {
     /// A retry removes the delivery and queues a copy carrying the new attempt number, on
     /// this broker and queue.
     fn copy_scope(&self) -> Option<&str> {
-        Some(&self.scope)
+        Some(&self.names.scope)
     }
 }
 

@@ -136,7 +136,7 @@ fn ledger_rows<DB: Backend>(
     BATCH_CALLS
         .lock()
         .unwrap()
-        .push(ctx.delivery(0).source.location.clone());
+        .push(ctx.delivery(0).source.location.to_string());
     Ok(rows)
 }
 

@@ -89,7 +89,11 @@ async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
     assert_eq!(a.delivery.attempt, 1);
     assert_eq!(a.delivery.source.transport, "amqp");
     assert!(
-        a.delivery.source.location.starts_with(&cfg.queue),
+        a.delivery
+            .source
+            .location
+            .to_string()
+            .starts_with(&cfg.queue),
         "{}",
         a.delivery.source
     );

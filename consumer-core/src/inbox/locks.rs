@@ -1,59 +1,166 @@
 //! In-process per-key locks: a second delivery of a key waits here for the first, without
 //! holding a database connection while it waits. Also the keys' lock ids, which the
 //! PostgreSQL advisory locks use too.
+//!
+//! The table holds one entry per held key: the queue of the tasks waiting for it, empty
+//! (no allocation) while nobody waits. Taking a free key is an insert and releasing it a
+//! remove, under one hold of the table for a whole batch; only a wait allocates (a
+//! one-shot channel, through which the releaser hands the key over).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
+use tokio::sync::oneshot;
 
-/// A map of key lock id to its lock; entries are removed when nobody holds or waits on them.
+/// The table of held keys: lock id to the tasks waiting for it, oldest first.
 #[derive(Debug, Default)]
 pub(crate) struct KeyLocks {
     map: LockMap,
 }
 
-type LockMap = Arc<Mutex<HashMap<i64, Arc<AsyncMutex<()>>>>>;
+type Table = HashMap<i64, VecDeque<oneshot::Sender<()>>, BuildHasherDefault<LockIdHasher>>;
+type LockMap = Arc<Mutex<Table>>;
+
+/// Hashes a lock id as itself: it is already the start of a SHA-256 digest, so hashing it
+/// again (SipHash, on every take and release) buys nothing. Only keys in flight are in the
+/// table (at most the workers' concurrency times their batch size), so even ids chosen to
+/// share buckets cost a bounded probe.
+#[derive(Debug, Default)]
+struct LockIdHasher(u64);
+
+impl Hasher for LockIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_i64(&mut self, id: i64) {
+        self.0 = u64::from_ne_bytes(id.to_ne_bytes());
+    }
+}
 
 /// Holds the in-process locks of a set of keys; dropping it releases them all.
 pub(crate) struct LocalGuards {
     map: LockMap,
-    held: Vec<(i64, OwnedMutexGuard<()>)>,
+    held: Vec<i64>,
 }
 
 impl KeyLocks {
     /// Locks `ids`, which must be sorted and without repeats: every caller takes its locks in
     /// ascending order, so two callers sharing keys cannot deadlock. Free locks are taken
-    /// under one hold of the map; from the first busy one on, each is awaited in turn.
+    /// under one hold of the table; from the first busy one on, each is awaited in turn.
     pub(crate) async fn lock_many(&self, ids: &[i64]) -> LocalGuards {
         let mut guards = LocalGuards {
             map: self.map.clone(),
             held: Vec::with_capacity(ids.len()),
         };
-        let mut busy = Vec::new();
-        {
-            let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-            for &id in ids {
-                let mutex = map.entry(id).or_default().clone();
-                if busy.is_empty() {
-                    if let Ok(guard) = mutex.clone().try_lock_owned() {
-                        guards.held.push((id, guard));
-                        continue;
+        let busy = {
+            let mut table = lock(&self.map);
+            ids.iter()
+                .position(|&id| match table.entry(id) {
+                    Entry::Vacant(v) => {
+                        v.insert(VecDeque::new());
+                        guards.held.push(id);
+                        false
                     }
-                }
-                // Taking it now would be out of order behind the busy one: wait in turn.
-                busy.push((id, mutex));
-            }
-        }
-        for (id, mutex) in busy {
-            guards.held.push((id, mutex.lock_owned().await));
+                    Entry::Occupied(_) => true,
+                })
+                .unwrap_or(ids.len())
+        };
+        // Taking the rest now would be out of order behind the busy one: wait in turn.
+        for &id in &ids[busy..] {
+            Waiting::new(&self.map, id).acquired().await;
+            guards.held.push(id);
         }
         guards
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.map.lock().map(|m| m.len()).unwrap_or_default()
+        lock(&self.map).len()
+    }
+}
+
+fn lock(map: &LockMap) -> MutexGuard<'_, Table> {
+    map.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Hands `id` to its oldest waiter still waiting, or frees it if none is.
+fn release(table: &mut Table, id: i64) {
+    let Some(waiters) = table.get_mut(&id) else {
+        return;
+    };
+    while let Some(next) = waiters.pop_front() {
+        if next.send(()).is_ok() {
+            return;
+        }
+    }
+    table.remove(&id);
+}
+
+/// A wait for one key. Dropped before the key is handed over (the lease was cancelled), it
+/// leaves the queue; dropped after, it passes the key on.
+struct Waiting<'a> {
+    map: &'a LockMap,
+    id: i64,
+    handed: Option<oneshot::Receiver<()>>,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(map: &'a LockMap, id: i64) -> Self {
+        Waiting {
+            map,
+            id,
+            handed: None,
+        }
+    }
+
+    /// Resolves once `id` is this task's.
+    async fn acquired(mut self) {
+        loop {
+            let rx = {
+                let mut table = lock(self.map);
+                match table.entry(self.id) {
+                    Entry::Vacant(v) => {
+                        // Free (released meanwhile).
+                        v.insert(VecDeque::new());
+                        return;
+                    }
+                    Entry::Occupied(mut o) => {
+                        let (tx, rx) = oneshot::channel();
+                        o.get_mut().push_back(tx);
+                        rx
+                    }
+                }
+            };
+            let handed = self.handed.insert(rx).await.is_ok();
+            self.handed = None;
+            // A sender is only dropped unsent with its entry, once nobody waits: never while
+            // this task does. Should it be, the key is asked for again, never assumed.
+            if handed {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.handed.take() else {
+            return;
+        };
+        rx.close();
+        if rx.try_recv().is_ok() {
+            // Handed over just as the wait was given up: pass it on.
+            release(&mut lock(self.map), self.id);
+        }
     }
 }
 
@@ -62,13 +169,9 @@ impl Drop for LocalGuards {
         if self.held.is_empty() {
             return;
         }
-        let ids: Vec<i64> = self.held.drain(..).map(|(id, _guard)| id).collect();
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        for id in ids {
-            // Only the map holds it now: nobody holds or waits on this key.
-            if map.get(&id).is_some_and(|m| Arc::strong_count(m) == 1) {
-                map.remove(&id);
-            }
+        let mut table = lock(&self.map);
+        for id in self.held.drain(..) {
+            release(&mut table, id);
         }
     }
 }
@@ -123,8 +226,56 @@ mod tests {
         let second = tokio::time::timeout(Duration::from_secs(5), second)
             .await
             .expect("[2, 3] gets both once 2 is released");
-        assert_eq!(second.held.len(), 2);
+        assert_eq!(second.held, [2, 3]);
         drop(second);
+        assert_eq!(locks.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_wait_given_up_after_the_handover_passes_the_key_on() {
+        let locks = KeyLocks::default();
+        let first = locks.lock_many(&[1]).await;
+        let mut second = Box::pin(locks.lock_many(&[1]));
+        assert!(futures::poll!(second.as_mut()).is_pending(), "1 is held");
+        // Handed to the waiting lease, which is then dropped before it sees it.
+        drop(first);
+        drop(second);
+        assert_eq!(
+            locks.len(),
+            0,
+            "the key went back, not to a lease that is gone"
+        );
+        let third = tokio::time::timeout(Duration::from_secs(5), locks.lock_many(&[1]))
+            .await
+            .expect("1 is free again");
+        drop(third);
+    }
+
+    #[tokio::test]
+    async fn waiters_get_the_key_in_turn() {
+        let locks = Arc::new(KeyLocks::default());
+        let held = locks.lock_many(&[7]).await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for n in 0..3 {
+            let (locks, order) = (locks.clone(), order.clone());
+            let mut wait = Box::pin(async move {
+                let g = locks.lock_many(&[7]).await;
+                order.lock().unwrap().push(n);
+                drop(g);
+            });
+            // Queued in this order before any runs on.
+            assert!(futures::poll!(wait.as_mut()).is_pending());
+            tasks.push(tokio::spawn(wait));
+        }
+        drop(held);
+        for t in tasks {
+            tokio::time::timeout(Duration::from_secs(5), t)
+                .await
+                .expect("every waiter gets the key")
+                .unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [0, 1, 2]);
         assert_eq!(locks.len(), 0);
     }
 

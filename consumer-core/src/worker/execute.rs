@@ -152,7 +152,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         };
         if fresh {
             let claimed = if jobs.len() == 1 {
-                let (key, hash) = (&jobs[0].key, &jobs[0].hash);
+                let (key, hash) = (&jobs[0].key, jobs[0].hash.as_str());
                 DB::claim_fresh(&mut tx, names, &self.name, key, hash, s.retention)
                     .await
                     .map(|claimed| {

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::config::Settings;
 use crate::delivery::{Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Settlement};
-use crate::key::{canonical_hash, check_key};
+use crate::key::{check_key, PayloadHash};
 
 /// One delivery on its way through the pipeline: the delivery, the means to settle it, its
 /// key and payload hash, the attempt it runs as, and the decoded message.
@@ -13,7 +13,7 @@ pub(super) struct Job<M> {
     pub(super) delivery: Delivery,
     pub(super) acker: Box<dyn Acknowledger>,
     pub(super) key: String,
-    pub(super) hash: String,
+    pub(super) hash: PayloadHash,
     /// The delivery's bounded number until the claim; then the number the attempt runs as
     /// (see [`super::attempt`]).
     pub(super) attempt: u32,
@@ -113,8 +113,13 @@ impl Verdict {
 }
 
 /// The key of `payload`: the handler's template, else the message id, else (if allowed) the
-/// payload's canonical hash.
-fn derive_key(s: &Settings, delivery: &Delivery, payload: &Value) -> Result<String, String> {
+/// payload's canonical hash, `hash`.
+fn derive_key(
+    s: &Settings,
+    delivery: &Delivery,
+    payload: &Value,
+    hash: &PayloadHash,
+) -> Result<String, String> {
     if let Some(template) = &s.key {
         return template
             .render(payload)
@@ -124,7 +129,7 @@ fn derive_key(s: &Settings, delivery: &Delivery, payload: &Value) -> Result<Stri
         return Ok(id.to_owned());
     }
     if s.payload_hash {
-        return Ok(format!("sha256:{}", canonical_hash(payload)));
+        return Ok(format!("sha256:{}", hash.as_str()));
     }
     Err("the message has no message id, the handler has no key template, and payload hashing is not allowed".to_owned())
 }
@@ -163,7 +168,7 @@ pub(super) fn prepare<M: serde::de::DeserializeOwned>(
 fn decode<M: serde::de::DeserializeOwned>(
     s: &Settings,
     delivery: &Delivery,
-) -> Result<(M, String, String), Verdict> {
+) -> Result<(M, String, PayloadHash), Verdict> {
     let refuse = |reason, key: Option<&str>, error: String| {
         Verdict::dead_letter(&s.name, delivery, reason, key, 0, error)
     };
@@ -180,8 +185,8 @@ fn decode<M: serde::de::DeserializeOwned>(
     // built from the value by move (its strings are not copied again); an undecodable
     // payload is still reported as such before a missing key.
     let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|value| {
-        let key = derive_key(s, delivery, &value);
-        let hash = canonical_hash(&value);
+        let hash = PayloadHash::of(&value);
+        let key = derive_key(s, delivery, &value, &hash);
         Ok((M::deserialize(value)?, key, hash))
     });
     let (message, key, hash) =

@@ -443,7 +443,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     .iter()
                     .map(|j| AttemptItem {
                         key: &j.key,
-                        hash: &j.hash,
+                        hash: j.hash.as_str(),
                         attempt: j.attempt,
                         scope: j.acker.copy_scope(),
                     })

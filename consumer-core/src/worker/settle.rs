@@ -247,7 +247,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         self.inbox.names(),
                         &self.name,
                         &job.key,
-                        &job.hash,
+                        job.hash.as_str(),
                     )
                     .await
                     {

@@ -160,7 +160,7 @@ fn delivery(s: &Settings, parts: &Parts, event_id: String, body: Bytes, t: i64) 
         origin: Origin::Unknown,
         source: Source {
             transport: WEBHOOK_TRANSPORT,
-            location: s.route.clone(),
+            location: s.route.as_str().into(),
         },
     }
 }

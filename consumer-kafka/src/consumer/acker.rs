@@ -70,8 +70,19 @@ impl Acknowledger for KafkaAcker {
         self: Box<Self>,
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let mut this = self;
+        if let Settlement::Ack = settlement {
+            // Marking the offset is all an ack does: done here, with nothing to box.
+            let marked = this
+                .shared
+                .mark_settled(&this.tp, this.generation, &this.record);
+            this.done = true;
+            return match marked {
+                Ok(()) => consumer_core::settled_now(),
+                Err(e) => Box::pin(std::future::ready(Err(e))),
+            };
+        }
         Box::pin(async move {
-            let mut this = self;
             let result = this.apply(settlement).await;
             this.done = true;
             result
@@ -94,6 +105,7 @@ impl KafkaAcker {
         let shared = &self.shared;
         let (tp, generation, record) = (&self.tp, self.generation, &self.record);
         match settlement {
+            // `settle` applies acks itself, without a future: the same step.
             Settlement::Ack => shared.mark_settled(tp, generation, record),
             Settlement::Retry { delay, attempt } => match shared.settings.retry {
                 RetryMode::Blocking => shared.defer(tp, generation, record, delay, attempt),

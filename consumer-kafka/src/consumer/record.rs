@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use consumer_core::{Delivery, LogPosition, Origin, Source};
+use consumer_core::{Delivery, Location, LogPosition, Origin, Source};
 use rdkafka::message::Headers;
 
 use crate::headers;
@@ -113,7 +113,12 @@ impl Record {
             origin: Origin::Log(position),
             source: Source {
                 transport: "kafka",
-                location: self.location(),
+                // Formatted only if shown: no text is built per delivery.
+                location: Location::Record {
+                    topic: self.topic.clone(),
+                    partition: self.partition,
+                    offset: self.offset,
+                },
             },
         }
     }
