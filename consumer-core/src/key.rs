@@ -150,7 +150,6 @@ pub fn canonical_hash(payload: &Value) -> String {
 
 /// [`canonical_hash`] held inline, as a job carries it through the pipeline: 64 lowercase
 /// hex characters, without an allocation a delivery.
-#[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PayloadHash([u8; 64]);
 
 impl PayloadHash {
@@ -176,12 +175,6 @@ impl PayloadHash {
     pub(crate) fn as_str(&self) -> &str {
         // Always ASCII hex digits.
         std::str::from_utf8(&self.0).unwrap_or_default()
-    }
-}
-
-impl std::fmt::Debug for PayloadHash {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

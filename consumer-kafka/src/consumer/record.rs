@@ -61,20 +61,24 @@ pub(super) enum MessageId {
     None,
 }
 
-/// `topic/partition@offset`: where a record is, and the message id derived from it.
-pub(super) fn location(topic: &str, partition: i32, offset: i64) -> String {
-    use std::fmt::Write as _;
-    // Sized up front (a partition takes at most 11 characters, an offset 20): one allocation
-    // per delivery, where `format!` would grow the string once more.
-    let mut s = String::with_capacity(topic.len() + 33);
-    let _ = write!(s, "{topic}/{partition}@{offset}");
-    s
-}
-
 impl Record {
-    /// `topic/partition@offset`.
+    /// Where it is: `topic/partition@offset`, shown by [`Location`]'s `Display` (the one
+    /// owner of that form).
+    pub(super) fn place(&self) -> Location {
+        Location::Record {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+        }
+    }
+
+    /// [`Record::place`] as text: for logs, copies, and the message id derived from it.
     pub(super) fn location(&self) -> String {
-        location(&self.topic, self.partition, self.offset)
+        use std::fmt::Write as _;
+        // Sized up front (a partition takes at most 11 characters, an offset 20).
+        let mut s = String::with_capacity(self.topic.len() + 33);
+        let _ = write!(s, "{}", self.place());
+        s
     }
 
     /// Its message id: the header named `header`, or its position (see [`MessageId`]).
@@ -114,11 +118,7 @@ impl Record {
             source: Source {
                 transport: "kafka",
                 // Formatted only if shown: no text is built per delivery.
-                location: Location::Record {
-                    topic: self.topic.clone(),
-                    partition: self.partition,
-                    offset: self.offset,
-                },
+                location: self.place(),
             },
         }
     }
@@ -299,7 +299,7 @@ mod tests {
             );
             let d = r.delivery(1, false, position.clone(), "message_id");
             assert_eq!(d.message_id.as_deref(), expected, "{source:?}");
-            assert_eq!(d.source.location, "jobs/3@41");
+            assert_eq!(d.source.location.to_string(), "jobs/3@41");
         }
     }
 }
