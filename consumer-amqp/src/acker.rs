@@ -81,10 +81,7 @@ pub(crate) fn incoming(
             .map(|id| id.to_string())
             .filter(|id| !id.is_empty()),
         payload: payload.clone(),
-        headers: Arc::new(headers::with_reply_address(
-            headers::to_strings(table),
-            &properties,
-        )),
+        headers: headers::to_headers(table, &properties),
         redelivered,
         attempt,
         // RabbitMQ flags a delivery redelivered if any consumer may have had it before

@@ -6,9 +6,10 @@
 //! [`LAST_FAILURE`]. Times are RFC 3339 UTC strings with milliseconds
 //! (`2024-05-01T12:00:00.123Z`).
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use consumer_core::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 /// The attempt number of a retried copy (1 when absent); becomes [`consumer_core::Delivery::attempt`].
@@ -49,49 +50,49 @@ pub(crate) const DEAD_LETTER: &[&str] = &[
 /// Longest error text put in a header; longer texts are cut at a character boundary.
 pub const MAX_ERROR_LEN: usize = 4096;
 
-/// The headers as strings: strings as they are, numbers in decimal, booleans as
-/// `true`/`false`, timestamps as seconds, arrays and tables (e.g. RabbitMQ's `x-death`) as
-/// JSON.
-pub(crate) fn to_strings(table: Option<&FieldTable>) -> BTreeMap<String, String> {
-    table
+/// A delivery's headers as text: its header table (strings as they are, numbers in
+/// decimal, booleans as `true`/`false`, timestamps as seconds, arrays and tables, e.g.
+/// RabbitMQ's `x-death`, as JSON), plus the request's reply address and correlation id from
+/// the `reply_to` and `correlation_id` properties, under the names a handler's reply reads
+/// ([`consumer_core::REPLY_TO_HEADER`], [`consumer_core::CORRELATION_ID_HEADER`]); those
+/// two win over headers of the same name.
+///
+/// Text values are borrowed from the table, not copied: the one block of the [`Headers`] is
+/// the only lasting allocation.
+pub(crate) fn to_headers(
+    table: Option<&FieldTable>,
+    properties: &lapin::BasicProperties,
+) -> Headers {
+    let mut text: Vec<(&str, Cow<'_, str>)> = table
         .map(|t| {
             t.inner()
                 .iter()
-                .map(|(k, v)| (k.to_string(), value_to_string(v)))
+                .map(|(k, v)| (k.as_str(), value_text(v)))
                 .collect()
         })
-        .unwrap_or_default()
-}
-
-/// `headers` plus the request's reply address and correlation id, from the `reply_to` and
-/// `correlation_id` properties, under the names a handler's reply reads
-/// ([`consumer_core::REPLY_TO_HEADER`], [`consumer_core::CORRELATION_ID_HEADER`]).
-pub(crate) fn with_reply_address(
-    mut headers: BTreeMap<String, String>,
-    properties: &lapin::BasicProperties,
-) -> BTreeMap<String, String> {
+        .unwrap_or_default();
     if let Some(to) = properties.reply_to() {
-        headers.insert(consumer_core::REPLY_TO_HEADER.to_owned(), to.to_string());
+        text.push((consumer_core::REPLY_TO_HEADER, Cow::Borrowed(to.as_str())));
     }
     if let Some(id) = properties.correlation_id() {
-        headers.insert(
-            consumer_core::CORRELATION_ID_HEADER.to_owned(),
-            id.to_string(),
-        );
+        text.push((
+            consumer_core::CORRELATION_ID_HEADER,
+            Cow::Borrowed(id.as_str()),
+        ));
     }
-    headers
+    Headers::from_pairs(text.iter().map(|(k, v)| (*k, v.as_ref())))
 }
 
-fn value_to_string(v: &AMQPValue) -> String {
+fn value_text(v: &AMQPValue) -> Cow<'_, str> {
     match v {
-        AMQPValue::ShortString(s) => s.to_string(),
-        AMQPValue::LongString(s) => s.to_string(),
-        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
-        AMQPValue::Void => String::new(),
-        other => match value_to_json(other) {
+        AMQPValue::ShortString(s) => Cow::Borrowed(s.as_str()),
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()),
+        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()),
+        AMQPValue::Void => Cow::Borrowed(""),
+        other => Cow::Owned(match value_to_json(other) {
             serde_json::Value::String(s) => s,
             json => json.to_string(),
-        },
+        }),
     }
 }
 
@@ -261,11 +262,23 @@ mod tests {
             "x-death".into(),
             AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
         );
-        let h = to_strings(Some(&t));
-        assert_eq!(h["s"], "text");
-        assert_eq!(h["n"], "-5");
-        assert_eq!(h["b"], "false");
-        assert_eq!(h["x-death"], r#"[{"count":2,"queue":"q"}]"#);
+        t.insert("reply-to".into(), AMQPValue::LongString("forged".into()));
+        let properties = lapin::BasicProperties::default()
+            .with_reply_to("replies".into())
+            .with_correlation_id("c-1".into());
+        let h = to_headers(Some(&t), &properties);
+        assert_eq!(h.get("s"), Some("text"));
+        assert_eq!(h.get("n"), Some("-5"));
+        assert_eq!(h.get("b"), Some("false"));
+        assert_eq!(h.get("x-death"), Some(r#"[{"count":2,"queue":"q"}]"#));
+        // The properties win over a header of the same name.
+        assert_eq!(h.get(consumer_core::REPLY_TO_HEADER), Some("replies"));
+        assert_eq!(h.get(consumer_core::CORRELATION_ID_HEADER), Some("c-1"));
+        assert_eq!(h.len(), 6);
+        assert_eq!(
+            to_headers(None, &lapin::BasicProperties::default()),
+            Headers::new()
+        );
     }
 
     #[test]

@@ -9,7 +9,6 @@
 //! - Kafka commits one offset per partition; its acknowledger marks the offset settled, and the
 //!   transport commits only up to the last contiguous settled offset.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +17,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::Stream;
 
-use crate::TransportError;
+use crate::{Headers, TransportError};
 
 /// The delivery header naming where a request's reply goes (a queue, a topic): RabbitMQ's
 /// `reply_to` property, a Kafka header of this name. See
@@ -92,10 +91,10 @@ pub struct Delivery {
     pub message_id: Option<String>,
     /// The raw payload.
     pub payload: Bytes,
-    /// String headers (transport properties the runtime or handlers may read). Shared: a
-    /// transport may hand every delivery of one message the same map, and cloning a
-    /// delivery does not copy them (`Arc::make_mut` to change them).
-    pub headers: Arc<BTreeMap<String, String>>,
+    /// Text headers (transport properties the runtime or handlers may read). Shared: a
+    /// transport hands every delivery of one message the same block, and cloning a delivery
+    /// does not copy them.
+    pub headers: Headers,
     /// The broker says it delivered this message before (not acked then).
     pub redelivered: bool,
     /// The delivery attempt as the transport counts it (1 for the first), from a retry header.

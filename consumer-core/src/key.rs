@@ -165,6 +165,16 @@ impl PayloadHash {
             // Unreachable: a `Value` always serialises and the writer never fails.
             Sha256::digest(b"").into()
         };
+        PayloadHash::hex(digest)
+    }
+
+    /// The canonical hash of a payload whose bytes are already its canonical form (see
+    /// [`crate::canonical::is_canonical`]): the hash of the bytes as they are.
+    pub(crate) fn of_canonical(payload: &[u8]) -> Self {
+        PayloadHash::hex(Sha256::digest(payload).into())
+    }
+
+    fn hex(digest: [u8; 32]) -> Self {
         let mut hex = [b'0'; 64];
         // A 32-byte digest always fits 64 characters.
         let _ = hex::encode_to_slice(digest, &mut hex);
@@ -336,6 +346,102 @@ mod tests {
         assert_eq!(
             canonical_hash(&v),
             hex::encode(Sha256::digest(bytes.as_bytes()))
+        );
+    }
+
+    /// A JSON text of random shape and spelling: keys in any order and sometimes repeated,
+    /// numbers in every spelling, strings with and without escapes, white space now and
+    /// then. Some are canonical, most are not; a few are not JSON.
+    fn random_json(seed: &mut u64, depth: u32, out: &mut String) {
+        fn roll(seed: &mut u64, n: u64) -> u64 {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            *seed % n
+        }
+        const SCALARS: [&str; 22] = [
+            "0",
+            "7",
+            "-3",
+            "-0",
+            "01",
+            "1.0",
+            "1e2",
+            "2E-1",
+            "18446744073709551615",
+            "18446744073709551616",
+            "-9223372036854775808",
+            "-9223372036854775809",
+            "true",
+            "false",
+            "null",
+            r#""x""#,
+            "\"é/\u{7f}\"",
+            r#""a\"b""#,
+            r#""\u00e9""#,
+            r#""\n""#,
+            r#""\/""#,
+            r#""""#,
+        ];
+        const KEYS: [&str; 6] = ["a", "b", "ab", "", "é", "B"];
+        let shape = if depth > 3 { 2 } else { roll(seed, 4) };
+        match shape {
+            0 => {
+                out.push('{');
+                for i in 0..roll(seed, 4) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&format!("{:?}", KEYS[roll(seed, 6) as usize]));
+                    if roll(seed, 20) == 0 {
+                        out.push(' ');
+                    }
+                    out.push(':');
+                    random_json(seed, depth + 1, out);
+                }
+                out.push('}');
+            }
+            1 => {
+                out.push('[');
+                for i in 0..roll(seed, 4) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    random_json(seed, depth + 1, out);
+                }
+                out.push(']');
+            }
+            _ => out.push_str(SCALARS[roll(seed, 22) as usize]),
+        }
+        if roll(seed, 30) == 0 {
+            out.push(' ');
+        }
+    }
+
+    #[test]
+    fn a_payload_taken_as_canonical_hashes_as_its_tree_does() {
+        let (mut seed, mut canonical, mut json) = (0x9e37_79b9_7f4a_7c15_u64, 0, 0);
+        for _ in 0..20_000 {
+            let mut text = String::new();
+            random_json(&mut seed, 0, &mut text);
+            let tree = serde_json::from_str::<Value>(&text);
+            json += usize::from(tree.is_ok());
+            if !crate::canonical::is_canonical(text.as_bytes()) {
+                continue;
+            }
+            canonical += 1;
+            let tree =
+                tree.unwrap_or_else(|e| panic!("taken as canonical, not JSON: {text} ({e})"));
+            assert_eq!(
+                PayloadHash::of_canonical(text.as_bytes()).as_str(),
+                PayloadHash::of(&tree).as_str(),
+                "{text}"
+            );
+        }
+        // Both kinds came up often enough for the check to mean something.
+        assert!(
+            canonical > 2_000 && json - canonical > 2_000,
+            "{canonical} of {json}"
         );
     }
 

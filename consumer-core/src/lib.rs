@@ -26,7 +26,8 @@
 //! # Layout
 //!
 //! - `delivery`: what a transport hands the runtime ([`Delivery`], [`Incoming`]) and how
-//!   the runtime hands it back ([`Acknowledger`], [`Settlement`]).
+//!   the runtime hands it back ([`Acknowledger`], [`Settlement`]); `headers`: a delivery's
+//!   text [`Headers`], one shared block per message.
 //! - `worker`: the runtime, one pipeline in four stages: `worker::job` prepares (decode and
 //!   key once), `worker::claim` decides what a claim means, `worker::execute` runs a group
 //!   of jobs in one transaction (and alone after a failure), `worker::settle` records the
@@ -36,7 +37,9 @@
 //!   statements, and the key locks; `log_marks`: the log marks that prove a Kafka record
 //!   fresh.
 //! - `handler`: the [`Handler`] trait, its options and the contexts a handler runs with;
-//!   `key`: key templates and the canonical payload hash; `retry`: the backoff policy;
+//!   `key`: key templates and the canonical payload hash; `canonical`: whether a payload's
+//!   bytes are already its canonical form (then hashed and decoded as they are, without a
+//!   JSON tree); `retry`: the backoff policy;
 //!   `guard`: guards for effects outside the database; `stats`: the counters and their
 //!   metrics; `trace`: W3C trace context from message headers.
 //! - `outbox`: the outbox handle, the outgoing message, the publisher trait and the relay;
@@ -111,6 +114,7 @@
 //!   application installs the `tracing-opentelemetry` layer and its exporter.
 
 mod app;
+mod canonical;
 mod delivery;
 mod error;
 #[cfg(feature = "fault-injection")]
@@ -119,6 +123,7 @@ pub mod fault;
 mod fault;
 pub mod guard;
 mod handler;
+mod headers;
 mod ident;
 mod inbox;
 mod key;
@@ -139,6 +144,7 @@ pub use delivery::{
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
+pub use headers::Headers;
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};

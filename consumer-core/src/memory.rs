@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use crate::delivery::{
     Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
 };
-use crate::TransportError;
+use crate::{Headers, TransportError};
 
 /// The header carrying the attempt number of a retried copy.
 pub const ATTEMPT_HEADER: &str = "x-attempt";
@@ -71,8 +71,11 @@ impl QueueDepth {
     }
 }
 
+/// A message as a queue holds it: its headers in the form deliveries share.
 struct Stored {
-    message: Message,
+    id: Option<String>,
+    payload: Bytes,
+    headers: Headers,
     redelivered: bool,
     attempt: u32,
 }
@@ -161,7 +164,9 @@ impl MemoryBroker {
         self.push(
             queue,
             Stored {
-                message,
+                headers: Headers::from(&message.headers),
+                id: message.id,
+                payload: message.payload,
                 redelivered: false,
                 attempt: 1,
             },
@@ -271,9 +276,9 @@ fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, consumer: u64) -> Opti
     let q = state.queues.get_mut(queue)?;
     let stored = q.ready.pop_front()?;
     let delivery = Delivery {
-        message_id: stored.message.id.clone(),
-        payload: stored.message.payload.clone(),
-        headers: Arc::new(stored.message.headers.clone()),
+        message_id: stored.id.clone(),
+        payload: stored.payload.clone(),
+        headers: stored.headers.clone(),
         redelivered: stored.redelivered,
         attempt: stored.attempt,
         origin: Origin::First,
@@ -385,7 +390,11 @@ impl Acknowledger for MemoryAcker {
                     Settlement::Ack => None,
                     Settlement::DeadLetter(dead_letter) => {
                         q.dead.push(DeadLettered {
-                            message: stored.message,
+                            message: Message {
+                                id: stored.id,
+                                payload: stored.payload,
+                                headers: stored.headers.to_map(),
+                            },
                             dead_letter,
                         });
                         None
@@ -405,10 +414,7 @@ impl Acknowledger for MemoryAcker {
                     tokio::time::sleep(delay).await;
                     stored.attempt = attempt;
                     stored.redelivered = false;
-                    stored
-                        .message
-                        .headers
-                        .insert(ATTEMPT_HEADER.to_owned(), attempt.to_string());
+                    stored.headers.insert(ATTEMPT_HEADER, attempt.to_string());
                     {
                         let mut state = broker.shared.lock();
                         let q = state.queues.entry(queue).or_default();
@@ -481,14 +487,7 @@ mod tests {
         let retried = c.next().await.unwrap().unwrap();
         assert!(start.elapsed() >= Duration::from_secs(4));
         assert_eq!(retried.delivery.attempt, 2);
-        assert_eq!(
-            retried
-                .delivery
-                .headers
-                .get(ATTEMPT_HEADER)
-                .map(String::as_str),
-            Some("2")
-        );
+        assert_eq!(retried.delivery.headers.get(ATTEMPT_HEADER), Some("2"));
     }
 
     #[tokio::test]

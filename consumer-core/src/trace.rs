@@ -75,10 +75,7 @@ impl TraceParent {
 
     /// The message's `traceparent`, if it has a valid one.
     pub fn of(delivery: &Delivery) -> Option<Self> {
-        delivery
-            .headers
-            .get(TRACEPARENT)
-            .and_then(|v| Self::parse(v))
+        delivery.headers.get(TRACEPARENT).and_then(Self::parse)
     }
 
     /// The trace id in lowercase hex.
@@ -152,7 +149,7 @@ mod otel {
 
     use super::TraceParent;
 
-    fn remote(parent: &TraceParent, state: Option<&String>) -> SpanContext {
+    fn remote(parent: &TraceParent, state: Option<&str>) -> SpanContext {
         let state = state
             .and_then(|s| s.parse::<TraceState>().ok())
             .unwrap_or_default();
@@ -165,12 +162,12 @@ mod otel {
         )
     }
 
-    pub(super) fn set_parent(span: &tracing::Span, parent: &TraceParent, state: Option<&String>) {
+    pub(super) fn set_parent(span: &tracing::Span, parent: &TraceParent, state: Option<&str>) {
         let cx = Context::new().with_remote_span_context(remote(parent, state));
         let _ = span.set_parent(cx);
     }
 
-    pub(super) fn add_link(span: &tracing::Span, parent: &TraceParent, state: Option<&String>) {
+    pub(super) fn add_link(span: &tracing::Span, parent: &TraceParent, state: Option<&str>) {
         span.add_link(remote(parent, state));
     }
 

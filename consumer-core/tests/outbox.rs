@@ -285,7 +285,7 @@ async fn a_duplicate_request_is_answered_with_the_same_reply() {
             out.push(Message {
                 id: d.message_id.clone(),
                 payload: d.payload.clone(),
-                headers: (*d.headers).clone(),
+                headers: d.headers.to_map(),
             });
             incoming
                 .acker

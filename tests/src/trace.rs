@@ -41,7 +41,7 @@ pub async fn traced(
     ctx: &mut Context<'_, Postgres>,
     _job: serde_json::Value,
 ) -> Result<(), HandlerError> {
-    let header = ctx.delivery().headers.get(TRACEPARENT).cloned();
+    let header = ctx.delivery().headers.get(TRACEPARENT).map(str::to_owned);
     SEEN.lock().unwrap_or_else(|e| e.into_inner()).push(Seen {
         attempt: ctx.attempt(),
         header,

@@ -101,7 +101,7 @@ pub(crate) async fn insert<DB: Backend>(
     names: &TableNames,
     message: &OutboxMessage,
     id: &str,
-    inherited: Option<&String>,
+    inherited: Option<&str>,
 ) -> Result<(), Error> {
     message.validate(id)?;
     let parent = trace_to_carry(message, inherited);
@@ -111,14 +111,11 @@ pub(crate) async fn insert<DB: Backend>(
 
 /// The trace context to add to `message`: none if it has its own, else the current span's,
 /// else `inherited`.
-fn trace_to_carry<'m>(
-    message: &OutboxMessage,
-    inherited: Option<&'m String>,
-) -> Option<Cow<'m, str>> {
+fn trace_to_carry<'m>(message: &OutboxMessage, inherited: Option<&'m str>) -> Option<Cow<'m, str>> {
     if message.headers.contains_key(TRACEPARENT) {
         return None;
     }
     crate::trace::current_traceparent()
         .map(Cow::Owned)
-        .or_else(|| inherited.map(|p| Cow::Borrowed(p.as_str())))
+        .or_else(|| inherited.map(Cow::Borrowed))
 }

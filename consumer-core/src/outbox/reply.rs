@@ -26,15 +26,15 @@ pub(crate) async fn write<DB: Backend>(
         )));
     };
     let id = crate::key::idempotency_key(handler, key, "reply");
-    let mut reply = OutboxMessage::new(to.as_str(), body).message_id(id.clone());
+    let mut reply = OutboxMessage::new(to, body).message_id(id.clone());
     // The requester matches the reply to its request by the correlation id, else by the
     // request's message id.
     let correlation = delivery
         .headers
         .get(CORRELATION_ID_HEADER)
-        .or(delivery.message_id.as_ref());
+        .or(delivery.message_id.as_deref());
     if let Some(c) = correlation {
-        reply = reply.header(CORRELATION_ID_HEADER, c.as_str());
+        reply = reply.header(CORRELATION_ID_HEADER, c);
     }
     insert::<DB>(
         conn,

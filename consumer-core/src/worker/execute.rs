@@ -152,21 +152,19 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         };
         if fresh {
             let claimed = if jobs.len() == 1 {
-                let (key, hash) = (&jobs[0].key, jobs[0].hash.as_str());
+                let (key, hash) = (jobs[0].key(), jobs[0].hash.as_str());
                 DB::claim_fresh(&mut tx, names, &self.name, key, hash, s.retention)
                     .await
                     .map(|claimed| {
                         if claimed {
                             Vec::new()
                         } else {
-                            vec![key.clone()]
+                            vec![key.to_owned()]
                         }
                     })
             } else {
-                let items: Vec<(&str, &str)> = jobs
-                    .iter()
-                    .map(|j| (j.key.as_str(), j.hash.as_str()))
-                    .collect();
+                let items: Vec<(&str, &str)> =
+                    jobs.iter().map(|j| (j.key(), j.hash.as_str())).collect();
                 DB::claim_fresh_many(&mut tx, names, &self.name, &items, s.retention).await
             };
             match claimed {
@@ -174,7 +172,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 Ok(taken) => {
                     let (rest, had_rows) = std::mem::take(jobs)
                         .into_iter()
-                        .partition(|j| !taken.contains(&j.key));
+                        .partition(|j| !taken.iter().any(|t| t == j.key()));
                     *jobs = rest;
                     alone.extend(had_rows);
                 }
@@ -194,16 +192,16 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             return Ok(Ended::Failed(failure));
         }
         for job in jobs.iter() {
-            self.fault(FaultPoint::BeforeCommit, &job.key)?;
+            self.fault(FaultPoint::BeforeCommit, job.key())?;
         }
         if !fresh {
             let completed = if jobs.len() == 1 {
-                let (key, n) = (&jobs[0].key, jobs[0].attempt);
+                let (key, n) = (jobs[0].key(), jobs[0].attempt);
                 DB::complete(&mut tx, names, &self.name, key, n, s.retention, unlock)
                     .await
                     .map(u64::from)
             } else {
-                let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+                let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
                 let attempts: Vec<u32> = jobs.iter().map(|j| j.attempt).collect();
                 let (name, retention) = (&self.name, s.retention);
                 DB::complete_many(&mut tx, names, name, &keys, &attempts, retention, unlock).await
@@ -253,7 +251,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             let members: Vec<BatchMember<'_>> = jobs
                 .iter()
                 .map(|job| BatchMember {
-                    key: &job.key,
+                    key: job.key(),
                     attempt: job.attempt,
                     delivery: &job.delivery,
                 })
@@ -282,7 +280,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 let mut ctx = Context {
                     conn: &mut *tx,
                     handler: &self.name,
-                    key: &job.key,
+                    key: job.key(),
                     attempt: job.attempt,
                     delivery: &job.delivery,
                     fresh: job.fresh,

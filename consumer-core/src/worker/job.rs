@@ -4,6 +4,7 @@
 use serde_json::Value;
 
 use super::config::Settings;
+use crate::canonical::is_canonical;
 use crate::delivery::{Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Settlement};
 use crate::key::{check_key, PayloadHash};
 
@@ -12,7 +13,7 @@ use crate::key::{check_key, PayloadHash};
 pub(super) struct Job<M> {
     pub(super) delivery: Delivery,
     pub(super) acker: Box<dyn Acknowledger>,
-    pub(super) key: String,
+    key: Key,
     pub(super) hash: PayloadHash,
     /// The delivery's bounded number until the claim; then the number the attempt runs as
     /// (see [`super::attempt`]).
@@ -21,6 +22,31 @@ pub(super) struct Job<M> {
     /// the handler's transaction, counting nothing ahead.
     pub(super) fresh: bool,
     message: Option<M>,
+}
+
+/// Where a job's key is: most keys are the message id, which the delivery holds already.
+enum Key {
+    /// The delivery's message id.
+    MessageId,
+    /// Rendered from the handler's template, or the payload's hash.
+    Derived(String),
+}
+
+impl Key {
+    /// The key of the job of `delivery`.
+    fn of<'a>(&'a self, delivery: &'a Delivery) -> &'a str {
+        match self {
+            Key::MessageId => delivery.message_id.as_deref().unwrap_or_default(),
+            Key::Derived(key) => key,
+        }
+    }
+}
+
+impl<M> Job<M> {
+    /// The job's idempotency key.
+    pub(super) fn key(&self) -> &str {
+        self.key.of(&self.delivery)
+    }
 }
 
 impl<M: serde::de::DeserializeOwned> Job<M> {
@@ -119,17 +145,28 @@ fn derive_key(
     delivery: &Delivery,
     payload: &Value,
     hash: &PayloadHash,
-) -> Result<String, String> {
+) -> Result<Key, String> {
     if let Some(template) = &s.key {
         return template
             .render(payload)
+            .map(Key::Derived)
             .map_err(|e| format!("key template {:?}: {e}", template.as_str()));
     }
-    if let Some(id) = delivery.message_id.as_deref().filter(|id| !id.is_empty()) {
-        return Ok(id.to_owned());
+    untemplated_key(s, delivery, hash)
+}
+
+/// The key of a delivery whose handler has no key template: the message id, else (if
+/// allowed) the payload's canonical hash.
+fn untemplated_key(s: &Settings, delivery: &Delivery, hash: &PayloadHash) -> Result<Key, String> {
+    if delivery
+        .message_id
+        .as_deref()
+        .is_some_and(|id| !id.is_empty())
+    {
+        return Ok(Key::MessageId);
     }
     if s.payload_hash {
-        return Ok(format!("sha256:{}", hash.as_str()));
+        return Ok(Key::Derived(format!("sha256:{}", hash.as_str())));
     }
     Err("the message has no message id, the handler has no key template, and payload hashing is not allowed".to_owned())
 }
@@ -168,7 +205,7 @@ pub(super) fn prepare<M: serde::de::DeserializeOwned>(
 fn decode<M: serde::de::DeserializeOwned>(
     s: &Settings,
     delivery: &Delivery,
-) -> Result<(M, String, PayloadHash), Verdict> {
+) -> Result<(M, Key, PayloadHash), Verdict> {
     let refuse = |reason, key: Option<&str>, error: String| {
         Verdict::dead_letter(&s.name, delivery, reason, key, 0, error)
     };
@@ -181,17 +218,111 @@ fn decode<M: serde::de::DeserializeOwned>(
         );
         return Err(refuse(DeadLetterReason::PayloadTooLarge, id, error));
     }
-    // The key and hash are taken from the decoded value first, so the message can then be
-    // built from the value by move (its strings are not copied again); an undecodable
-    // payload is still reported as such before a missing key.
-    let decoded = serde_json::from_slice::<Value>(&delivery.payload).and_then(|value| {
-        let hash = PayloadHash::of(&value);
-        let key = derive_key(s, delivery, &value, &hash);
-        Ok((M::deserialize(value)?, key, hash))
-    });
+    // An undecodable payload is reported as such before a missing key.
+    let decoded = if s.key.is_none() && is_canonical(&delivery.payload) {
+        // The bytes are their canonical form, so they are the hash's input as they are, and
+        // no template reads a tree: the message is decoded from them directly.
+        serde_json::from_slice::<M>(&delivery.payload).map(|message| {
+            let hash = PayloadHash::of_canonical(&delivery.payload);
+            let key = untemplated_key(s, delivery, &hash);
+            (message, key, hash)
+        })
+    } else {
+        // The key and hash are taken from the decoded tree first, so the message can then
+        // be built from the tree by move (its strings are not copied again).
+        serde_json::from_slice::<Value>(&delivery.payload).and_then(|value| {
+            let hash = PayloadHash::of(&value);
+            let key = derive_key(s, delivery, &value, &hash);
+            Ok((M::deserialize(value)?, key, hash))
+        })
+    };
     let (message, key, hash) =
         decoded.map_err(|e| refuse(DeadLetterReason::Undecodable, id, e.to_string()))?;
     let key = key.map_err(|e| refuse(DeadLetterReason::MissingKey, None, e))?;
-    check_key(&key).map_err(|e| refuse(DeadLetterReason::InvalidKey, None, e))?;
+    check_key(key.of(delivery)).map_err(|e| refuse(DeadLetterReason::InvalidKey, None, e))?;
     Ok((message, key, hash))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::delivery::{Location, Origin, Source};
+    use crate::handler::HandlerOptions;
+    use crate::key::canonical_hash;
+    use crate::worker::WorkerConfig;
+    use crate::TransportError;
+
+    struct Unused;
+
+    impl Acknowledger for Unused {
+        fn settle(
+            self: Box<Self>,
+            _: Settlement,
+        ) -> futures::future::BoxFuture<'static, Result<(), TransportError>> {
+            crate::settled_now()
+        }
+    }
+
+    fn incoming(payload: &str) -> Incoming {
+        Incoming {
+            delivery: Delivery {
+                message_id: None,
+                payload: bytes::Bytes::copy_from_slice(payload.as_bytes()),
+                headers: crate::Headers::new(),
+                redelivered: false,
+                attempt: 1,
+                origin: Origin::Unknown,
+                source: Source {
+                    transport: "test",
+                    location: Location::from("q"),
+                },
+            },
+            acker: Box::new(Unused),
+        }
+    }
+
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    struct Order {
+        id: u64,
+        items: Vec<String>,
+    }
+
+    /// The payload's spelling does not change its hash, its key or its message, whether it
+    /// is already canonical (decoded straight from the bytes) or not (through the tree).
+    #[test]
+    fn a_payload_keys_and_decodes_alike_in_every_spelling() {
+        let settings = |options: HandlerOptions| {
+            Settings::validate(options, &WorkerConfig::default()).expect("valid")
+        };
+        let by_hash = settings(HandlerOptions::new("orders").payload_hash(true));
+        let by_template = settings(HandlerOptions::new("orders").key("order-{id}"));
+        let canonical = r#"{"id":7,"items":["a","b"]}"#;
+        assert!(is_canonical(canonical.as_bytes()));
+        let value: Value = serde_json::from_str(canonical).expect("json");
+        let expected = Order {
+            id: 7,
+            items: vec!["a".into(), "b".into()],
+        };
+        for payload in [canonical, r#"{"items": ["a","b"], "id": 7}"#] {
+            let Ok(mut job) = prepare::<Order>(&by_hash, incoming(payload)) else {
+                panic!("{payload} did not prepare");
+            };
+            assert_eq!(job.hash.as_str(), canonical_hash(&value), "{payload}");
+            assert_eq!(job.key(), format!("sha256:{}", canonical_hash(&value)));
+            assert_eq!(job.take_message().expect("decodes"), expected);
+            let Ok(job) = prepare::<Order>(&by_template, incoming(payload)) else {
+                panic!("{payload} did not prepare");
+            };
+            assert_eq!(job.key(), "order-7");
+            assert_eq!(job.hash.as_str(), canonical_hash(&value), "{payload}");
+        }
+        // A canonical payload that is not the message is undecodable, as through the tree.
+        let Err((_, verdict)) = prepare::<Order>(&by_hash, incoming(r#"{"id":7}"#)) else {
+            panic!("a payload without items prepared");
+        };
+        assert_eq!(
+            verdict.outcome,
+            Outcome::DeadLettered(DeadLetterReason::Undecodable)
+        );
+    }
 }

@@ -264,11 +264,11 @@ impl RepeatedKeys {
     /// Whether `job`'s key is one of `jobs`' (the jobs pushed so far, `job` to be pushed next);
     /// if not, it is remembered as the key of the next job.
     fn repeated<M>(&mut self, jobs: &[Job<M>], job: &Job<M>) -> bool {
-        let hash = self.hasher.hash_one(job.key.as_str());
+        let hash = self.hasher.hash_one(job.key());
         match self.first.get(&hash) {
-            Some(&i) if jobs.get(i).is_some_and(|j| j.key == job.key) => true,
+            Some(&i) if jobs.get(i).is_some_and(|j| j.key() == job.key()) => true,
             // Another key with the same hash (rare): compare with every job.
-            Some(_) => jobs.iter().any(|j| j.key == job.key),
+            Some(_) => jobs.iter().any(|j| j.key() == job.key()),
             None => {
                 self.first.insert(hash, jobs.len());
                 false
@@ -367,7 +367,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             }
         }
         if let [job] = jobs.as_slice() {
-            tracing::Span::current().record("key", job.key.as_str());
+            tracing::Span::current().record("key", job.key());
         }
         self.freshness
             .judge(&mut jobs, |j| (&j.delivery, &mut j.fresh))
@@ -429,7 +429,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         if jobs.is_empty() {
             return Ok(());
         }
-        let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+        let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
         let mut lease = match self.inbox.lease_many(&self.name, &keys).await {
             Ok(l) => l,
             Err(e) => {
@@ -442,7 +442,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 let items: Vec<AttemptItem<'_>> = jobs
                     .iter()
                     .map(|j| AttemptItem {
-                        key: &j.key,
+                        key: j.key(),
                         hash: j.hash.as_str(),
                         attempt: j.attempt,
                         scope: j.acker.copy_scope(),
@@ -469,7 +469,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             let mut to_run = Vec::with_capacity(jobs.len());
             for (mut job, claim) in jobs.into_iter().zip(claims) {
                 let on_conflict = self.settings.on_conflict;
-                match claim::decide(&self.name, &job.delivery, &job.key, claim, on_conflict) {
+                match claim::decide(&self.name, &job.delivery, job.key(), claim, on_conflict) {
                     Decision::Run { attempt } => {
                         job.attempt = attempt;
                         to_run.push(job);
@@ -483,14 +483,14 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     }
                     Decision::Quarantine { attempts, error } => {
                         let reason = DeadLetterReason::Quarantined;
-                        self.record_failure(lease.conn(), &job.key, Some(reason), &error)
+                        self.record_failure(lease.conn(), job.key(), Some(reason), &error)
                             .await;
                         self.stats.quarantined.bump();
                         let verdict = Verdict::dead_letter(
                             &self.name,
                             &job.delivery,
                             reason,
-                            Some(&job.key),
+                            Some(job.key()),
                             attempts,
                             error,
                         );
@@ -517,7 +517,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     fn fault_keys(&self, jobs: &[Job<H::Message>]) -> Vec<String> {
         #[cfg(feature = "fault-injection")]
         if self.faults.is_some() {
-            return jobs.iter().map(|j| j.key.clone()).collect();
+            return jobs.iter().map(|j| j.key().to_owned()).collect();
         }
         let _ = jobs;
         Vec::new()

@@ -192,10 +192,10 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             (Settlement::Retry { attempt, delay }, Outcome::Retry { counted: true }) => {
                 match job.acker.copy_scope().map(str::to_owned) {
                     Some(scope) => Box::new(RecordRetry {
+                        key: job.key().to_owned(),
                         acker: job.acker,
                         inbox: self.inbox.clone(),
                         handler: self.name.clone(),
-                        key: job.key,
                         attempt: *attempt,
                         scope,
                         delay: *delay,
@@ -206,13 +206,13 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             (Settlement::Ack, Outcome::Duplicate) => {
                 match job.delivery.headers.get(REPLY_TO_HEADER) {
                     Some(to) => Box::new(ResendReply {
-                        to: to.clone(),
+                        to: to.to_owned(),
                         attempt: job.delivery.attempt,
                         delay: self.settings.backoff.next_delay(1),
+                        key: job.key().to_owned(),
                         acker: job.acker,
                         inbox: self.inbox.clone(),
                         handler: self.name.clone(),
-                        key: job.key,
                     }),
                     None => job.acker,
                 }
@@ -246,20 +246,20 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         conn,
                         self.inbox.names(),
                         &self.name,
-                        &job.key,
+                        job.key(),
                         job.hash.as_str(),
                     )
                     .await
                     {
                         self.stats.db_errors.bump();
-                        tracing::warn!(key = job.key, error = %e, "could not count a failed attempt");
+                        tracing::warn!(key = job.key(), error = %e, "could not count a failed attempt");
                     }
                 }
                 self.fail(conn, job, &failure).await
             }
             Attempted::Overtaken => {
                 tracing::warn!(
-                    key = job.key,
+                    key = job.key(),
                     attempt = job.attempt,
                     "the key was completed or counted again by another worker while this attempt ran: rolled back, settled as a duplicate"
                 );
@@ -268,7 +268,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             Attempted::CommitFailed(e) => {
                 // A fresh claim rolled back with the commit: nothing was counted.
                 if !job.fresh {
-                    self.give_back(&job.key, job.attempt).await;
+                    self.give_back(job.key(), job.attempt).await;
                 }
                 self.retry_after_db_error(&job.delivery, &e)
             }
@@ -294,14 +294,14 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             AfterFailure::DeadLetter(reason) => Some(reason),
             AfterFailure::Retry { .. } => None,
         };
-        self.record_failure(conn, &job.key, reason, &error).await;
-        tracing::warn!(key = job.key, attempt = job.attempt, error = %error, "handler failed");
+        self.record_failure(conn, job.key(), reason, &error).await;
+        tracing::warn!(key = job.key(), attempt = job.attempt, error = %error, "handler failed");
         match next {
             AfterFailure::DeadLetter(reason) => Verdict::dead_letter(
                 &s.name,
                 &job.delivery,
                 reason,
-                Some(&job.key),
+                Some(job.key()),
                 job.attempt,
                 error,
             ),

@@ -2,7 +2,6 @@
 //! and event id, in that order, before anything reaches the worker), then handed to the
 //! worker as a delivery, and answered by its settlement.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -140,21 +139,23 @@ fn event_id(source: &EventIdSource, parts: &Parts, body: &Value) -> Result<Strin
 /// payload, a few headers, and nothing that would claim it is a first delivery (any
 /// request may be a provider's resend).
 fn delivery(s: &Settings, parts: &Parts, event_id: String, body: Bytes, t: i64) -> Delivery {
-    let mut headers = BTreeMap::new();
     let id_header = match &s.event_id {
         EventIdSource::Header(name) => Some(name),
         EventIdSource::Field(_) => None,
     };
-    for name in COPIED_HEADERS.iter().chain(id_header) {
-        if let Some(value) = parts.headers.get(name).and_then(|v| v.to_str().ok()) {
-            headers.insert(name.as_str().to_owned(), value.to_owned());
-        }
-    }
-    headers.insert(WEBHOOK_TIMESTAMP.to_owned(), t.to_string());
+    let timestamp = t.to_string();
+    let names = COPIED_HEADERS;
+    let copied = names.iter().chain(id_header).filter_map(|name| {
+        let value = parts.headers.get(name)?.to_str().ok()?;
+        Some((name.as_str(), value))
+    });
+    let headers = copied
+        .chain(std::iter::once((WEBHOOK_TIMESTAMP, timestamp.as_str())))
+        .collect();
     Delivery {
         message_id: Some(event_id),
         payload: body,
-        headers: Arc::new(headers),
+        headers,
         redelivered: false,
         attempt: 1,
         origin: Origin::Unknown,

@@ -48,7 +48,7 @@ impl Shared {
         };
         let (partition, offset) = (m.partition(), m.offset());
         let (text_headers, raw_headers, header_bytes) = read_headers(m.headers());
-        let header = |name: &str| text_headers.get(name).map(String::as_str);
+        let header = |name: &str| text_headers.get(name);
         let origin = s.retry_sources.get(&*topic).cloned();
         let group = header(headers::RETRY_GROUP);
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
@@ -103,7 +103,7 @@ impl Shared {
             key: m.key().map(|_| buffer.slice(..key_len)),
             payload: buffer.slice(key_len..),
             null_payload: m.payload().is_none(),
-            headers: Arc::new(text_headers),
+            headers: text_headers,
             raw_headers,
             message_id,
             attempt,

@@ -1,14 +1,12 @@
 //! One fetched record: what librdkafka gave, what the transport read from its headers,
 //! and the envelope handed to the worker.
 
-use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use consumer_core::{Delivery, Location, LogPosition, Origin, Source};
-use rdkafka::message::Headers;
+use consumer_core::{Delivery, Headers, Location, LogPosition, Origin, Source};
 
 use crate::headers;
 use crate::tracker::{KeyId, Weigh};
@@ -32,8 +30,8 @@ pub(super) struct Record {
     pub(super) key: Option<Bytes>,
     pub(super) payload: Bytes,
     pub(super) null_payload: bool,
-    /// The headers as text, as deliveries carry them: one map shared by every hand-out.
-    pub(super) headers: Arc<BTreeMap<String, String>>,
+    /// The headers as text, as deliveries carry them: one block shared by every hand-out.
+    pub(super) headers: Headers,
     /// The headers as librdkafka gave them, kept only where the text map does not hold
     /// exactly the same (see [`read_headers`]): retry and dead-letter copies carry these.
     pub(super) raw_headers: Option<RawHeaders>,
@@ -84,7 +82,7 @@ impl Record {
     /// Its message id: the header named `header`, or its position (see [`MessageId`]).
     pub(super) fn message_id(&self, header: &str) -> Option<String> {
         match self.message_id {
-            MessageId::Header => self.headers.get(header).cloned(),
+            MessageId::Header => self.headers.get(header).map(str::to_owned),
             MessageId::Position => Some(self.location()),
             MessageId::None => None,
         }
@@ -102,8 +100,8 @@ impl Record {
         if attempt > 1 {
             let attempt = attempt.to_string();
             // A retry copy usually says so already; a record retried in place does not.
-            if headers.get(headers::ATTEMPT) != Some(&attempt) {
-                Arc::make_mut(&mut headers).insert(headers::ATTEMPT.to_owned(), attempt);
+            if headers.get(headers::ATTEMPT) != Some(attempt.as_str()) {
+                headers.insert(headers::ATTEMPT, attempt);
             }
         }
         Delivery {
@@ -130,7 +128,7 @@ impl Record {
             None => self
                 .headers
                 .iter()
-                .map(|(k, v)| (k.clone(), Some(v.clone().into_bytes())))
+                .map(|(k, v)| (k.to_owned(), Some(v.as_bytes().to_vec())))
                 .collect(),
         }
     }
@@ -142,40 +140,43 @@ pub(super) type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
 /// A record's headers as text (a null value reads as empty, invalid UTF-8 is replaced, the
 /// last of a repeated name wins), the headers as they were when that text says less than
 /// they did (a null or non-UTF-8 value, a repeated name, names out of order), and their
-/// size in bytes. Most records need only the text.
-pub(super) fn read_headers<H: Headers>(
+/// size in bytes. Most records need only the text, which is then written straight from
+/// librdkafka's headers into one block.
+pub(super) fn read_headers<H: rdkafka::message::Headers>(
     hs: Option<&H>,
-) -> (BTreeMap<String, String>, Option<RawHeaders>, usize) {
-    let mut text = BTreeMap::new();
-    let mut bytes = 0;
+) -> (Headers, Option<RawHeaders>, usize) {
     let Some(hs) = hs else {
-        return (text, None, bytes);
+        return (Headers::new(), None, 0);
     };
+    let mut bytes = 0;
     let mut exact = true;
     let mut last: Option<&str> = None;
     for h in hs.iter() {
         bytes += h.key.len() + h.value.map_or(0, <[u8]>::len);
-        exact &= last.is_none_or(|l| l < h.key);
+        exact &= last.is_none_or(|l| l < h.key)
+            && h.value.is_some_and(|v| std::str::from_utf8(v).is_ok());
         last = Some(h.key);
-        let value = match h.value.map(std::str::from_utf8) {
-            Some(Ok(v)) => v.to_owned(),
-            Some(Err(_)) => {
-                exact = false;
-                String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()
-            }
-            None => {
-                exact = false;
-                String::new()
-            }
-        };
-        text.insert(h.key.to_owned(), value);
     }
-    let raw = (!exact).then(|| {
-        hs.iter()
-            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-            .collect()
-    });
-    (text, raw, bytes)
+    if exact {
+        let text = (0..hs.count()).filter_map(|i| {
+            let h = hs.get(i);
+            Some((h.key, std::str::from_utf8(h.value?).ok()?))
+        });
+        return (Headers::from_pairs(text), None, bytes);
+    }
+    let lossy: Vec<(&str, String)> = hs
+        .iter()
+        .map(|h| {
+            let value = String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned();
+            (h.key, value)
+        })
+        .collect();
+    let text = lossy.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let raw = hs
+        .iter()
+        .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+        .collect();
+    (text, Some(raw), bytes)
 }
 
 /// A record as the tracker holds it: the record and the attempt its next hand-out carries.
@@ -208,6 +209,7 @@ pub(super) fn unix_millis() -> i64 {
 mod tests {
     use super::*;
     use rdkafka::message::{Header, OwnedHeaders};
+    use std::collections::BTreeMap;
 
     /// Headers as a test writes them: name, value (`None` for null).
     type Pairs<'a> = &'a [(&'a str, Option<&'a [u8]>)];
@@ -229,7 +231,7 @@ mod tests {
     fn headers_the_text_map_holds_exactly_are_kept_once() {
         let hs = headers(&[("a", Some(b"1")), ("message-id", Some(b"m-7"))]);
         let (map, raw, bytes) = read_headers(Some(&hs));
-        assert_eq!(map, text(&[("a", "1"), ("message-id", "m-7")]));
+        assert_eq!(map.to_map(), text(&[("a", "1"), ("message-id", "m-7")]));
         assert_eq!(raw, None);
         assert_eq!(bytes, 1 + 1 + 10 + 3);
         let (map, raw, bytes) = read_headers::<OwnedHeaders>(None);
@@ -255,7 +257,7 @@ mod tests {
             let last = |name: &str| pairs.iter().rev().find(|(k, _)| *k == name);
             for (k, v) in &map {
                 let (_, value) = last(k).expect("a header of the record");
-                assert_eq!(*v, String::from_utf8_lossy(value.unwrap_or_default()));
+                assert_eq!(v, String::from_utf8_lossy(value.unwrap_or_default()));
             }
         }
     }
@@ -269,7 +271,7 @@ mod tests {
             key: None,
             payload: Bytes::from_static(b"{}"),
             null_payload: false,
-            headers: Arc::new(text(&[("message_id", "m-1")])),
+            headers: Headers::from(&text(&[("message_id", "m-1")])),
             raw_headers: None,
             message_id,
             attempt: 1,

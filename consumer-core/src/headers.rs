@@ -1,0 +1,253 @@
+//! [`Headers`]: a delivery's text headers, in one shared allocation.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+/// A delivery's headers as text: names and values, in name order, each name once.
+///
+/// Built once per message by its transport and shared by every hand-out of it: all names
+/// and values sit in one allocation (none for no headers), so cloning is a reference count
+/// and dropping frees one block. Changing one ([`Headers::insert`], [`Headers::remove`])
+/// writes a new block, leaving other clones as they were.
+///
+/// Building from pairs keeps the last value of a repeated name, as inserting them into a map
+/// in turn would.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Headers {
+    /// Entries in name order, each `name length (u32 LE), value length (u32 LE), name,
+    /// value`; `None` when there are none.
+    block: Option<Arc<[u8]>>,
+}
+
+/// Bytes an entry takes before its name and value: their two lengths.
+const PREFIX: usize = 8;
+
+impl Headers {
+    /// No headers.
+    pub fn new() -> Self {
+        Headers::default()
+    }
+
+    /// The value of header `name`.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+    }
+
+    /// Whether there is a header `name`.
+    pub fn contains_key(&self, name: &str) -> bool {
+        self.get(name).is_some()
+    }
+
+    /// The headers, in name order.
+    pub fn iter(&self) -> Iter<'_> {
+        Iter {
+            rest: self.block.as_deref().unwrap_or_default(),
+        }
+    }
+
+    /// How many headers there are.
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.block.is_none()
+    }
+
+    /// Sets header `name` to `value` (replacing its value if it has one).
+    pub fn insert(&mut self, name: impl AsRef<str>, value: impl AsRef<str>) {
+        let (name, value) = (name.as_ref(), value.as_ref());
+        let others = self.iter().filter(|(n, _)| *n != name);
+        *self = others.chain(std::iter::once((name, value))).collect();
+    }
+
+    /// Removes header `name`; returns whether it was there.
+    pub fn remove(&mut self, name: &str) -> bool {
+        if !self.contains_key(name) {
+            return false;
+        }
+        *self = self.iter().filter(|(n, _)| *n != name).collect();
+        true
+    }
+
+    /// The headers as an owned map.
+    pub fn to_map(&self) -> BTreeMap<String, String> {
+        self.iter()
+            .map(|(n, v)| (n.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    /// Headers from pairs in any order (the last of a repeated name wins). Pairs in
+    /// strictly ascending name order (as most transports read them, and as
+    /// [`Headers::iter`] yields them) are read twice and written straight into the block:
+    /// one allocation, nothing transient.
+    pub fn from_pairs<'a, I>(pairs: I) -> Self
+    where
+        I: IntoIterator<Item = (&'a str, &'a str)>,
+        I::IntoIter: Clone,
+    {
+        let pairs = pairs.into_iter();
+        let mut last: Option<&str> = None;
+        let mut size = 0;
+        for (name, value) in pairs.clone() {
+            if last.is_some_and(|l| l >= name) {
+                return pairs.collect();
+            }
+            last = Some(name);
+            size += PREFIX + name.len() + value.len();
+        }
+        Headers::write(pairs, size)
+    }
+
+    /// Writes `pairs` (in name order, each name once, `size` bytes as entries) into one
+    /// block.
+    fn write<'a>(pairs: impl Iterator<Item = (&'a str, &'a str)>, size: usize) -> Self {
+        if size == 0 {
+            return Headers::new();
+        }
+        // Collected from an iterator of known length: allocated once, at its size.
+        let mut block: Arc<[u8]> = std::iter::repeat_n(0, size).collect();
+        if let Some(buffer) = Arc::get_mut(&mut block) {
+            let mut at = 0;
+            for (name, value) in pairs {
+                for part in [len(name), len(value)] {
+                    buffer[at..at + 4].copy_from_slice(&part.to_le_bytes());
+                    at += 4;
+                }
+                for part in [name.as_bytes(), value.as_bytes()] {
+                    buffer[at..at + part.len()].copy_from_slice(part);
+                    at += part.len();
+                }
+            }
+        }
+        Headers { block: Some(block) }
+    }
+}
+
+/// A length as an entry stores it. A header longer than 4 GiB cannot reach a delivery
+/// (every transport's messages are smaller), so this saturates rather than fail.
+fn len(s: &str) -> u32 {
+    u32::try_from(s.len()).unwrap_or(u32::MAX)
+}
+
+impl<'a> FromIterator<(&'a str, &'a str)> for Headers {
+    fn from_iter<I: IntoIterator<Item = (&'a str, &'a str)>>(pairs: I) -> Self {
+        let mut pairs: Vec<(&str, &str)> = pairs.into_iter().collect();
+        // Stable: of a repeated name, the last stays last, and is the one kept.
+        pairs.sort_by(|a, b| a.0.cmp(b.0));
+        let mut kept: Vec<(&str, &str)> = Vec::with_capacity(pairs.len());
+        for pair in pairs {
+            match kept.last_mut() {
+                Some(last) if last.0 == pair.0 => *last = pair,
+                _ => kept.push(pair),
+            }
+        }
+        Headers::from_pairs(kept)
+    }
+}
+
+impl From<&BTreeMap<String, String>> for Headers {
+    fn from(map: &BTreeMap<String, String>) -> Self {
+        Headers::from_pairs(map.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+    }
+}
+
+impl From<BTreeMap<String, String>> for Headers {
+    fn from(map: BTreeMap<String, String>) -> Self {
+        Headers::from(&map)
+    }
+}
+
+impl fmt::Debug for Headers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl<'a> IntoIterator for &'a Headers {
+    type Item = (&'a str, &'a str);
+    type IntoIter = Iter<'a>;
+
+    fn into_iter(self) -> Iter<'a> {
+        self.iter()
+    }
+}
+
+/// The headers of a [`Headers`], in name order (see [`Headers::iter`]).
+#[derive(Debug, Clone)]
+pub struct Iter<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for Iter<'a> {
+    type Item = (&'a str, &'a str);
+
+    fn next(&mut self) -> Option<(&'a str, &'a str)> {
+        let (lengths, rest) = self.rest.split_first_chunk::<PREFIX>()?;
+        let [n0, n1, n2, n3, v0, v1, v2, v3] = *lengths;
+        let name_len = u32::from_le_bytes([n0, n1, n2, n3]) as usize;
+        let value_len = u32::from_le_bytes([v0, v1, v2, v3]) as usize;
+        let (name, rest) = rest.split_at_checked(name_len)?;
+        let (value, rest) = rest.split_at_checked(value_len)?;
+        self.rest = rest;
+        // Written from `&str` parts only, so both are UTF-8; a block that were not would
+        // end the iteration rather than show bytes as text.
+        Some((
+            std::str::from_utf8(name).ok()?,
+            std::str::from_utf8(value).ok()?,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_read_back_in_name_order_with_the_last_of_a_repeated_name() {
+        let h = Headers::from_pairs([("b", "2"), ("a", "1"), ("b", "3"), ("", "empty")]);
+        let read: Vec<_> = h.iter().collect();
+        assert_eq!(read, [("", "empty"), ("a", "1"), ("b", "3")]);
+        assert_eq!(h.get("b"), Some("3"));
+        assert_eq!(h.get("c"), None);
+        assert_eq!(h.len(), 3);
+        assert_eq!(format!("{h:?}"), r#"{"": "empty", "a": "1", "b": "3"}"#);
+    }
+
+    #[test]
+    fn pairs_in_name_order_make_the_same_headers_as_any_other_order() {
+        let sorted = Headers::from_pairs([("a", "1"), ("b", "ü"), ("c", "")]);
+        let shuffled = Headers::from_pairs([("c", ""), ("a", "1"), ("b", "ü")]);
+        assert_eq!(sorted, shuffled);
+        let map = sorted.to_map();
+        assert_eq!(Headers::from(&map), sorted);
+        assert_eq!(map["b"], "ü");
+    }
+
+    #[test]
+    fn changing_a_clone_leaves_the_original_as_it_was() {
+        let original = Headers::from_pairs([("attempt", "1"), ("id", "m-1")]);
+        let mut changed = original.clone();
+        changed.insert("attempt", "2");
+        changed.insert("z", "last");
+        assert_eq!(changed.get("attempt"), Some("2"));
+        assert_eq!(changed.get("z"), Some("last"));
+        assert_eq!(original.get("attempt"), Some("1"));
+        assert!(changed.remove("id"));
+        assert!(!changed.remove("id"));
+        assert_eq!(changed.to_map().len(), 2);
+        assert_eq!(original.len(), 2);
+    }
+
+    #[test]
+    fn no_headers_hold_no_block() {
+        let none = Headers::from_pairs([]);
+        assert!(none.is_empty() && none.block.is_none());
+        assert_eq!(none, Headers::new());
+        let mut one = Headers::from_pairs([("a", "1")]);
+        assert!(one.remove("a"));
+        assert!(one.is_empty() && one.block.is_none());
+    }
+}
