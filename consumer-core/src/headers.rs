@@ -40,8 +40,8 @@ impl Headers {
     }
 
     /// The headers, in name order.
-    pub fn iter(&self) -> Iter<'_> {
-        Iter {
+    pub fn iter(&self) -> HeaderIter<'_> {
+        HeaderIter {
             rest: self.block.as_deref().unwrap_or_default(),
         }
     }
@@ -168,20 +168,20 @@ impl fmt::Debug for Headers {
 
 impl<'a> IntoIterator for &'a Headers {
     type Item = (&'a str, &'a str);
-    type IntoIter = Iter<'a>;
+    type IntoIter = HeaderIter<'a>;
 
-    fn into_iter(self) -> Iter<'a> {
+    fn into_iter(self) -> HeaderIter<'a> {
         self.iter()
     }
 }
 
 /// The headers of a [`Headers`], in name order (see [`Headers::iter`]).
 #[derive(Debug, Clone)]
-pub struct Iter<'a> {
+pub struct HeaderIter<'a> {
     rest: &'a [u8],
 }
 
-impl<'a> Iterator for Iter<'a> {
+impl<'a> Iterator for HeaderIter<'a> {
     type Item = (&'a str, &'a str);
 
     fn next(&mut self) -> Option<(&'a str, &'a str)> {

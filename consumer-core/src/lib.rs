@@ -144,7 +144,7 @@ pub use delivery::{
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
-pub use headers::Headers;
+pub use headers::{HeaderIter, Headers};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
