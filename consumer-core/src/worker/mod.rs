@@ -15,8 +15,9 @@
 //!    runs again alone.
 //! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers.
 //!
-//! [`attempt`] computes every attempt number; [`background`] runs the retention purge and
-//! the inbox gauges beside the pipeline.
+//! A redelivered job attempted before takes its turn alone, with nothing else of the worker
+//! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
+//! retention purge and the inbox gauges beside the pipeline.
 
 mod attempt;
 mod background;
@@ -27,6 +28,7 @@ mod job;
 mod settle;
 #[cfg(test)]
 mod tests;
+mod turn;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -79,6 +81,7 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     inbox_gauge_interval: Option<std::time::Duration>,
     stats: Arc<Stats>,
     freshness: Freshness<DB>,
+    turns: turn::Turns,
     #[cfg(feature = "fault-injection")]
     faults: Option<Arc<dyn crate::fault::FaultInjector>>,
     #[cfg(feature = "fault-injection")]
@@ -115,6 +118,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 retention_batch: config.retention_batch,
                 inbox_gauge_interval: config.inbox_gauge_interval,
                 stats,
+                turns: turn::Turns::default(),
                 #[cfg(feature = "fault-injection")]
                 faults: config.faults,
                 #[cfg(feature = "fault-injection")]
@@ -429,6 +433,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         if jobs.is_empty() {
             return Ok(());
         }
+        let _turn = (self.turns)
+            .take(!fresh && jobs.iter().any(|j| j.delivery.redelivered))
+            .await;
         let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
         let mut lease = match self.inbox.lease_many(&self.name, &keys).await {
             Ok(l) => l,
