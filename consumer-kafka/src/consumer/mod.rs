@@ -16,6 +16,7 @@
 //! callbacks and the commits, `poll` the poll thread, `acker` a record's settlement, and
 //! `copies` what its retry and dead-letter copies carry.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::hash::RandomState;
 use std::pin::Pin;
@@ -53,6 +54,10 @@ mod record;
 pub struct KafkaConsumer {
     shared: Arc<Shared>,
     closed: watch::Receiver<bool>,
+    /// Records taken from their partitions and not handed out yet (see [`TAKE_AT_ONCE`]):
+    /// in flight to the partitions, so a revoke waits for them as for any other, and
+    /// dropped with the consumer they are abandoned, as unsettled hand-outs are.
+    taken: VecDeque<Taken>,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -120,6 +125,7 @@ impl KafkaConsumer {
         Ok(KafkaConsumer {
             shared,
             closed: closed_rx,
+            taken: VecDeque::new(),
         })
     }
 
@@ -154,11 +160,44 @@ impl Drop for KafkaConsumer {
     }
 }
 
+/// Records taken from the partitions under one hold of the state lock, at most: the stream
+/// hands them out one at a time from its own queue, so the lock that the poll thread and
+/// the settlements also take is held once per this many hand-outs, not once per record.
+const TAKE_AT_ONCE: usize = 64;
+
+/// A record taken from its partition, to be handed out: its acknowledger, the attempt and
+/// redelivered flag it carries, and its position.
+struct Taken {
+    acker: KafkaAcker,
+    attempt: u32,
+    redelivered: bool,
+    position: LogPosition,
+}
+
+impl Taken {
+    /// The delivery, built outside the lock.
+    fn incoming(self, id_header: &str) -> Incoming {
+        let delivery =
+            self.acker
+                .record()
+                .delivery(self.attempt, self.redelivered, self.position, id_header);
+        Incoming {
+            delivery,
+            acker: Box::new(self.acker),
+        }
+    }
+}
+
 impl Stream for KafkaConsumer {
     type Item = Result<Incoming, TransportError>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let shared = &self.shared;
+        let this = self.get_mut();
+        let id_header = &this.shared.settings.message_id_header;
+        if let Some(taken) = this.taken.pop_front() {
+            return Poll::Ready(Some(Ok(taken.incoming(id_header))));
+        }
+        let shared = &this.shared;
         let order = shared.settings.order;
         let mut state = shared.lock();
         if let Some(e) = state.errors.pop_front() {
@@ -166,40 +205,41 @@ impl Stream for KafkaConsumer {
         }
         let now = Instant::now();
         let n = state.partitions.len();
-        let start = state.cursor;
-        let mut taken = None;
-        for i in 0..n {
-            let index = (start + i) % n;
+        // Round robin over the partitions, one record of each in turn.
+        let mut dry = 0;
+        while this.taken.len() < TAKE_AT_ONCE && dry < n {
+            let index = state.cursor % n;
+            state.cursor = index + 1;
             let Some((tp, p)) = state.partitions.iter_mut().nth(index) else {
                 break;
             };
-            if p.revoking {
-                continue;
-            }
-            let Some((_, h)) = p.tracker.take_next(order, now) else {
+            let next = if p.revoking {
+                None
+            } else {
+                p.tracker.take_next(order, now)
+            };
+            let Some((_, h)) = next else {
+                dry += 1;
                 continue;
             };
+            dry = 0;
             let position = LogPosition {
                 log: p.log.clone(),
                 epoch: p.generation,
                 offset: h.record.offset,
             };
             let acker = KafkaAcker::new(shared.clone(), tp.clone(), p.generation, h.record.clone());
-            taken = Some((acker, h.attempt, h.redelivered, position));
-            state.cursor = index + 1;
-            break;
+            this.taken.push_back(Taken {
+                acker,
+                attempt: h.attempt,
+                redelivered: h.redelivered,
+                position,
+            });
         }
-        if let Some((acker, attempt, redelivered, position)) = taken {
+        if let Some(taken) = this.taken.pop_front() {
             // Built outside the lock: the poll thread and the settlements wait on it.
             drop(state);
-            let id_header = &shared.settings.message_id_header;
-            let delivery = acker
-                .record()
-                .delivery(attempt, redelivered, position, id_header);
-            return Poll::Ready(Some(Ok(Incoming {
-                delivery,
-                acker: Box::new(acker),
-            })));
+            return Poll::Ready(Some(Ok(taken.incoming(id_header))));
         }
         if state.finished {
             return Poll::Ready(None);

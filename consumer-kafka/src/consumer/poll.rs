@@ -16,6 +16,7 @@ use super::partitions::Shared;
 use super::rebalance::ConsumerCtx;
 use super::record::{key_id, read_headers, unix_millis, Handout, MessageId, Record};
 use crate::headers;
+use crate::tracker::KeyId;
 
 /// How long one poll waits for a record before housekeeping runs.
 const POLL_WAIT: Duration = Duration::from_millis(50);
@@ -24,6 +25,9 @@ const POLL_WAIT: Duration = Duration::from_millis(50);
 const POLL_WAIT_PAUSED: Duration = Duration::from_millis(5);
 /// Records taken per round before housekeeping runs.
 const POLL_BATCH: usize = 500;
+/// Records fetched before they are added to their partitions under one hold of the state
+/// lock (fewer if a partition has less room, or librdkafka has no more at hand).
+const CHUNK: usize = 64;
 /// Every this many commit intervals the current positions are committed again, even if
 /// unchanged (see [`Shared::commit`]), but not more often than [`MIN_COMMIT_REFRESH`].
 const COMMIT_REFRESH_FACTOR: u32 = 10;
@@ -31,12 +35,44 @@ const MIN_COMMIT_REFRESH: Duration = Duration::from_secs(1);
 /// How often the paused-partition gauge is set.
 const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
+/// A fetched message as the poll thread reads it, before it takes the state lock to add it
+/// to its partition: a record to track, or another group's retry copy to skip.
+pub(super) enum Fetched {
+    /// A record to hand out (at `not_before`, if it is a retry copy not due yet).
+    Record {
+        record: Arc<Record>,
+        key: KeyId,
+        not_before: Option<Instant>,
+    },
+    /// Not ours to run: its offset is settled as it is added.
+    Foreign {
+        topic: Arc<str>,
+        partition: i32,
+        offset: i64,
+    },
+}
+
+/// How many more records (and bytes) the fullest owned partition takes before it reaches a
+/// limit: a chunk of fetched records that fits in it fits in every partition, so the limits
+/// hold record by record although a chunk is added under one hold of the lock.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Room {
+    records: usize,
+    bytes: usize,
+}
+
+impl Room {
+    /// Whether `chunk` records of `bytes` in all must be added before another is fetched:
+    /// the chunk is as long as [`CHUNK`] allows, or one more record could fill a partition.
+    fn filled(self, chunk: usize, bytes: usize) -> bool {
+        chunk >= CHUNK.min(self.records) || bytes >= self.bytes
+    }
+}
+
 impl Shared {
-    /// Turns a fetched message into a tracked record of its partition (if still owned), and
-    /// returns whether that partition's buffer has reached a limit (the caller then pauses it
-    /// before taking more). `topics` keeps one shared name per topic, so a record does not
-    /// allocate its own.
-    fn ingest(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) -> bool {
+    /// Reads a fetched message into what the state lock needs to track it, without the lock.
+    /// `topics` keeps one shared name per topic, so a record does not allocate its own.
+    fn read(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) -> Fetched {
         let s = &self.settings;
         let topic = match topics.iter().find(|t| ***t == *m.topic()) {
             Some(t) => t.clone(),
@@ -52,23 +88,18 @@ impl Shared {
         let origin = s.retry_sources.get(&*topic).cloned();
         let group = header(headers::RETRY_GROUP);
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
-        let foreign = origin.is_some() && group.is_some_and(|g| g != s.group_id);
+        if origin.is_some() && group.is_some_and(|g| g != s.group_id) {
+            return Fetched::Foreign {
+                topic,
+                partition,
+                offset,
+            };
+        }
         // A record on the retry topic without a group was not written by this transport
         // (a producer wrote it there, or a tool): it runs, but as a record of its own, not
         // as our copy: its due time does not hold the partition back, its origin headers
         // are not trusted.
         let own_copy = origin.is_some() && group == Some(s.group_id.as_str());
-        if foreign {
-            let mut state = self.lock();
-            if let Some(p) = state
-                .partitions
-                .get_mut(&(topic, partition))
-                .filter(|p| !p.revoking)
-            {
-                p.tracker.push_settled(offset);
-            }
-            return false;
-        }
         let attempt = header(headers::ATTEMPT)
             .and_then(|a| a.parse::<u32>().ok())
             .filter(|&a| a >= 1)
@@ -94,10 +125,11 @@ impl Shared {
         let bytes = payload.len() + key_len + header_bytes;
         // The key and the payload copied into one buffer, which both then slice.
         let buffer = Bytes::from([m.key().unwrap_or_default(), payload].concat());
+        let key = key_id(&self.key_seed, m.key());
         let record = Arc::new(Record {
             bytes,
             origin: origin.unwrap_or_else(|| topic.clone()),
-            topic: topic.clone(),
+            topic,
             partition,
             offset,
             key: m.key().map(|_| buffer.slice(..key_len)),
@@ -109,36 +141,71 @@ impl Shared {
             attempt,
             own_copy,
         });
-        let mut state = self.lock();
-        let Some(p) = state.partitions.get_mut(&(topic, partition)) else {
-            // Fetched just before its partition was revoked: the new owner reads it.
-            return false;
-        };
-        if p.revoking {
-            return false;
-        }
-        let key = key_id(&self.key_seed, record.key.as_deref());
-        let pushed = p.tracker.push(
-            offset,
+        Fetched::Record {
+            record,
             key,
             not_before,
-            Handout {
-                record,
-                attempt,
-                redelivered: false,
-            },
-        );
-        let full = p.tracker.len() >= self.settings.max_buffered
-            || p.tracker.bytes() >= self.settings.max_buffered_bytes;
-        // A stream waiting for records gets this one now, not after the poll round.
-        let waker = if pushed && not_before.is_none() {
-            state.waker.take()
-        } else {
-            None
+        }
+    }
+
+    /// Adds a chunk of fetched messages (emptied) to their partitions (those still owned)
+    /// under one hold of the lock, and wakes the stream once if it can take one now. Returns
+    /// whether a partition's buffer has reached a limit (the caller then pauses it before
+    /// fetching more), and the room left in the fullest partition.
+    fn ingest(&self, chunk: &mut Vec<Fetched>) -> (bool, Room) {
+        let (max, max_bytes) = (self.settings.max_buffered, self.settings.max_buffered_bytes);
+        let mut state = self.lock();
+        let mut wake = false;
+        for fetched in chunk.drain(..) {
+            match fetched {
+                Fetched::Foreign {
+                    topic,
+                    partition,
+                    offset,
+                } => {
+                    if let Some(p) = state
+                        .partitions
+                        .get_mut(&(topic, partition))
+                        .filter(|p| !p.revoking)
+                    {
+                        p.tracker.push_settled(offset);
+                    }
+                }
+                Fetched::Record {
+                    record,
+                    key,
+                    not_before,
+                } => {
+                    let tp = (record.topic.clone(), record.partition);
+                    // Gone: fetched just before its partition was revoked; the new owner
+                    // reads it.
+                    let Some(p) = state.partitions.get_mut(&tp).filter(|p| !p.revoking) else {
+                        continue;
+                    };
+                    let (offset, attempt) = (record.offset, record.attempt);
+                    let handout = Handout {
+                        record,
+                        attempt,
+                        redelivered: false,
+                    };
+                    let pushed = p.tracker.push(offset, key, not_before, handout);
+                    // A stream waiting for records gets these now, not after the poll round.
+                    wake |= pushed && not_before.is_none();
+                }
+            }
+        }
+        let mut room = Room {
+            records: max,
+            bytes: max_bytes,
         };
+        for p in state.partitions.values().filter(|p| !p.revoking) {
+            room.records = room.records.min(max.saturating_sub(p.tracker.len()));
+            room.bytes = room.bytes.min(max_bytes.saturating_sub(p.tracker.bytes()));
+        }
+        let waker = if wake { state.waker.take() } else { None };
         drop(state);
         Shared::wake(waker);
-        full
+        (room.records == 0 || room.bytes == 0, room)
     }
 
     /// Pauses partitions whose buffer is full or whose next retry is not due, resumes the
@@ -238,6 +305,14 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
     let mut any_full = false;
     let mut topics = Vec::new();
     let mut retired = Vec::new();
+    // Fetched records are added to their partitions in chunks, one hold of the state lock
+    // (which the stream and the settlements also take) for each.
+    let mut chunk = Vec::with_capacity(CHUNK);
+    let mut chunk_bytes = 0;
+    let mut room = Room {
+        records: shared.settings.max_buffered,
+        bytes: shared.settings.max_buffered_bytes,
+    };
     while !shared.stop.load(Ordering::SeqCst) {
         let mut wait = if any_full {
             POLL_WAIT_PAUSED
@@ -249,10 +324,21 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
                 None => break,
                 Some(Ok(m)) => {
                     wait = Duration::ZERO;
-                    // A partition that reached its limit is paused at once (housekeeping),
-                    // not after the rest of the round: the limits hold record by record.
-                    if shared.ingest(&m, &mut topics) {
-                        break;
+                    let fetched = shared.read(&m, &mut topics);
+                    if let Fetched::Record { record, .. } = &fetched {
+                        chunk_bytes += record.bytes;
+                    }
+                    chunk.push(fetched);
+                    if room.filled(chunk.len(), chunk_bytes) {
+                        let full;
+                        (full, room) = shared.ingest(&mut chunk);
+                        chunk_bytes = 0;
+                        // A partition that reached its limit is paused at once
+                        // (housekeeping), not after the rest of the round: the limits hold
+                        // record by record.
+                        if full {
+                            break;
+                        }
                     }
                 }
                 Some(Err(e)) => {
@@ -260,6 +346,10 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
                     break;
                 }
             }
+        }
+        if !chunk.is_empty() {
+            (_, room) = shared.ingest(&mut chunk);
+            chunk_bytes = 0;
         }
         any_full = shared.housekeeping(&consumer, &mut retired);
         if tracing::enabled!(tracing::Level::DEBUG)
