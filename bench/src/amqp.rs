@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher};
-use consumer_core::{Handler, Inbox, Settlement};
+use consumer_core::{Handler, Inbox};
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -18,7 +18,8 @@ use sqlx::{PgPool, Postgres};
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Fw, Job, Options, Rss,
+    bench_worker, cpu_time, figures, hand_batch, payload, timed, Acks, Figures, Fw, Job, Options,
+    Rss,
 };
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
@@ -266,30 +267,15 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     config.prefetch = o.prefetch;
     let consumer = AmqpConsumer::connect(config).await?;
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
-    let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-    let done_tx = Arc::new(Mutex::new(Some(done_tx)));
-    let acked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (acks, settled_all) = Acks::new(o.messages);
     let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
-    let (l2, n, acked2) = (latencies.clone(), o.messages, acked.clone());
-    let stream = consumer.map(move |r| {
-        r.map(|i| {
-            let done = done_tx.clone();
-            let acked = acked2.clone();
-            timed(i, &l2, move |_s: &Settlement| {
-                if acked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == n {
-                    if let Some(tx) = done.lock().ok().and_then(|mut d| d.take()) {
-                        let _ = tx.send(());
-                    }
-                }
-            })
-        })
-    });
+    let a2 = acks.clone();
+    let stream = consumer.map(move |r| r.map(|i| timed(i, &a2)));
     worker
         .run(stream, async {
-            let _ = done_rx.await;
+            let _ = settled_all.await;
         })
         .await?;
     let end = End::after(fw.relay, o.messages, start).await?;
@@ -301,8 +287,13 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
         s.completed,
         o.messages
     );
-    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
-    Ok(end.figures(figures(o.messages, end.wall, cpu, &mut l, rss)))
+    Ok(end.figures(figures(
+        o.messages,
+        end.wall,
+        cpu,
+        &mut acks.latencies(),
+        rss,
+    )))
 }
 
 /// A durable queue `name` holding nothing: deleted (with what it held) and declared again.

@@ -3,8 +3,7 @@
 //! The clock of every Kafka arm starts at the first record, so the consumer-group join
 //! (seconds, on any broker) is not counted as processing time.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -20,7 +19,8 @@ use sqlx::Postgres;
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, hand_batch, payload, timed, Figures, Fw, Job, Options, Rss,
+    bench_worker, cpu_time, figures, hand_batch, payload, timed, Acks, Figures, Fw, Job, Options,
+    Rss,
 };
 
 const PARTITIONS: i32 = 4;
@@ -230,34 +230,18 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     let consumer = KafkaConsumer::new(c)?;
     let closed = consumer.closed();
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
-    let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-    let done_tx = Arc::new(Mutex::new(Some(done_tx)));
-    let acked = Arc::new(AtomicUsize::new(0));
+    let (acks, settled_all) = Acks::new(o.messages);
     let started: Arc<OnceLock<(Instant, Duration, Rss)>> = Arc::new(OnceLock::new());
-    let (l2, n, acked2, started2) = (
-        latencies.clone(),
-        o.messages,
-        acked.clone(),
-        started.clone(),
-    );
+    let (a2, started2) = (acks.clone(), started.clone());
     let stream = consumer.map(move |r| {
         r.map(|i| {
             started2.get_or_init(|| (Instant::now(), cpu_time(), Rss::start()));
-            let done = done_tx.clone();
-            let acked = acked2.clone();
-            timed(i, &l2, move |_s: &Settlement| {
-                if acked.fetch_add(1, Ordering::SeqCst) + 1 == n {
-                    if let Some(tx) = done.lock().ok().and_then(|mut d| d.take()) {
-                        let _ = tx.send(());
-                    }
-                }
-            })
+            timed(i, &a2)
         })
     });
     worker
         .run(stream, async {
-            let _ = done_rx.await;
+            let _ = settled_all.await;
         })
         .await?;
     let (start, cpu0, rss) = *started.get().context("no record arrived")?;
@@ -271,8 +255,13 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
         s.completed,
         o.messages
     );
-    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
-    Ok(end.figures(figures(o.messages, end.wall, cpu, &mut l, rss)))
+    Ok(end.figures(figures(
+        o.messages,
+        end.wall,
+        cpu,
+        &mut acks.latencies(),
+        rss,
+    )))
 }
 
 /// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.
