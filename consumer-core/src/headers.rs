@@ -2,7 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::blocks::Blocks;
 
 /// A delivery's headers as text: names and values, in name order, each name once.
 ///
@@ -17,7 +22,34 @@ use std::sync::Arc;
 pub struct Headers {
     /// Entries in name order, each `name length (u32 LE), value length (u32 LE), name,
     /// value`; `None` when there are none.
-    block: Option<Arc<[u8]>>,
+    block: Option<Block>,
+}
+
+/// Where a [`Headers`]' entries are: a block of their own, or a slice of a transport's
+/// [`Blocks`]. Equal when their entries are.
+#[derive(Clone)]
+enum Block {
+    Own(Arc<[u8]>),
+    Shared(Bytes),
+}
+
+impl PartialEq for Block {
+    fn eq(&self, other: &Block) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Block {}
+
+impl Deref for Block {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Block::Own(block) => block,
+            Block::Shared(block) => block,
+        }
+    }
 }
 
 /// Bytes an entry takes before its name and value: their two lengths.
@@ -89,40 +121,72 @@ impl Headers {
         I::IntoIter: Clone,
     {
         let pairs = pairs.into_iter();
-        let mut last: Option<&str> = None;
-        let mut size = 0;
-        for (name, value) in pairs.clone() {
-            if last.is_some_and(|l| l >= name) {
-                return pairs.collect();
+        match entries_size(pairs.clone()) {
+            None => pairs.collect(),
+            Some(0) => Headers::new(),
+            Some(size) => {
+                // Collected from an iterator of known length: allocated once, at its size.
+                let mut block: Arc<[u8]> = std::iter::repeat_n(0, size).collect();
+                if let Some(buffer) = Arc::get_mut(&mut block) {
+                    let mut at = 0;
+                    write(pairs, |part| {
+                        buffer[at..at + part.len()].copy_from_slice(part);
+                        at += part.len();
+                    });
+                }
+                Headers {
+                    block: Some(Block::Own(block)),
+                }
             }
-            last = Some(name);
-            size += PREFIX + name.len() + value.len();
         }
-        Headers::write(pairs, size)
     }
 
-    /// Writes `pairs` (in name order, each name once, `size` bytes as entries) into one
-    /// block.
-    fn write<'a>(pairs: impl Iterator<Item = (&'a str, &'a str)>, size: usize) -> Self {
-        if size == 0 {
-            return Headers::new();
-        }
-        // Collected from an iterator of known length: allocated once, at its size.
-        let mut block: Arc<[u8]> = std::iter::repeat_n(0, size).collect();
-        if let Some(buffer) = Arc::get_mut(&mut block) {
-            let mut at = 0;
-            for (name, value) in pairs {
-                for part in [len(name), len(value)] {
-                    buffer[at..at + 4].copy_from_slice(&part.to_le_bytes());
-                    at += 4;
-                }
-                for part in [name.as_bytes(), value.as_bytes()] {
-                    buffer[at..at + part.len()].copy_from_slice(part);
-                    at += part.len();
+    /// [`Headers::from_pairs`], with the entries written into `blocks` (see [`Blocks`]):
+    /// pairs in name order then cost no allocation of their own. For a transport that copies
+    /// each message's bytes out of its client's buffers.
+    pub fn from_pairs_in<'a, I>(pairs: I, blocks: &mut Blocks) -> Self
+    where
+        I: IntoIterator<Item = (&'a str, &'a str)>,
+        I::IntoIter: Clone,
+    {
+        let pairs = pairs.into_iter();
+        match entries_size(pairs.clone()) {
+            None => pairs.collect(),
+            Some(0) => Headers::new(),
+            Some(size) => {
+                blocks.reserve(size);
+                let block = blocks.block();
+                write(pairs, |part| block.extend_from_slice(part));
+                Headers {
+                    block: Some(Block::Shared(blocks.split())),
                 }
             }
         }
-        Headers { block: Some(block) }
+    }
+}
+
+/// The bytes `pairs` take as entries, if they are in strictly ascending name order (`None`
+/// if not).
+fn entries_size<'a>(pairs: impl Iterator<Item = (&'a str, &'a str)>) -> Option<usize> {
+    let mut last: Option<&str> = None;
+    let mut size = 0;
+    for (name, value) in pairs {
+        if last.is_some_and(|l| l >= name) {
+            return None;
+        }
+        last = Some(name);
+        size += PREFIX + name.len() + value.len();
+    }
+    Some(size)
+}
+
+/// Writes `pairs` (in name order, each name once) as entries, part by part, to `out`.
+fn write<'a>(pairs: impl Iterator<Item = (&'a str, &'a str)>, mut out: impl FnMut(&[u8])) {
+    for (name, value) in pairs {
+        out(&len(name).to_le_bytes());
+        out(&len(value).to_le_bytes());
+        out(name.as_bytes());
+        out(value.as_bytes());
     }
 }
 
@@ -239,6 +303,22 @@ mod tests {
         assert!(!changed.remove("id"));
         assert_eq!(changed.to_map().len(), 2);
         assert_eq!(original.len(), 2);
+    }
+
+    #[test]
+    fn headers_written_into_blocks_read_as_their_own_do() {
+        let mut blocks = Blocks::new();
+        let pairs = [("a", "1"), ("message-id", "m-7")];
+        let shared = Headers::from_pairs_in(pairs, &mut blocks);
+        let payload = blocks.copy(&[b"payload"]);
+        assert_eq!(shared, Headers::from_pairs(pairs));
+        assert_eq!(shared.get("message-id"), Some("m-7"));
+        // In the block, just before the next copy: no allocation of their own.
+        let block = shared.block.as_deref().unwrap_or_default();
+        assert_eq!(block.as_ptr().wrapping_add(block.len()), payload.as_ptr());
+        let unordered = Headers::from_pairs_in([("b", "2"), ("a", "1")], &mut blocks);
+        assert_eq!(unordered.to_map().len(), 2);
+        assert!(Headers::from_pairs_in([], &mut blocks).is_empty());
     }
 
     #[test]

@@ -27,7 +27,8 @@
 //!
 //! - `delivery`: what a transport hands the runtime ([`Delivery`], [`Incoming`]) and how
 //!   the runtime hands it back ([`Acknowledger`], [`Settlement`]); `headers`: a delivery's
-//!   text [`Headers`], one shared block per message.
+//!   text [`Headers`], one shared block per message; `blocks`: [`Blocks`], shared blocks a
+//!   transport copies many messages' bytes into.
 //! - `worker`: the runtime, one pipeline in four stages: `worker::job` prepares (decode and
 //!   key once), `worker::claim` decides what a claim means, `worker::execute` runs a group
 //!   of jobs in one transaction (and alone after a failure), `worker::settle` records the
@@ -114,6 +115,7 @@
 //!   application installs the `tracing-opentelemetry` layer and its exporter.
 
 mod app;
+mod blocks;
 mod canonical;
 mod delivery;
 mod error;
@@ -136,6 +138,7 @@ pub mod trace;
 mod worker;
 
 pub use app::{App, AppHealth, HandlerHealth, PartState};
+pub use blocks::Blocks;
 pub use consumer_macros::handler;
 pub use delivery::{
     settled_now, Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Location,

@@ -95,7 +95,9 @@ pub struct KafkaConfig {
     pub max_buffered_per_partition: usize,
     /// Bytes (payloads, keys and headers) buffered per partition before it is paused
     /// (default 1 MiB), whichever of the two limits comes first; resumed at half. With the
-    /// record limit this bounds the consumer's memory for any message size.
+    /// record limit this bounds the consumer's memory for any message size: records are
+    /// copied into 8 KiB blocks shared with the records fetched beside them, so a record held
+    /// long (a slow handler, a blocking retry) keeps at most one such block alive.
     ///
     /// A paused partition drops what librdkafka prefetched for it, and its next fetch can
     /// wait up to `fetch.wait.max.ms` behind a fetch already at the broker, so the buffer's

@@ -44,12 +44,12 @@ pub(super) struct State {
     pub(super) errors: VecDeque<TransportError>,
     /// The poll thread has exited: the stream ends once nothing is left to hand out.
     pub(super) finished: bool,
-    /// Settled records, freed by the poll thread at its next round. The poll thread
-    /// allocated them; freed by the worker threads that settle them, their memory would go
-    /// back through the allocator's locked, cross-thread path (glibc takes the owning
-    /// arena's lock once a thread's cache is full) while the poll thread allocates the next
-    /// ones from that arena, each side on the slow path. A settled record's last handle
-    /// usually is the one here.
+    /// Settled records, reused for the next fetched ones (or freed) by the poll thread at
+    /// its next round. The poll thread allocated them; freed by the worker threads that
+    /// settle them, their memory would go back through the allocator's locked, cross-thread
+    /// path (glibc takes the owning arena's lock once a thread's cache is full) while the
+    /// poll thread allocates the next ones from that arena, each side on the slow path. A
+    /// settled record's last handle usually is the one here.
     pub(super) retired: Vec<Arc<Record>>,
     pub(super) next_generation: u64,
 }

@@ -6,15 +6,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use consumer_core::TransportError;
+use consumer_core::{Blocks, TransportError};
 use rdkafka::consumer::{BaseConsumer, CommitMode as RdCommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::TopicPartitionList;
 
 use super::partitions::Shared;
 use super::rebalance::ConsumerCtx;
-use super::record::{key_id, read_headers, unix_millis, Handout, MessageId, Record};
+use super::record::{key_id, read_headers, unix_millis, Handout, MessageId, Record, Spares};
 use crate::headers;
 use crate::tracker::KeyId;
 
@@ -71,8 +70,16 @@ impl Room {
 
 impl Shared {
     /// Reads a fetched message into what the state lock needs to track it, without the lock.
-    /// `topics` keeps one shared name per topic, so a record does not allocate its own.
-    fn read(&self, m: &BorrowedMessage<'_>, topics: &mut Vec<Arc<str>>) -> Fetched {
+    /// `topics` keeps one shared name per topic, so a record does not allocate its own;
+    /// `blocks` takes its bytes (see [`Blocks`]), and a spare record
+    /// holds it if there is one.
+    fn read(
+        &self,
+        m: &BorrowedMessage<'_>,
+        topics: &mut Vec<Arc<str>>,
+        blocks: &mut Blocks,
+        spares: &mut Spares,
+    ) -> Fetched {
         let s = &self.settings;
         let topic = match topics.iter().find(|t| ***t == *m.topic()) {
             Some(t) => t.clone(),
@@ -83,7 +90,7 @@ impl Shared {
             }
         };
         let (partition, offset) = (m.partition(), m.offset());
-        let (text_headers, raw_headers, header_bytes) = read_headers(m.headers());
+        let (text_headers, raw_headers, header_bytes) = read_headers(m.headers(), blocks);
         let header = |name: &str| text_headers.get(name);
         let origin = s.retry_sources.get(&*topic).cloned();
         let group = header(headers::RETRY_GROUP);
@@ -123,10 +130,11 @@ impl Shared {
         let payload = m.payload().unwrap_or_default();
         let key_len = m.key().map_or(0, <[u8]>::len);
         let bytes = payload.len() + key_len + header_bytes;
-        // The key and the payload copied into one buffer, which both then slice.
-        let buffer = Bytes::from([m.key().unwrap_or_default(), payload].concat());
+        // The key and the payload copied together, into a block shared with other records
+        // (beside its headers).
+        let buffer = blocks.copy(&[m.key().unwrap_or_default(), payload]);
         let key = key_id(&self.key_seed, m.key());
-        let record = Arc::new(Record {
+        let record = spares.make(Record {
             bytes,
             origin: origin.unwrap_or_else(|| topic.clone()),
             topic,
@@ -218,12 +226,13 @@ impl Shared {
     /// to `fetch.wait.max.ms` when that one asks only for partitions without new records).
     /// Resuming at one free slot would pay that for a handful of records each time.
     ///
-    /// `retired` (empty) is swapped for the settled records, which the caller frees outside
-    /// the lock (see [`State::retired`](super::partitions::State::retired)).
+    /// `retired` (empty) is swapped for the settled records, which go to `spares` (or are
+    /// freed) outside the lock (see [`State::retired`](super::partitions::State::retired)).
     fn housekeeping(
         &self,
         consumer: &BaseConsumer<ConsumerCtx>,
         retired: &mut Vec<Arc<Record>>,
+        spares: &mut Spares,
     ) -> bool {
         let now = Instant::now();
         let mut pause = TopicPartitionList::new();
@@ -258,7 +267,7 @@ impl Shared {
             }
         };
         Shared::wake(waker);
-        retired.clear();
+        spares.keep(retired);
         if pause.count() > 0 {
             tracing::debug!(partitions = ?pause.to_topic_map().keys(), "pausing");
             if let Err(e) = consumer.pause(&pause) {
@@ -304,7 +313,9 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
     let mut last_gauges = Instant::now();
     let mut any_full = false;
     let mut topics = Vec::new();
+    let mut blocks = Blocks::new();
     let mut retired = Vec::new();
+    let mut spares = Spares::default();
     // Fetched records are added to their partitions in chunks, one hold of the state lock
     // (which the stream and the settlements also take) for each.
     let mut chunk = Vec::with_capacity(CHUNK);
@@ -324,7 +335,7 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
                 None => break,
                 Some(Ok(m)) => {
                     wait = Duration::ZERO;
-                    let fetched = shared.read(&m, &mut topics);
+                    let fetched = shared.read(&m, &mut topics, &mut blocks, &mut spares);
                     if let Fetched::Record { record, .. } = &fetched {
                         chunk_bytes += record.bytes;
                     }
@@ -351,7 +362,7 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
             (_, room) = shared.ingest(&mut chunk);
             chunk_bytes = 0;
         }
-        any_full = shared.housekeeping(&consumer, &mut retired);
+        any_full = shared.housekeeping(&consumer, &mut retired, &mut spares);
         if tracing::enabled!(tracing::Level::DEBUG)
             && last_summary.elapsed() >= Duration::from_secs(2)
         {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use consumer_core::{Delivery, Headers, Location, LogPosition, Origin, Source};
+use consumer_core::{Blocks, Delivery, Headers, Location, LogPosition, Origin, Source};
 
 use crate::headers;
 use crate::tracker::{KeyId, Weigh};
@@ -45,6 +45,38 @@ pub(super) struct Record {
     pub(super) own_copy: bool,
     /// Payload, key and header bytes: what it counts against the partition's byte limit.
     pub(super) bytes: usize,
+}
+
+/// Settled records that nothing else holds any more, kept by the poll thread to hold the
+/// next fetched ones: a record then costs no allocation (and no free) of its own.
+#[derive(Debug, Default)]
+pub(super) struct Spares {
+    records: Vec<Arc<Record>>,
+}
+
+impl Spares {
+    /// At most this many are kept.
+    const MAX: usize = 512;
+
+    /// Takes `retired` (emptied): keeps those it may reuse, frees the others.
+    pub(super) fn keep(&mut self, retired: &mut Vec<Arc<Record>>) {
+        for mut record in retired.drain(..) {
+            if self.records.len() < Self::MAX && Arc::get_mut(&mut record).is_some() {
+                self.records.push(record);
+            }
+        }
+    }
+
+    /// `record`, shared: in a spare one's place if there is one.
+    pub(super) fn make(&mut self, record: Record) -> Arc<Record> {
+        if let Some(mut spare) = self.records.pop() {
+            if let Some(slot) = Arc::get_mut(&mut spare) {
+                *slot = record;
+                return spare;
+            }
+        }
+        Arc::new(record)
+    }
 }
 
 /// Where a record's message id comes from.
@@ -141,9 +173,10 @@ pub(super) type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
 /// last of a repeated name wins), the headers as they were when that text says less than
 /// they did (a null or non-UTF-8 value, a repeated name, names out of order), and their
 /// size in bytes. Most records need only the text, which is then written straight from
-/// librdkafka's headers into one block.
+/// librdkafka's headers into `blocks`, beside the record's other bytes.
 pub(super) fn read_headers<H: rdkafka::message::Headers>(
     hs: Option<&H>,
+    blocks: &mut Blocks,
 ) -> (Headers, Option<RawHeaders>, usize) {
     let Some(hs) = hs else {
         return (Headers::new(), None, 0);
@@ -162,7 +195,7 @@ pub(super) fn read_headers<H: rdkafka::message::Headers>(
             let h = hs.get(i);
             Some((h.key, std::str::from_utf8(h.value?).ok()?))
         });
-        return (Headers::from_pairs(text), None, bytes);
+        return (Headers::from_pairs_in(text, blocks), None, bytes);
     }
     let lossy: Vec<(&str, String)> = hs
         .iter()
@@ -230,11 +263,11 @@ mod tests {
     #[test]
     fn headers_the_text_map_holds_exactly_are_kept_once() {
         let hs = headers(&[("a", Some(b"1")), ("message-id", Some(b"m-7"))]);
-        let (map, raw, bytes) = read_headers(Some(&hs));
+        let (map, raw, bytes) = read_headers(Some(&hs), &mut Blocks::new());
         assert_eq!(map.to_map(), text(&[("a", "1"), ("message-id", "m-7")]));
         assert_eq!(raw, None);
         assert_eq!(bytes, 1 + 1 + 10 + 3);
-        let (map, raw, bytes) = read_headers::<OwnedHeaders>(None);
+        let (map, raw, bytes) = read_headers::<OwnedHeaders>(None, &mut Blocks::new());
         assert!(map.is_empty() && raw.is_none() && bytes == 0);
     }
 
@@ -247,7 +280,7 @@ mod tests {
             &[("b", Some(b"1")), ("a", Some(b"2"))],
         ];
         for pairs in cases {
-            let (map, raw, _) = read_headers(Some(&headers(pairs)));
+            let (map, raw, _) = read_headers(Some(&headers(pairs)), &mut Blocks::new());
             let expected: RawHeaders = pairs
                 .iter()
                 .map(|&(k, v)| (k.to_owned(), v.map(<[u8]>::to_vec)))
