@@ -1,6 +1,6 @@
-//! The ordering key of a record, and each key's queue of unsettled offsets.
+//! The ordering key of a record, and the map from each key to its last record.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 /// The ordering key of a record: a hash of its Kafka key (`None` for records without a key,
 /// which count as one key). The hash must be keyed with a random seed (see
@@ -38,41 +38,5 @@ impl std::hash::Hasher for KeyIdHasher {
     }
 }
 
-pub(super) type KeyMap = HashMap<KeyId, KeyQueue, std::hash::BuildHasherDefault<KeyIdHasher>>;
-
-/// A key's unsettled offsets, oldest first. Most keys have one at a time, which needs no
-/// allocation.
-#[derive(Debug)]
-pub(super) enum KeyQueue {
-    One(i64),
-    Many(VecDeque<i64>),
-}
-
-impl KeyQueue {
-    pub(super) fn push(&mut self, offset: i64) {
-        match self {
-            KeyQueue::One(first) => *self = KeyQueue::Many(VecDeque::from([*first, offset])),
-            KeyQueue::Many(q) => q.push_back(offset),
-        }
-    }
-
-    pub(super) fn front(&self) -> Option<i64> {
-        match self {
-            KeyQueue::One(first) => Some(*first),
-            KeyQueue::Many(q) => q.front().copied(),
-        }
-    }
-
-    /// Removes `offset`; returns whether the queue is now empty.
-    pub(super) fn remove(&mut self, offset: i64) -> bool {
-        match self {
-            KeyQueue::One(first) => *first == offset,
-            KeyQueue::Many(q) => {
-                if let Some(i) = q.iter().position(|&o| o == offset) {
-                    q.remove(i);
-                }
-                q.is_empty()
-            }
-        }
-    }
-}
+/// Per key, the offset of the last record pushed with it.
+pub(super) type KeyMap = HashMap<KeyId, i64, std::hash::BuildHasherDefault<KeyIdHasher>>;

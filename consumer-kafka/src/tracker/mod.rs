@@ -7,12 +7,11 @@
 //! slow one never moves it. Offsets need not be contiguous numbers (compaction, transaction
 //! markers), so "contiguous" means contiguous in the sequence of fetched records.
 
-use std::collections::hash_map::Entry as MapEntry;
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
 use crate::ProcessingOrder;
-use keys::{KeyMap, KeyQueue};
+use keys::KeyMap;
 
 mod keys;
 
@@ -39,7 +38,6 @@ enum Status {
 #[derive(Debug)]
 struct Entry<T> {
     offset: i64,
-    key: KeyId,
     status: Status,
     /// Its [`Weigh::weight`], taken when it was pushed.
     weight: usize,
@@ -47,22 +45,28 @@ struct Entry<T> {
     /// its own handle on it (so the last handle is not dropped, and the record freed, under
     /// whatever lock guards the tracker), not when the commit point passes it later.
     item: Option<T>,
+    /// The next record of its key, pushed while this one was unsettled: it may go once this
+    /// one settles.
+    next: Option<i64>,
 }
 
 /// The records of one partition between the commit point and the fetch position.
 ///
-/// Besides the records in offset order it keeps, per key, the offsets of that key's
-/// unsettled records, and the set of waiting records that are the first unsettled record of
-/// their key (`heads`). Under [`ProcessingOrder::Key`] exactly those may go, so handing one
-/// out does not scan the buffer (up to `max_buffered_per_partition` records, most of them
-/// in flight or settled behind a slower one).
+/// Besides the records in offset order it keeps each key's records chained (a record names
+/// the next of its key, pushed while it was unsettled), and the set of waiting records that
+/// are the first unsettled record of their key (`heads`). Under [`ProcessingOrder::Key`]
+/// exactly those may go, so handing one out does not scan the buffer (up to
+/// `max_buffered_per_partition` records, most of them in flight or settled behind a slower
+/// one). Only a push looks a key up (the last record pushed with it); a settlement follows
+/// its record's chain, so the key map stays with the thread that fetches.
 #[derive(Debug)]
 pub(crate) struct PartitionTracker<T> {
     entries: VecDeque<Entry<T>>,
     /// One past the last fetched offset.
     next_offset: Option<i64>,
-    /// Per key, the offsets of its unsettled records (waiting, in flight or abandoned),
-    /// oldest first. Records pushed settled are not in it.
+    /// Per key, the last record pushed with it (which may have settled since: then the next
+    /// one pushed starts a new chain). Records pushed settled are not in it. Keys whose last
+    /// record has settled are dropped when the map outgrows the buffer.
     keys: KeyMap,
     /// The waiting records that no earlier unsettled record of their key holds back.
     heads: BTreeSet<i64>,
@@ -92,15 +96,29 @@ impl<T: Weigh> PartitionTracker<T> {
         not_before: Option<Instant>,
         item: T,
     ) -> bool {
-        if !self.append(offset, key, Status::Waiting { not_before }, Some(item)) {
+        if !self.append(offset, Status::Waiting { not_before }, Some(item)) {
             return false;
         }
-        match self.keys.entry(key) {
-            MapEntry::Occupied(mut o) => o.get_mut().push(offset),
-            MapEntry::Vacant(v) => {
-                v.insert(KeyQueue::One(offset));
-                self.heads.insert(offset);
-            }
+        // Held back if the last record of its key is still unsettled: chained behind it.
+        let held = match self.keys.insert(key, offset) {
+            Some(last) => match index_in(&self.entries, last) {
+                Some(i) if !matches!(self.entries[i].status, Status::Settled) => {
+                    self.entries[i].next = Some(offset);
+                    true
+                }
+                _ => false,
+            },
+            None => false,
+        };
+        if !held {
+            self.heads.insert(offset);
+        }
+        if self.keys.len() > 2 * self.entries.len() + KEYS_SLACK {
+            let entries = &self.entries;
+            self.keys.retain(|_, &mut last| {
+                index_in(entries, last)
+                    .is_some_and(|i| !matches!(entries[i].status, Status::Settled))
+            });
         }
         true
     }
@@ -108,14 +126,14 @@ impl<T: Weigh> PartitionTracker<T> {
     /// Adds a fetched record that needs no processing (already settled), e.g. another
     /// group's retry copy. Returns `false` if it is not past the last one.
     pub(crate) fn push_settled(&mut self, offset: i64) -> bool {
-        if !self.append(offset, None, Status::Settled, None) {
+        if !self.append(offset, Status::Settled, None) {
             return false;
         }
         self.pop_settled();
         true
     }
 
-    fn append(&mut self, offset: i64, key: KeyId, status: Status, item: Option<T>) -> bool {
+    fn append(&mut self, offset: i64, status: Status, item: Option<T>) -> bool {
         if self.next_offset.is_some_and(|n| offset < n) {
             return false;
         }
@@ -124,10 +142,10 @@ impl<T: Weigh> PartitionTracker<T> {
         self.bytes += weight;
         self.entries.push_back(Entry {
             offset,
-            key,
             status,
             weight,
             item,
+            next: None,
         });
         true
     }
@@ -179,17 +197,7 @@ impl<T: Weigh> PartitionTracker<T> {
     }
 
     fn index_of(&self, offset: i64) -> Option<usize> {
-        // Offsets are usually contiguous (no compaction, no transaction markers): then the
-        // distance from the front is the index.
-        let front = self.entries.front()?.offset;
-        if let Ok(i) = usize::try_from(offset - front) {
-            if self.entries.get(i).is_some_and(|e| e.offset == offset) {
-                return Some(i);
-            }
-        }
-        self.entries
-            .binary_search_by_key(&offset, |e| e.offset)
-            .ok()
+        index_in(&self.entries, offset)
     }
 
     fn find(&mut self, offset: i64) -> Option<&mut Entry<T>> {
@@ -200,32 +208,16 @@ impl<T: Weigh> PartitionTracker<T> {
     /// Marks an in-flight record settled and drops its item (the caller should hold its own
     /// handle on it, see [`Entry::item`]). Returns whether the commit point moved.
     pub(crate) fn settle(&mut self, offset: i64) -> bool {
-        let key = match self.find(offset) {
+        // A record in flight is the first unsettled one of its key: the next one may go.
+        let next = match self.find(offset) {
             Some(e) if matches!(e.status, Status::InFlight) => {
                 e.status = Status::Settled;
                 e.item = None;
-                e.key
+                e.next.take()
             }
             _ => return false,
         };
-        self.release_key(key, offset);
-        self.pop_settled()
-    }
-
-    /// The record at `offset` of `key` settled: the key's next unsettled record, if waiting,
-    /// may go.
-    fn release_key(&mut self, key: KeyId, offset: i64) {
-        let MapEntry::Occupied(mut queue) = self.keys.entry(key) else {
-            return;
-        };
-        let was_first = queue.get().front() == Some(offset);
-        let next = if queue.get_mut().remove(offset) {
-            queue.remove();
-            None
-        } else {
-            queue.get().front()
-        };
-        if let Some(next) = next.filter(|_| was_first) {
+        if let Some(next) = next {
             if self
                 .index_of(next)
                 .is_some_and(|i| matches!(self.entries[i].status, Status::Waiting { .. }))
@@ -233,6 +225,7 @@ impl<T: Weigh> PartitionTracker<T> {
                 self.heads.insert(next);
             }
         }
+        self.pop_settled()
     }
 
     /// Pops settled records off the front. Returns whether any was popped.
@@ -326,6 +319,23 @@ impl<T: Weigh> PartitionTracker<T> {
     pub(crate) fn has_due_waiting(&self, now: Instant) -> bool {
         self.heads.iter().any(|&o| self.due_at(o, now))
     }
+}
+
+/// Keys the key map may hold beyond twice the buffer before those whose last record has
+/// settled are dropped.
+const KEYS_SLACK: usize = 64;
+
+/// The index of the record at `offset` in `entries` (in offset order).
+fn index_in<T>(entries: &VecDeque<Entry<T>>, offset: i64) -> Option<usize> {
+    // Offsets are usually contiguous (no compaction, no transaction markers): then the
+    // distance from the front is the index.
+    let front = entries.front()?.offset;
+    if let Ok(i) = usize::try_from(offset - front) {
+        if entries.get(i).is_some_and(|e| e.offset == offset) {
+            return Some(i);
+        }
+    }
+    entries.binary_search_by_key(&offset, |e| e.offset).ok()
 }
 
 fn is_due(status: &Status, now: Instant) -> bool {
@@ -428,6 +438,25 @@ mod tests {
     }
 
     #[test]
+    fn keys_whose_records_settled_leave_the_key_map() {
+        let mut t = PartitionTracker::default();
+        for offset in 0..5000 {
+            let key = u64::try_from(offset).unwrap_or_default() + 1000;
+            assert!(t.push(offset, Some(key), None, offset));
+            assert_eq!(take(&mut t, ProcessingOrder::Key), Some(offset));
+            assert!(t.settle(offset));
+            assert!(t.keys.len() <= KEYS_SLACK + 2, "{} keys", t.keys.len());
+        }
+        // Chains still form after pruning.
+        assert!(t.push(5000, Some(1), None, 5000));
+        assert!(t.push(5001, Some(1), None, 5001));
+        assert_eq!(take(&mut t, ProcessingOrder::Key), Some(5000));
+        assert_eq!(take(&mut t, ProcessingOrder::Key), None);
+        assert!(t.settle(5000));
+        assert_eq!(take(&mut t, ProcessingOrder::Key), Some(5001));
+    }
+
+    #[test]
     fn deferred_record_keeps_its_place_and_blocks_its_key() {
         let mut t = tracker(&[(0, Some(1)), (1, Some(1)), (2, Some(2))]);
         assert_eq!(take(&mut t, ProcessingOrder::Key), Some(0));
@@ -502,7 +531,14 @@ mod tests {
         };
         let now = Instant::now();
         let later = now + Duration::from_secs(60);
-        for order in [ProcessingOrder::Key, ProcessingOrder::Partition] {
+        // Few keys (long chains), and many (most keys settle and leave the key map, which
+        // is then pruned).
+        let cases = [
+            (ProcessingOrder::Key, 6),
+            (ProcessingOrder::Partition, 6),
+            (ProcessingOrder::Key, 1000),
+        ];
+        for (order, keys) in cases {
             for _ in 0..200 {
                 let mut t = PartitionTracker::default();
                 // offset, key, status, due (the model of the tracker's records).
@@ -512,7 +548,7 @@ mod tests {
                     match next(10) {
                         0..=3 => {
                             offset += 1 + i64::from(next(3) == 0);
-                            let key = (next(5) != 0).then(|| next(6));
+                            let key = (next(5) != 0).then(|| next(keys));
                             assert!(t.push(offset, key, None, offset));
                             model.push((offset, key, "waiting", true));
                         }
@@ -552,6 +588,7 @@ mod tests {
                             }
                         }
                     }
+                    assert!(t.keys.len() <= 2 * t.entries.len() + KEYS_SLACK + 2);
                     let first_unsettled = model.iter().find(|r| r.2 != "settled").map(|r| r.0);
                     let fetched = (!model.is_empty()).then_some(offset + 1);
                     assert_eq!(t.commit_point(), first_unsettled.or(fetched));
