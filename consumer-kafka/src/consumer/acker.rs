@@ -45,6 +45,17 @@ impl KafkaAcker {
     pub(super) fn record(&self) -> &Record {
         &self.record
     }
+
+    /// Its record's partition, assignment and offset.
+    pub(super) fn place(&self) -> (&Tp, u64, i64) {
+        (&self.tp, self.generation, self.record.offset)
+    }
+
+    /// Its record was put back in its partition, unsettled and not in flight: dropping the
+    /// acknowledger leaves it there.
+    pub(super) fn forget(&mut self) {
+        self.done = true;
+    }
 }
 
 impl Drop for KafkaAcker {

@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::hash::RandomState;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -55,9 +55,13 @@ pub struct KafkaConsumer {
     shared: Arc<Shared>,
     closed: watch::Receiver<bool>,
     /// Records taken from their partitions and not handed out yet (see [`TAKE_AT_ONCE`]):
-    /// in flight to the partitions, so a revoke waits for them as for any other, and
-    /// dropped with the consumer they are abandoned, as unsettled hand-outs are.
+    /// in flight to the partitions. When a revoke has begun since they were taken
+    /// (`taken_at`, a count of [`Shared::revocations`]), those of the revoked partitions go
+    /// back to them before anything is handed out, so the revoke does not wait for records
+    /// no handler has; dropped with the consumer they are abandoned, as unsettled hand-outs
+    /// are.
     taken: VecDeque<Taken>,
+    taken_at: u64,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -104,6 +108,7 @@ impl KafkaConsumer {
             stop: AtomicBool::new(false),
             closed: closed_tx,
             key_seed: RandomState::new(),
+            revocations: AtomicU64::new(0),
         });
         let consumer: BaseConsumer<ConsumerCtx> = config
             .consumer_client_config()
@@ -126,6 +131,7 @@ impl KafkaConsumer {
             shared,
             closed: closed_rx,
             taken: VecDeque::new(),
+            taken_at: 0,
         })
     }
 
@@ -188,11 +194,52 @@ impl Taken {
     }
 }
 
+impl KafkaConsumer {
+    /// Puts the taken records of partitions being revoked back in their places, waiting, as
+    /// if never taken, and wakes the revoke that waits for them. Those of partitions already
+    /// gone are dropped (abandoned).
+    fn give_back_revoked(&mut self) {
+        if self.taken.is_empty() {
+            return;
+        }
+        let mut state = self.shared.lock();
+        let now = Instant::now();
+        let mut gave_back = false;
+        self.taken.retain_mut(|t| {
+            let (tp, generation, offset) = t.acker.place();
+            let Some(p) = state
+                .partitions
+                .get_mut(tp)
+                .filter(|p| p.generation == generation)
+            else {
+                return false;
+            };
+            if !p.revoking {
+                return true;
+            }
+            // Due now, carrying what it carried.
+            p.tracker.defer(offset, now);
+            t.acker.forget();
+            gave_back = true;
+            false
+        });
+        drop(state);
+        if gave_back {
+            self.shared.signal_revoke();
+        }
+    }
+}
+
 impl Stream for KafkaConsumer {
     type Item = Result<Incoming, TransportError>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
+        let revocations = this.shared.revocations.load(Ordering::SeqCst);
+        if revocations != this.taken_at {
+            this.give_back_revoked();
+            this.taken_at = revocations;
+        }
         let id_header = &this.shared.settings.message_id_header;
         if let Some(taken) = this.taken.pop_front() {
             return Poll::Ready(Some(Ok(taken.incoming(id_header))));

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::RandomState;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::{Duration, Instant};
@@ -92,6 +92,9 @@ pub(super) struct Shared {
     pub(super) closed: watch::Sender<bool>,
     /// Seeds the hash of record keys into [`KeyId`](crate::tracker::KeyId)s.
     pub(super) key_seed: RandomState,
+    /// Counts the revokes begun (incremented under the state lock as the partitions are
+    /// marked revoking): the stream checks it before handing out what it took earlier.
+    pub(super) revocations: AtomicU64,
 }
 
 impl Shared {

@@ -187,6 +187,9 @@ impl Shared {
                 p.revoking = true;
             }
         }
+        // Records the stream took and has not handed out yet go back when it next hands out
+        // (see `KafkaConsumer::taken`), so the wait below is for those really in flight.
+        self.revocations.fetch_add(1, Ordering::SeqCst);
         let in_flight = |state: &State| {
             tps.iter()
                 .filter_map(|tp| state.partitions.get(tp))
