@@ -18,8 +18,8 @@ use sqlx::{PgPool, Postgres};
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, hand_batch, payload, timed, Acks, Figures, Fw, Job, Options,
-    Rss,
+    bench_worker, cpu_time, figures, framework_figures, hand_batch, payload, timed, Acks, Figures,
+    Fw, Job, Options, Rss,
 };
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
@@ -280,20 +280,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
         .await?;
     let end = End::after(fw.relay, o.messages, start).await?;
     let cpu = cpu_time() - cpu0;
-    let s = worker.snapshot();
-    anyhow::ensure!(
-        s.completed == o.messages as u64,
-        "framework arm completed {} of {}: {s:?}",
-        s.completed,
-        o.messages
-    );
-    Ok(end.figures(figures(
-        o.messages,
-        end.wall,
-        cpu,
-        &mut acks.latencies(),
-        rss,
-    )))
+    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)
 }
 
 /// A durable queue `name` holding nothing: deleted (with what it held) and declared again.

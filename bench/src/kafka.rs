@@ -19,8 +19,8 @@ use sqlx::Postgres;
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, hand_batch, payload, timed, Acks, Figures, Fw, Job, Options,
-    Rss,
+    bench_worker, cpu_time, figures, framework_figures, hand_batch, payload, timed, Acks, Figures,
+    Fw, Job, Options, Rss,
 };
 
 const PARTITIONS: i32 = 4;
@@ -248,20 +248,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     let end = End::after(fw.relay, o.messages, start).await?;
     let cpu = cpu_time() - cpu0;
     closed.await;
-    let s = worker.snapshot();
-    anyhow::ensure!(
-        s.completed == o.messages as u64,
-        "framework arm completed {} of {}",
-        s.completed,
-        o.messages
-    );
-    Ok(end.figures(figures(
-        o.messages,
-        end.wall,
-        cpu,
-        &mut acks.latencies(),
-        rss,
-    )))
+    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)
 }
 
 /// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.

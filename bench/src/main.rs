@@ -479,6 +479,31 @@ fn arm_matches(arm: &str, want: &str) -> bool {
     }
 }
 
+/// A framework arm's figures once its clock has stopped at `end`, after `cpu` of this
+/// process's CPU: the worker (its counters `s`) must have completed every message.
+fn framework_figures(
+    o: &Options,
+    s: &consumer_core::StatsSnapshot,
+    end: &outbox::End,
+    cpu: Duration,
+    acks: &Acks,
+    rss: Rss,
+) -> anyhow::Result<Figures> {
+    anyhow::ensure!(
+        s.completed == o.messages as u64,
+        "framework arm completed {} of {}: {s:?}",
+        s.completed,
+        o.messages
+    );
+    Ok(end.figures(figures(
+        o.messages,
+        end.wall,
+        cpu,
+        &mut acks.latencies(),
+        rss,
+    )))
+}
+
 /// Wraps a delivery as it is handed to the consumer.
 fn timed(incoming: Incoming, acks: &Arc<Acks>) -> Incoming {
     Incoming {

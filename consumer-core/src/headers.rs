@@ -120,25 +120,18 @@ impl Headers {
         I: IntoIterator<Item = (&'a str, &'a str)>,
         I::IntoIter: Clone,
     {
-        let pairs = pairs.into_iter();
-        match entries_size(pairs.clone()) {
-            None => pairs.collect(),
-            Some(0) => Headers::new(),
-            Some(size) => {
-                // Collected from an iterator of known length: allocated once, at its size.
-                let mut block: Arc<[u8]> = std::iter::repeat_n(0, size).collect();
-                if let Some(buffer) = Arc::get_mut(&mut block) {
-                    let mut at = 0;
-                    write(pairs, |part| {
-                        buffer[at..at + part.len()].copy_from_slice(part);
-                        at += part.len();
-                    });
-                }
-                Headers {
-                    block: Some(Block::Own(block)),
-                }
+        Headers::build(pairs.into_iter(), |size, pairs| {
+            // Collected from an iterator of known length: allocated once, at its size.
+            let mut block: Arc<[u8]> = std::iter::repeat_n(0, size).collect();
+            if let Some(buffer) = Arc::get_mut(&mut block) {
+                let mut at = 0;
+                write(pairs, |part| {
+                    buffer[at..at + part.len()].copy_from_slice(part);
+                    at += part.len();
+                });
             }
-        }
+            Block::Own(block)
+        })
     }
 
     /// [`Headers::from_pairs`], with the entries written into `blocks` (see [`Blocks`]):
@@ -149,18 +142,26 @@ impl Headers {
         I: IntoIterator<Item = (&'a str, &'a str)>,
         I::IntoIter: Clone,
     {
-        let pairs = pairs.into_iter();
+        Headers::build(pairs.into_iter(), |size, pairs| {
+            blocks.reserve(size);
+            let block = blocks.block();
+            write(pairs, |part| block.extend_from_slice(part));
+            Block::Shared(blocks.split())
+        })
+    }
+
+    /// Headers from `pairs`: those in strictly ascending name order are written by `block`
+    /// (given the size of their entries), any others sorted first.
+    fn build<'a, I>(pairs: I, block: impl FnOnce(usize, I) -> Block) -> Self
+    where
+        I: Iterator<Item = (&'a str, &'a str)> + Clone,
+    {
         match entries_size(pairs.clone()) {
             None => pairs.collect(),
             Some(0) => Headers::new(),
-            Some(size) => {
-                blocks.reserve(size);
-                let block = blocks.block();
-                write(pairs, |part| block.extend_from_slice(part));
-                Headers {
-                    block: Some(Block::Shared(blocks.split())),
-                }
-            }
+            Some(size) => Headers {
+                block: Some(block(size, pairs)),
+            },
         }
     }
 }
