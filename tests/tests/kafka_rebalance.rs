@@ -156,13 +156,38 @@ async fn join_and_leave(strategy: Option<&str>, leaving: usize) -> usize {
 /// flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoke_waits_only_for_records_handed_out() {
+    let revoked = revoke_with_records_taken(Duration::from_secs(5)).await;
+    assert_eq!(
+        revoked.first(),
+        Some(&0),
+        "the revoke ended with records in flight: {revoked:?}"
+    );
+}
+
+/// A revoke that gives up (its timeout shorter than the handler in flight) forgets the
+/// partition while the stream still holds records it took from it: those are dropped when
+/// the worker next asks, and the member goes on working and stops cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_taken_from_a_partition_revoked_meanwhile_are_dropped() {
+    let revoked = revoke_with_records_taken(Duration::from_millis(50)).await;
+    assert!(
+        revoked.first().is_some_and(|&n| n > 0),
+        "the revoke did not give up on a record in flight: {revoked:?}"
+    );
+}
+
+/// 120 slow records on one partition, read by one member with one handler at a time (so
+/// the stream holds records it took and has not handed out), then a second member joins:
+/// the first member's revoke waits at most `revoke_timeout`. Checks that every record took
+/// effect once and that both members stop; returns the first member's revocations'
+/// in-flight counts.
+async fn revoke_with_records_taken(revoke_timeout: Duration) -> Vec<usize> {
+    const JOBS: usize = 120;
     let env = KafkaEnv::new("revoketaken", 1).await;
     let mut config = env.config();
     config.order = ProcessingOrder::Key;
-    // Far shorter than running what one hold of the partition takes (up to 64 records at
-    // 300 ms, one at a time), far longer than the one record in flight.
-    config.revoke_timeout = Duration::from_secs(5);
-    let slow = (0..120).map(|i| {
+    config.revoke_timeout = revoke_timeout;
+    let slow = (0..JOBS).map(|i| {
         let id = format!("job-{i}");
         (
             format!("key-{i}"),
@@ -184,20 +209,6 @@ async fn a_revoke_waits_only_for_records_handed_out() {
         || async { first.observer.revocations() >= 1 },
     )
     .await;
-    let revoked: Vec<usize> = first
-        .observer
-        .events()
-        .into_iter()
-        .filter_map(|e| match e {
-            consumer_kafka::OffsetEvent::Revoked { unsettled, .. } => Some(unsettled),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(
-        revoked.first(),
-        Some(&0),
-        "the revoke ended with records in flight: {revoked:?}"
-    );
     // The rebalance ends before the first member (the group's leader) leaves: tansu 0.6
     // does not recover when the leader leaves in the middle of one.
     let main = (env.topic.clone(), 0);
@@ -210,16 +221,31 @@ async fn a_revoke_waits_only_for_records_handed_out() {
         },
     )
     .await;
-    let stats = first.stop().await;
+    let revoked: Vec<usize> = first
+        .observer
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            consumer_kafka::OffsetEvent::Revoked { unsettled, .. } => Some(unsettled),
+            _ => None,
+        })
+        .collect();
+    let stopping = Duration::from_secs(60);
+    let stats = tokio::time::timeout(stopping, first.stop())
+        .await
+        .expect("the first member stopped");
     wait_for(
         "every effect and every offset committed",
         Duration::from_secs(120),
-        || async { env.effect_count().await >= 120 && env.committed_up_to(&ends).await },
+        || async { env.effect_count().await >= JOBS as i64 && env.committed_up_to(&ends).await },
     )
     .await;
-    second.stop().await;
+    tokio::time::timeout(stopping, second.stop())
+        .await
+        .expect("the second member stopped");
     let effects = env.effects().await;
     let distinct: std::collections::HashSet<_> = effects.iter().map(|(id, _)| id).collect();
-    assert_eq!(distinct.len(), 120, "every job took effect ({stats:?})");
-    assert_eq!(effects.len(), 120, "none twice");
+    assert_eq!(distinct.len(), JOBS, "every job took effect ({stats:?})");
+    assert_eq!(effects.len(), JOBS, "none twice");
+    revoked
 }

@@ -197,33 +197,36 @@ impl Taken {
 impl KafkaConsumer {
     /// Puts the taken records of partitions being revoked back in their places, waiting, as
     /// if never taken, and wakes the revoke that waits for them. Those of partitions already
-    /// gone are dropped (abandoned).
+    /// gone are dropped (abandoned) once the lock is released: an acknowledger dropped
+    /// unsettled takes the lock itself.
     fn give_back_revoked(&mut self) {
         if self.taken.is_empty() {
             return;
         }
-        let mut state = self.shared.lock();
-        let now = Instant::now();
+        let mut gone = Vec::new();
         let mut gave_back = false;
-        self.taken.retain_mut(|t| {
-            let (tp, generation, offset) = t.acker.place();
-            let Some(p) = state
-                .partitions
-                .get_mut(tp)
-                .filter(|p| p.generation == generation)
-            else {
-                return false;
-            };
-            if !p.revoking {
-                return true;
+        {
+            let mut state = self.shared.lock();
+            let now = Instant::now();
+            for mut t in std::mem::take(&mut self.taken) {
+                let (tp, generation, offset) = t.acker.place();
+                match state
+                    .partitions
+                    .get_mut(tp)
+                    .filter(|p| p.generation == generation)
+                {
+                    None => gone.push(t),
+                    Some(p) if !p.revoking => self.taken.push_back(t),
+                    Some(p) => {
+                        // Due now, carrying what it carried.
+                        p.tracker.defer(offset, now);
+                        t.acker.forget();
+                        gave_back = true;
+                    }
+                }
             }
-            // Due now, carrying what it carried.
-            p.tracker.defer(offset, now);
-            t.acker.forget();
-            gave_back = true;
-            false
-        });
-        drop(state);
+        }
+        drop(gone);
         if gave_back {
             self.shared.signal_revoke();
         }
