@@ -156,7 +156,7 @@ async fn join_and_leave(strategy: Option<&str>, leaving: usize) -> usize {
 /// flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoke_waits_only_for_records_handed_out() {
-    let revoked = revoke_with_records_taken(Duration::from_secs(5)).await;
+    let revoked = revoke_with_records_taken(Duration::from_secs(5), None).await;
     assert_eq!(
         revoked.first(),
         Some(&0),
@@ -164,41 +164,54 @@ async fn a_revoke_waits_only_for_records_handed_out() {
     );
 }
 
-/// A revoke that gives up (its timeout shorter than the handler in flight) forgets the
+/// A revoke that gives up (its timeout far shorter than the handler in flight) forgets the
 /// partition while the stream still holds records it took from it: those are dropped when
 /// the worker next asks, and the member goes on working and stops cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_taken_from_a_partition_revoked_meanwhile_are_dropped() {
-    let revoked = revoke_with_records_taken(Duration::from_millis(50)).await;
+    let revoked =
+        revoke_with_records_taken(Duration::from_millis(50), Some(Duration::from_secs(30))).await;
     assert!(
         revoked.first().is_some_and(|&n| n > 0),
         "the revoke did not give up on a record in flight: {revoked:?}"
     );
 }
 
-/// 120 slow records on one partition, read by one member with one handler at a time (so
-/// the stream holds records it took and has not handed out), then a second member joins:
-/// the first member's revoke waits at most `revoke_timeout`. Checks that every record took
-/// effect once and that both members stop; returns the first member's revocations'
-/// in-flight counts.
-async fn revoke_with_records_taken(revoke_timeout: Duration) -> Vec<usize> {
+/// 120 records on one partition, read by one member with one handler at a time (so the
+/// stream holds records it took and has not handed out), then a second member joins: the
+/// first member's revoke waits at most `revoke_timeout`. Each record's handler takes 300 ms;
+/// with `stuck`, the third record's first run takes that long instead and the others 10 ms,
+/// and the second member joins while it runs. Checks that every record took effect once and
+/// that both members stop; returns the first member's revocations' in-flight counts.
+async fn revoke_with_records_taken(
+    revoke_timeout: Duration,
+    stuck: Option<Duration>,
+) -> Vec<usize> {
     const JOBS: usize = 120;
+    const STUCK: usize = 2;
     let env = KafkaEnv::new("revoketaken", 1).await;
     let mut config = env.config();
     config.order = ProcessingOrder::Key;
     config.revoke_timeout = revoke_timeout;
-    let slow = (0..JOBS).map(|i| {
+    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let records = (0..JOBS).map(|i| {
         let id = format!("job-{i}");
-        (
-            format!("key-{i}"),
-            id.clone(),
-            json!({ "id": id, "sleep_ms": 300 }),
-        )
+        let job = match stuck {
+            None => json!({ "id": id, "sleep_ms": 300 }),
+            Some(d) if i == STUCK => {
+                json!({ "id": id, "sleep_ms": 10, "fresh_sleep_ms": millis(d) })
+            }
+            Some(_) => json!({ "id": id, "sleep_ms": 10 }),
+        };
+        (format!("key-{i}"), id, job)
     });
-    let ends = publish_all(&env.publisher(), &env.topic, 1, slow.collect()).await;
+    let ends = publish_all(&env.publisher(), &env.topic, 1, records.collect()).await;
     let first = Running::start(&env, config.clone(), worker_config(1)).await;
-    wait_for("the first effect", Duration::from_secs(60), || async {
-        env.effect_count().await >= 1
+    // One at a time in offset order: once the records before it took effect, the stuck one
+    // runs (or is next).
+    let before = if stuck.is_some() { STUCK } else { 1 };
+    wait_for("the first effects", Duration::from_secs(60), || async {
+        env.effect_count().await >= before as i64
     })
     .await;
     // A second member joins: the partition is revoked from the first.
@@ -230,16 +243,18 @@ async fn revoke_with_records_taken(revoke_timeout: Duration) -> Vec<usize> {
             _ => None,
         })
         .collect();
-    let stopping = Duration::from_secs(60);
-    let stats = tokio::time::timeout(stopping, first.stop())
-        .await
-        .expect("the first member stopped");
+    // Both members run on to the end, so the first one's worker asks for records again once
+    // its record in flight is done, whatever the revoke left in its stream.
     wait_for(
         "every effect and every offset committed",
         Duration::from_secs(120),
         || async { env.effect_count().await >= JOBS as i64 && env.committed_up_to(&ends).await },
     )
     .await;
+    let stopping = Duration::from_secs(60);
+    let stats = tokio::time::timeout(stopping, first.stop())
+        .await
+        .expect("the first member stopped");
     tokio::time::timeout(stopping, second.stop())
         .await
         .expect("the second member stopped");
