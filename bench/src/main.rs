@@ -84,7 +84,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
+use anyhow::Context as _;
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, Acknowledger, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox,
@@ -428,9 +428,12 @@ impl Acks {
         }
     }
 
-    /// The latencies recorded so far.
+    /// The latencies recorded so far, taken (an arm reads them once, when it is over).
     fn latencies(&self) -> Vec<u64> {
-        self.latencies.lock().map(|l| l.clone()).unwrap_or_default()
+        self.latencies
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default()
     }
 }
 
@@ -489,12 +492,7 @@ fn framework_figures(
     acks: &Acks,
     rss: Rss,
 ) -> anyhow::Result<Figures> {
-    anyhow::ensure!(
-        s.completed == o.messages as u64,
-        "framework arm completed {} of {}: {s:?}",
-        s.completed,
-        o.messages
-    );
+    ensure_completed(o, s)?;
     Ok(end.figures(figures(
         o.messages,
         end.wall,
@@ -502,6 +500,17 @@ fn framework_figures(
         &mut acks.latencies(),
         rss,
     )))
+}
+
+/// Fails unless the worker (its counters `s`) completed every message of the arm.
+fn ensure_completed(o: &Options, s: &consumer_core::StatsSnapshot) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        s.completed == o.messages as u64,
+        "framework arm completed {} of {}: {s:?}",
+        s.completed,
+        o.messages
+    );
+    Ok(())
 }
 
 /// Wraps a delivery as it is handed to the consumer.
@@ -779,9 +788,7 @@ async fn framework<H: Handler<Postgres>>(
     let wall = start.elapsed();
     let cpu = cpu_time() - cpu0;
     let s = worker.snapshot();
-    if s.completed != o.messages as u64 {
-        bail!("framework arm completed {} of {}", s.completed, o.messages);
-    }
+    ensure_completed(o, &s)?;
     Ok(figures(o.messages, wall, cpu, &mut acks.latencies(), rss))
 }
 

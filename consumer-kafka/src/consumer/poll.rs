@@ -11,7 +11,7 @@ use rdkafka::consumer::{BaseConsumer, CommitMode as RdCommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::TopicPartitionList;
 
-use super::partitions::Shared;
+use super::partitions::{Settings, Shared};
 use super::rebalance::ConsumerCtx;
 use super::record::{key_id, read_headers, unix_millis, Handout, MessageId, Record, Spares};
 use crate::headers;
@@ -61,6 +61,35 @@ pub(super) struct Room {
 }
 
 impl Room {
+    /// The room of an empty partition: the limits themselves.
+    fn limits(s: &Settings) -> Room {
+        Room {
+            records: s.max_buffered,
+            bytes: s.max_buffered_bytes,
+        }
+    }
+
+    /// What is left of this room once `records` of `bytes` in all are in it.
+    fn after(self, records: usize, bytes: usize) -> Room {
+        Room {
+            records: self.records.saturating_sub(records),
+            bytes: self.bytes.saturating_sub(bytes),
+        }
+    }
+
+    /// The smaller of two rooms, limit by limit.
+    fn min(self, other: Room) -> Room {
+        Room {
+            records: self.records.min(other.records),
+            bytes: self.bytes.min(other.bytes),
+        }
+    }
+
+    /// No room left: a partition with this room has reached a limit.
+    fn is_full(self) -> bool {
+        self.records == 0 || self.bytes == 0
+    }
+
     /// Whether `chunk` records of `bytes` in all must be added before another is fetched:
     /// the chunk is as long as [`CHUNK`] allows, or one more record could fill a partition.
     fn filled(self, chunk: usize, bytes: usize) -> bool {
@@ -158,10 +187,10 @@ impl Shared {
 
     /// Adds a chunk of fetched messages (emptied) to their partitions (those still owned)
     /// under one hold of the lock, and wakes the stream once if it can take one now. Returns
-    /// whether a partition's buffer has reached a limit (the caller then pauses it before
-    /// fetching more), and the room left in the fullest partition.
-    fn ingest(&self, chunk: &mut Vec<Fetched>) -> (bool, Room) {
-        let (max, max_bytes) = (self.settings.max_buffered, self.settings.max_buffered_bytes);
+    /// the room left in the fullest partition (if none, the caller pauses it before fetching
+    /// more).
+    fn ingest(&self, chunk: &mut Vec<Fetched>) -> Room {
+        let limits = Room::limits(&self.settings);
         let mut state = self.lock();
         let mut wake = false;
         for fetched in chunk.drain(..) {
@@ -202,18 +231,16 @@ impl Shared {
                 }
             }
         }
-        let mut room = Room {
-            records: max,
-            bytes: max_bytes,
-        };
-        for p in state.partitions.values().filter(|p| !p.revoking) {
-            room.records = room.records.min(max.saturating_sub(p.tracker.len()));
-            room.bytes = room.bytes.min(max_bytes.saturating_sub(p.tracker.bytes()));
-        }
+        let room = state
+            .partitions
+            .values()
+            .filter(|p| !p.revoking)
+            .map(|p| limits.after(p.tracker.len(), p.tracker.bytes()))
+            .fold(limits, Room::min);
         let waker = if wake { state.waker.take() } else { None };
         drop(state);
         Shared::wake(waker);
-        (room.records == 0 || room.bytes == 0, room)
+        room
     }
 
     /// Pauses partitions whose buffer is full or whose next retry is not due, resumes the
@@ -237,7 +264,8 @@ impl Shared {
         let now = Instant::now();
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
-        let (max, max_bytes) = (self.settings.max_buffered, self.settings.max_buffered_bytes);
+        let limits = Room::limits(&self.settings);
+        let (half_records, half_bytes) = (limits.records / 2, limits.bytes / 2);
         let mut any_full = false;
         let waker = {
             let mut state = self.lock();
@@ -247,9 +275,9 @@ impl Shared {
                 let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
                 let (len, bytes) = (p.tracker.len(), p.tracker.bytes());
                 p.full = if p.full {
-                    len > max / 2 || bytes > max_bytes / 2
+                    len > half_records || bytes > half_bytes
                 } else {
-                    len >= max || bytes >= max_bytes
+                    limits.after(len, bytes).is_full()
                 };
                 any_full |= p.full && !p.revoking;
                 let want_pause = p.revoking || p.full || waiting_for_due;
@@ -320,10 +348,7 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
     // (which the stream and the settlements also take) for each.
     let mut chunk = Vec::with_capacity(CHUNK);
     let mut chunk_bytes = 0;
-    let mut room = Room {
-        records: shared.settings.max_buffered,
-        bytes: shared.settings.max_buffered_bytes,
-    };
+    let mut room = Room::limits(&shared.settings);
     while !shared.stop.load(Ordering::SeqCst) {
         let mut wait = if any_full {
             POLL_WAIT_PAUSED
@@ -341,13 +366,12 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
                     }
                     chunk.push(fetched);
                     if room.filled(chunk.len(), chunk_bytes) {
-                        let full;
-                        (full, room) = shared.ingest(&mut chunk);
+                        room = shared.ingest(&mut chunk);
                         chunk_bytes = 0;
                         // A partition that reached its limit is paused at once
                         // (housekeeping), not after the rest of the round: the limits hold
                         // record by record.
-                        if full {
+                        if room.is_full() {
                             break;
                         }
                     }
@@ -359,7 +383,7 @@ pub(super) fn poll_loop(consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>
             }
         }
         if !chunk.is_empty() {
-            (_, room) = shared.ingest(&mut chunk);
+            room = shared.ingest(&mut chunk);
             chunk_bytes = 0;
         }
         any_full = shared.housekeeping(&consumer, &mut retired, &mut spares);

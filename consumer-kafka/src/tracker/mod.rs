@@ -100,25 +100,17 @@ impl<T: Weigh> PartitionTracker<T> {
             return false;
         }
         // Held back if the last record of its key is still unsettled: chained behind it.
-        let held = match self.keys.insert(key, offset) {
-            Some(last) => match index_in(&self.entries, last) {
-                Some(i) if !matches!(self.entries[i].status, Status::Settled) => {
-                    self.entries[i].next = Some(offset);
-                    true
-                }
-                _ => false,
-            },
-            None => false,
-        };
-        if !held {
-            self.heads.insert(offset);
+        let last = self.keys.insert(key, offset);
+        match last.and_then(|last| unsettled(&self.entries, last)) {
+            Some(i) => self.entries[i].next = Some(offset),
+            None => {
+                self.heads.insert(offset);
+            }
         }
         if self.keys.len() > 2 * self.entries.len() + KEYS_SLACK {
             let entries = &self.entries;
-            self.keys.retain(|_, &mut last| {
-                index_in(entries, last)
-                    .is_some_and(|i| !matches!(entries[i].status, Status::Settled))
-            });
+            self.keys
+                .retain(|_, &mut last| unsettled(entries, last).is_some());
         }
         true
     }
@@ -336,6 +328,11 @@ fn index_in<T>(entries: &VecDeque<Entry<T>>, offset: i64) -> Option<usize> {
         }
     }
     entries.binary_search_by_key(&offset, |e| e.offset).ok()
+}
+
+/// The index of the record at `offset` in `entries`, if it is there and not settled.
+fn unsettled<T>(entries: &VecDeque<Entry<T>>, offset: i64) -> Option<usize> {
+    index_in(entries, offset).filter(|&i| !matches!(entries[i].status, Status::Settled))
 }
 
 fn is_due(status: &Status, now: Instant) -> bool {
