@@ -15,9 +15,8 @@ const MAX_DEPTH: usize = 100;
 
 /// Whether `payload` is valid JSON, valid UTF-8, and exactly its canonical form.
 pub(crate) fn is_canonical(payload: &[u8]) -> bool {
-    if std::str::from_utf8(payload).is_err() {
-        return false;
-    }
+    // Outside strings the reader takes ASCII bytes only, and each string's text is checked
+    // as UTF-8 where it is not ASCII: so the payload as a whole is UTF-8 once it is read.
     let mut reader = Reader {
         bytes: payload,
         at: 0,
@@ -96,17 +95,19 @@ impl<'a> Reader<'a> {
     }
 
     /// A string without escapes or control characters (those the canonical form would
-    /// write escaped): its bytes between the quotes.
+    /// write escaped), whose text is UTF-8: its bytes between the quotes.
     fn string(&mut self) -> Option<&'a [u8]> {
         self.eat(b'"')?;
         let start = self.at;
         let rest = self.bytes.get(start..)?;
-        let len = rest
-            .iter()
-            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+        let (len, ascii) = string_end(rest)?;
+        let text = rest.get(..len)?;
+        if !ascii {
+            std::str::from_utf8(text).ok()?;
+        }
         self.at = start + len;
         self.eat(b'"')?;
-        rest.get(..len)
+        Some(text)
     }
 
     fn literal(&mut self, word: &[u8]) -> Option<()> {
@@ -139,9 +140,88 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Where the string text at the start of `rest` ends (its closing quote), and whether it is
+/// all ASCII; `None` at an escape or a control character, or without a closing quote.
+///
+/// Eight bytes are looked at a time while none of them is special; the word that holds one
+/// is read again byte by byte.
+fn string_end(rest: &[u8]) -> Option<(usize, bool)> {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
+    /// Bytes below `n` (at most 0x80) have their high bit set in the result; none does if
+    /// no byte of `w` is below `n`.
+    fn below(w: u64, n: u8) -> u64 {
+        w.wrapping_sub(ONES * u64::from(n)) & !w & HIGH
+    }
+    let mut ascii = true;
+    let mut at = 0;
+    while let Some(chunk) = rest.get(at..at + 8) {
+        let w = u64::from_ne_bytes(chunk.try_into().ok()?);
+        // A byte equal to `"` or `\` is zero once xored with it: below 1.
+        let quote = below(w ^ (ONES * u64::from(b'"')), 1);
+        let backslash = below(w ^ (ONES * u64::from(b'\\')), 1);
+        if quote | backslash | below(w, 0x20) != 0 {
+            break;
+        }
+        ascii &= w & HIGH == 0;
+        at += 8;
+    }
+    for (i, &b) in rest.get(at..)?.iter().enumerate() {
+        match b {
+            b'"' => return Some((at + i, ascii)),
+            b'\\' | 0..0x20 => return None,
+            _ => ascii &= b.is_ascii(),
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
-    use super::is_canonical;
+    use super::{is_canonical, string_end};
+
+    /// The byte-at-a-time reading [`string_end`] must agree with.
+    fn string_end_bytewise(rest: &[u8]) -> Option<(usize, bool)> {
+        let len = rest
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+        (rest[len] == b'"').then(|| (len, rest[..len].is_ascii()))
+    }
+
+    #[test]
+    fn strings_end_where_a_byte_at_a_time_reading_ends_them() {
+        // Each special byte, and a non-ASCII one, at every place of strings of up to three
+        // words, with and without a closing quote after.
+        for len in 0..24 {
+            for at in 0..=len {
+                for special in [b'"', b'\\', 0x00, 0x1f, 0x20, 0x7f, 0x80, 0xc3, 0xff] {
+                    let mut text = vec![b'x'; len];
+                    if at < len {
+                        text[at] = special;
+                    }
+                    for tail in [&b""[..], b"\"", b"\"}"] {
+                        let bytes = [&text[..], tail].concat();
+                        assert_eq!(string_end(&bytes), string_end_bytewise(&bytes), "{bytes:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn text_that_is_not_utf8_is_not_canonical_wherever_it_is() {
+        assert!(is_canonical(
+            "{\"käse\":\"ünïcödé and more than eight\"}".as_bytes()
+        ));
+        for payload in [
+            &b"{\"a\":\"more than eight bytes \xff\"}"[..],
+            b"{\"more than eight bytes \xc3\":1}",
+            b"[\"\xe2\x82\"]",
+            b"\"twelve bytes\xc3\"",
+        ] {
+            assert!(!is_canonical(payload), "{payload:?}");
+        }
+    }
 
     #[test]
     fn the_canonical_form_is_recognised() {

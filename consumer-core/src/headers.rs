@@ -63,7 +63,17 @@ impl Headers {
 
     /// The value of header `name`.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+        // Names are compared as bytes and only the value found is checked as text; the
+        // entries are in name order, so the search stops at the first name past `name`.
+        let mut entries = self.iter();
+        while let Some((n, value)) = entries.next_raw() {
+            match n.cmp(name.as_bytes()) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Equal => return std::str::from_utf8(value).ok(),
+                std::cmp::Ordering::Greater => return None,
+            }
+        }
+        None
     }
 
     /// Whether there is a header `name`.
@@ -246,10 +256,9 @@ pub struct HeaderIter<'a> {
     rest: &'a [u8],
 }
 
-impl<'a> Iterator for HeaderIter<'a> {
-    type Item = (&'a str, &'a str);
-
-    fn next(&mut self) -> Option<(&'a str, &'a str)> {
+impl<'a> HeaderIter<'a> {
+    /// The next entry's name and value as bytes, not checked as text.
+    fn next_raw(&mut self) -> Option<(&'a [u8], &'a [u8])> {
         let (lengths, rest) = self.rest.split_first_chunk::<PREFIX>()?;
         let [n0, n1, n2, n3, v0, v1, v2, v3] = *lengths;
         let name_len = u32::from_le_bytes([n0, n1, n2, n3]) as usize;
@@ -257,6 +266,15 @@ impl<'a> Iterator for HeaderIter<'a> {
         let (name, rest) = rest.split_at_checked(name_len)?;
         let (value, rest) = rest.split_at_checked(value_len)?;
         self.rest = rest;
+        Some((name, value))
+    }
+}
+
+impl<'a> Iterator for HeaderIter<'a> {
+    type Item = (&'a str, &'a str);
+
+    fn next(&mut self) -> Option<(&'a str, &'a str)> {
+        let (name, value) = self.next_raw()?;
         // Written from `&str` parts only, so both are UTF-8; a block that were not would
         // end the iteration rather than show bytes as text.
         Some((
@@ -277,6 +295,11 @@ mod tests {
         assert_eq!(read, [("", "empty"), ("a", "1"), ("b", "3")]);
         assert_eq!(h.get("b"), Some("3"));
         assert_eq!(h.get("c"), None);
+        // Found by name order: before the first name, between two, and a name's prefix.
+        assert_eq!(h.get(" "), None);
+        assert_eq!(h.get("aa"), None);
+        assert_eq!(h.get("a"), Some("1"));
+        assert_eq!(h.get(""), Some("empty"));
         assert_eq!(h.len(), 3);
         assert_eq!(format!("{h:?}"), r#"{"": "empty", "a": "1", "b": "3"}"#);
     }

@@ -94,15 +94,16 @@ fn lock(map: &LockMap) -> MutexGuard<'_, Table> {
 
 /// Hands `id` to its oldest waiter still waiting, or frees it if none is.
 fn release(table: &mut Table, id: i64) {
-    let Some(waiters) = table.get_mut(&id) else {
+    // One lookup of the bucket, for the hand-over and the removal alike.
+    let Entry::Occupied(mut held) = table.entry(id) else {
         return;
     };
-    while let Some(next) = waiters.pop_front() {
+    while let Some(next) = held.get_mut().pop_front() {
         if next.send(()).is_ok() {
             return;
         }
     }
-    table.remove(&id);
+    held.remove();
 }
 
 /// A wait for one key. Dropped before the key is handed over (the lease was cancelled), it

@@ -258,13 +258,20 @@ fn crashed_at(point: FaultPoint) -> Error {
 
 /// The keys of a batch's jobs so far, to find a key that comes twice without copying each
 /// key: a hash of the key, and the job (its index in the batch's jobs) that has it.
-#[derive(Default)]
 struct RepeatedKeys {
     first: HashMap<u64, usize>,
     hasher: RandomState,
 }
 
 impl RepeatedKeys {
+    /// For a batch of `jobs` jobs: the table is sized once, not grown as they come.
+    fn for_batch(jobs: usize) -> Self {
+        RepeatedKeys {
+            first: HashMap::with_capacity(jobs),
+            hasher: RandomState::new(),
+        }
+    }
+
     /// Whether `job`'s key is one of `jobs`' (the jobs pushed so far, `job` to be pushed next);
     /// if not, it is remembered as the key of the next job.
     fn repeated<M>(&mut self, jobs: &[Job<M>], job: &Job<M>) -> bool {
@@ -349,7 +356,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         // A key twice in one batch: the second copy goes through the pipeline (and is
         // counted as received) after the batch, and is then seen as a duplicate.
         let mut repeats = Vec::new();
-        let mut seen = (batch.len() > 1).then(RepeatedKeys::default);
+        let mut seen = (batch.len() > 1).then(|| RepeatedKeys::for_batch(batch.len()));
         for incoming in batch {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;

@@ -51,6 +51,15 @@ pub(super) enum Fetched {
     },
 }
 
+/// A topic as the poll thread knows it, looked up once per topic rather than per record:
+/// one shared name (so a record does not allocate its own), and the topic it is the retry
+/// topic of, if it is one.
+#[derive(Clone)]
+pub(super) struct Topic {
+    name: Arc<str>,
+    origin: Option<Arc<str>>,
+}
+
 /// How many more records (and bytes) the fullest owned partition takes before it reaches a
 /// limit: a chunk of fetched records that fits in it fits in every partition, so the limits
 /// hold record by record although a chunk is added under one hold of the lock.
@@ -99,21 +108,25 @@ impl Room {
 
 impl Shared {
     /// Reads a fetched message into what the state lock needs to track it, without the lock.
-    /// `topics` keeps one shared name per topic, so a record does not allocate its own;
-    /// `blocks` takes its bytes (see [`Blocks`]), and a spare record
-    /// holds it if there is one.
+    /// `topics` keeps what the poll thread knows of each topic (see [`Topic`]); `blocks`
+    /// takes its bytes (see [`Blocks`]), and a spare record holds it if there is one.
     fn read(
         &self,
         m: &BorrowedMessage<'_>,
-        topics: &mut Vec<Arc<str>>,
+        topics: &mut Vec<Topic>,
         blocks: &mut Blocks,
         spares: &mut Spares,
     ) -> Fetched {
         let s = &self.settings;
-        let topic = match topics.iter().find(|t| ***t == *m.topic()) {
+        let Topic {
+            name: topic,
+            origin,
+        } = match topics.iter().find(|t| *t.name == *m.topic()) {
             Some(t) => t.clone(),
             None => {
-                let t: Arc<str> = Arc::from(m.topic());
+                let name: Arc<str> = Arc::from(m.topic());
+                let origin = s.retry_sources.get(&*name).cloned();
+                let t = Topic { name, origin };
                 topics.push(t.clone());
                 t
             }
@@ -121,7 +134,6 @@ impl Shared {
         let (partition, offset) = (m.partition(), m.offset());
         let (text_headers, raw_headers, header_bytes) = read_headers(m.headers(), blocks);
         let header = |name: &str| text_headers.get(name);
-        let origin = s.retry_sources.get(&*topic).cloned();
         let group = header(headers::RETRY_GROUP);
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
         if origin.is_some() && group.is_some_and(|g| g != s.group_id) {
