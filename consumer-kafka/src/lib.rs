@@ -26,7 +26,8 @@
 //! - Dead letters go to `<topic>.dlq` with the original key, value and headers plus the
 //!   headers in [`headers`], after the delivery report.
 //! - [`KafkaPublisher`] writes with `enable.idempotence=true` and awaits each delivery
-//!   report; [`create_topics`] creates a topic with its retry and dead-letter topics.
+//!   report (a thread of the producer's own serves them, asleep while there are none);
+//!   [`create_topics`] creates a topic with its retry and dead-letter topics.
 //! - [`KafkaObserver`] is a log of assignments, commits, revocations and dropped
 //!   settlements, for tests and metrics.
 //!

@@ -10,13 +10,12 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use consumer_core::TransportError;
-use rdkafka::producer::FutureProducer;
 use tokio::sync::watch;
 
 use super::record::{Handout, Record, Tp};
 use crate::config::{CommitMode, ProcessingOrder, RetryMode};
 use crate::observer::{KafkaObserver, OffsetEvent};
-use crate::producer::LogContext;
+use crate::producer::Producer;
 use crate::tracker::PartitionTracker;
 
 /// One owned partition: its assignment, its tracker, and whether it is being revoked, paused
@@ -86,7 +85,7 @@ pub(super) struct Shared {
     /// settlement must signal it; otherwise it does not (a signal costs a system call).
     pub(super) revoke_waiting: AtomicBool,
     pub(super) settings: Settings,
-    pub(super) producer: FutureProducer<LogContext>,
+    pub(super) producer: Producer,
     pub(super) observer: KafkaObserver,
     pub(super) stop: AtomicBool,
     pub(super) closed: watch::Sender<bool>,
