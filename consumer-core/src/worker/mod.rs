@@ -385,12 +385,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             .await;
         // Only fault injection needs the keys once the jobs have moved on.
         let fault_keys = self.fault_keys(&jobs);
-        // Usually every job is fresh: the batch's jobs then stay where they are.
-        let (fresh, counted): (Vec<_>, Vec<_>) = if jobs.iter().all(|j| j.fresh) {
-            (jobs, Vec::new())
-        } else {
-            jobs.into_iter().partition(|j| j.fresh)
-        };
+        // Only the jobs attempted before move out; the fresh ones (usually all) stay put.
+        let mut fresh = jobs;
+        let counted: Vec<_> = fresh.extract_if(.., |j| !j.fresh).collect();
         let mut alone = Vec::new();
         self.run_group(fresh, true, &mut settled, &mut alone)
             .await?;
