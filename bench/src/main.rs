@@ -389,9 +389,11 @@ fn since_per_msg(now: Duration, start_us: &std::sync::atomic::AtomicU64, n: usiz
 }
 
 /// What a framework arm's acknowledgers record, shared by all of them: each delivery's
-/// latency, and how many have settled; the `n`th settlement sends `done`.
+/// latency, and how many have settled; the `n`th settlement sends `done`. A settlement takes
+/// a slot by its number, so recording one takes no lock.
 struct Acks {
-    latencies: Mutex<Vec<u64>>,
+    /// A slot a settlement (none if latencies are not recorded).
+    latencies: Vec<std::sync::atomic::AtomicU64>,
     settled: std::sync::atomic::AtomicUsize,
     n: usize,
     done: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
@@ -401,8 +403,15 @@ impl Acks {
     /// The record of an arm of `n` messages, and what resolves when `n` have settled.
     fn new(n: usize) -> (Arc<Acks>, tokio::sync::oneshot::Receiver<()>) {
         let (done, settled_all) = tokio::sync::oneshot::channel();
+        let slots = if RECORD_LATENCY.load(std::sync::atomic::Ordering::Relaxed) {
+            n
+        } else {
+            0
+        };
         let acks = Acks {
-            latencies: Mutex::new(Vec::with_capacity(n)),
+            latencies: (0..slots)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
             settled: std::sync::atomic::AtomicUsize::new(0),
             n,
             done: Mutex::new(Some(done)),
@@ -412,15 +421,13 @@ impl Acks {
 
     /// A delivery handed out at `delivered` has settled.
     fn settled(&self, delivered: Instant) {
-        if RECORD_LATENCY.load(std::sync::atomic::Ordering::Relaxed) {
-            let latency = u64::try_from(delivered.elapsed().as_micros()).unwrap_or(u64::MAX);
-            if let Ok(mut l) = self.latencies.lock() {
-                l.push(latency);
-            }
-        }
         let settled = self
             .settled
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(slot) = self.latencies.get(settled) {
+            let latency = u64::try_from(delivered.elapsed().as_micros()).unwrap_or(u64::MAX);
+            slot.store(latency, std::sync::atomic::Ordering::Relaxed);
+        }
         if settled + 1 == self.n {
             if let Some(done) = self.done.lock().ok().and_then(|mut d| d.take()) {
                 let _ = done.send(());
@@ -428,12 +435,14 @@ impl Acks {
         }
     }
 
-    /// The latencies recorded so far, taken (an arm reads them once, when it is over).
+    /// The latencies recorded (an arm reads them once, when it is over).
     fn latencies(&self) -> Vec<u64> {
+        let settled = self.settled.load(std::sync::atomic::Ordering::Acquire);
         self.latencies
-            .lock()
-            .map(|mut l| std::mem::take(&mut *l))
-            .unwrap_or_default()
+            .iter()
+            .take(settled)
+            .map(|l| l.load(std::sync::atomic::Ordering::Relaxed))
+            .collect()
     }
 }
 

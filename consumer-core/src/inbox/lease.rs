@@ -7,21 +7,32 @@ use super::handle::Inbox;
 use super::locks::{self, lock_id};
 
 impl<DB: Backend> Inbox<DB> {
-    /// Takes the in-process locks of several keys, always in ascending lock id order so that
-    /// two batches sharing keys cannot deadlock, and a connection. The database locks are
-    /// taken by the first statement on it ([`Lease::locking`]).
+    /// Takes the in-process locks of several keys, always in ascending id order so that two
+    /// batches sharing keys cannot deadlock, and a connection. With `db_locks`, the lease
+    /// also carries the keys' database lock ids (sorted), which the first statement on it
+    /// takes ([`Lease::locking`]); without, it takes none and computes none.
     pub(crate) async fn lease_many(
         &self,
         handler: &str,
         keys: &[impl AsRef<str>],
+        db_locks: bool,
     ) -> Result<Lease<DB>, sqlx::Error> {
-        let mut lock_ids: Vec<i64> = keys
+        let mut local_ids: Vec<i64> = keys
             .iter()
-            .map(|k| lock_id(&self.names.lock_namespace, handler, k.as_ref()))
+            .map(|k| self.locks.local_id(handler, k.as_ref()))
             .collect();
+        local_ids.sort_unstable();
+        local_ids.dedup();
+        let mut lock_ids: Vec<i64> = if db_locks {
+            keys.iter()
+                .map(|k| lock_id(&self.names.lock_namespace, handler, k.as_ref()))
+                .collect()
+        } else {
+            Vec::new()
+        };
         lock_ids.sort_unstable();
         lock_ids.dedup();
-        let local = self.locks.lock_many(&lock_ids).await;
+        let local = self.locks.lock_many(&local_ids).await;
         let conn = self.pool.acquire().await?;
         Ok(Lease {
             conn: Some(conn),
@@ -45,6 +56,7 @@ pub(crate) struct Lease<DB: Backend> {
     /// [`Lease::release`] ran: the connection was used to the end and may be pooled again.
     released: bool,
     db_locked: bool,
+    /// The keys' database lock ids, sorted; empty for a lease made without them.
     lock_ids: Vec<i64>,
     _local: locks::LocalGuards,
 }
@@ -57,8 +69,9 @@ impl<DB: Backend> Lease<DB> {
         }
     }
 
-    /// The connection and the lock ids, for the statement that takes the database locks.
-    /// From here on, dropping the lease closes the connection (see the type's doc).
+    /// The connection and the lock ids, for the statement that takes the database locks
+    /// (of a lease made with `db_locks`). From here on, dropping the lease closes the
+    /// connection (see the type's doc).
     pub(crate) fn locking(&mut self) -> (&mut DB::Connection, &[i64]) {
         // Pessimistic: if the statement is dropped while in flight, the server may still
         // grant the locks, so the connection must not go back to the pool.

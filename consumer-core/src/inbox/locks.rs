@@ -1,6 +1,6 @@
 //! In-process per-key locks: a second delivery of a key waits here for the first, without
-//! holding a database connection while it waits. Also the keys' lock ids, which the
-//! PostgreSQL advisory locks use too.
+//! holding a database connection while it waits. Also the keys' database lock ids, which
+//! the PostgreSQL advisory locks use.
 //!
 //! The table holds one entry per held key: the queue of the tasks waiting for it, empty
 //! (no allocation) while nobody waits. Taking a free key is an insert and releasing it a
@@ -9,24 +9,28 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
 
-/// The table of held keys: lock id to the tasks waiting for it, oldest first.
+/// The table of held keys: a key's local id ([`KeyLocks::local_id`]) to the tasks waiting
+/// for it, oldest first.
 #[derive(Debug, Default)]
 pub(crate) struct KeyLocks {
     map: LockMap,
+    /// Seeds the local ids: they name keys in this process only, so a fast keyed hash does,
+    /// where the database lock ids ([`lock_id`]) must be the same in every worker.
+    ids: RandomState,
 }
 
 type Table = HashMap<i64, VecDeque<oneshot::Sender<()>>, BuildHasherDefault<LockIdHasher>>;
 type LockMap = Arc<Mutex<Table>>;
 
-/// Hashes a lock id as itself: it is already the start of a SHA-256 digest, so hashing it
-/// again (SipHash, on every take and release) buys nothing. Only keys in flight are in the
-/// table (at most the workers' concurrency times their batch size), so even ids chosen to
-/// share buckets cost a bounded probe.
+/// Hashes a local id as itself: it is already a keyed hash of the key, so hashing it again
+/// (on every take and release) buys nothing. Only keys in flight are in the table (at most
+/// the workers' concurrency times their batch size), so even ids that share buckets cost a
+/// bounded probe.
 #[derive(Debug, Default)]
 struct LockIdHasher(u64);
 
@@ -53,6 +57,12 @@ pub(crate) struct LocalGuards {
 }
 
 impl KeyLocks {
+    /// The id that `key` of `handler` is locked by in this table. Two keys may share one (a
+    /// hash collision): they then take turns, which costs time, never correctness.
+    pub(crate) fn local_id(&self, handler: &str, key: &str) -> i64 {
+        i64::from_ne_bytes(self.ids.hash_one((handler, key)).to_ne_bytes())
+    }
+
     /// Locks `ids`, which must be sorted and without repeats: every caller takes its locks in
     /// ascending order, so two callers sharing keys cannot deadlock. Free locks are taken
     /// under one hold of the table; from the first busy one on, each is awaited in turn.
@@ -177,8 +187,8 @@ impl Drop for LocalGuards {
     }
 }
 
-/// The first 8 bytes of the SHA-256 of (namespace, handler, key), big-endian. Workers of
-/// different versions must agree on it: keep it stable.
+/// The database lock id of a key: the first 8 bytes of the SHA-256 of (namespace, handler,
+/// key), big-endian. Workers of different versions must agree on it: keep it stable.
 pub(super) fn lock_id(namespace: &str, handler: &str, key: &str) -> i64 {
     let digest = crate::key::sha256(&[namespace.as_bytes(), handler.as_bytes(), key.as_bytes()]);
     let mut first = [0u8; 8];
@@ -278,6 +288,20 @@ mod tests {
         }
         assert_eq!(*order.lock().unwrap(), [0, 1, 2]);
         assert_eq!(locks.len(), 0);
+    }
+
+    #[test]
+    fn a_table_gives_a_key_one_local_id_and_tells_keys_and_handlers_apart() {
+        let locks = KeyLocks::default();
+        let id = locks.local_id("bench", "m-1");
+        assert_eq!(locks.local_id("bench", "m-1"), id);
+        assert_ne!(locks.local_id("bench", "m-2"), id);
+        assert_ne!(locks.local_id("other", "m-1"), id);
+        // The handler and the key are hashed as two fields, not as one joined text.
+        assert_ne!(
+            locks.local_id("bench", "m-1"),
+            locks.local_id("benchm", "-1")
+        );
     }
 
     #[test]

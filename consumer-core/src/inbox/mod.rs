@@ -42,7 +42,8 @@
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
 //! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `locks`: the
-//!   in-process key locks and the lock ids.
+//!   in-process key locks (by a hash of the key seeded per process) and the database lock
+//!   ids (stable across workers and versions, computed only for the counted path).
 
 mod backend;
 mod claim;

@@ -362,11 +362,12 @@ impl Backend for Postgres {
     ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(async move {
             let (keys, hashes): (Vec<&str>, Vec<&str>) = items.iter().copied().unzip();
-            sqlx::query_scalar(&names.sql.claim_fresh_many)
-                .bind(handler)
-                .bind(keys)
-                .bind(hashes)
-                .bind(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+            let mut args = sized(4, handler.len() + text_array(&keys) + text_array(&hashes));
+            args.add(handler).map_err(sqlx::Error::Encode)?;
+            args.add(keys).map_err(sqlx::Error::Encode)?;
+            args.add(hashes).map_err(sqlx::Error::Encode)?;
+            args.add(millis(retention)).map_err(sqlx::Error::Encode)?;
+            sqlx::query_scalar_with(&names.sql.claim_fresh_many, args)
                 .fetch_all(conn)
                 .await
         })
@@ -451,6 +452,22 @@ impl Dialect for Postgres {
 fn begin_with_timeouts(timeout: Duration) -> String {
     let ms = timeout.as_millis().clamp(1, i32::MAX as u128);
     format!("BEGIN; SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
+}
+
+/// Arguments for `values` values whose encoding takes about `bytes` bytes, sized once: sqlx
+/// grows its buffer by doubling as values are added, and a batch's arrays (64 short keys and
+/// their hashes take about 5 KiB) would otherwise be copied into a larger buffer several
+/// times a statement. Room for each value's length prefix, or a number, is added here.
+fn sized(values: usize, bytes: usize) -> PgArguments {
+    let mut args = PgArguments::default();
+    args.reserve(values, bytes + 12 * values);
+    args
+}
+
+/// About how many bytes an array of `texts` takes in the binary protocol: its header (with
+/// one dimension) and each element's length and text.
+fn text_array(texts: &[&str]) -> usize {
+    20 + texts.iter().map(|t| 4 + t.len()).sum::<usize>()
 }
 
 /// An attempt number as the `INTEGER` columns hold it.

@@ -446,7 +446,8 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             .take(!fresh && jobs.iter().any(|j| j.delivery.redelivered))
             .await;
         let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
-        let mut lease = match self.inbox.lease_many(&self.name, &keys).await {
+        // Only counted jobs take the keys' database locks (see `locking` below).
+        let mut lease = match self.inbox.lease_many(&self.name, &keys, !fresh).await {
             Ok(l) => l,
             Err(e) => {
                 self.retry_all_after_db_error(&e, jobs, settled, alone);
