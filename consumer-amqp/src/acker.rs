@@ -1,6 +1,7 @@
 //! From a lapin delivery to an [`Incoming`], and its settlement.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -128,22 +129,32 @@ impl Acknowledger for AmqpAcker {
         self: Box<Self>,
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move {
-            let link = self.link.clone();
-            // A settlement caught in its connection's failure ends when the session gives
-            // the connection up: the broker redelivers the message, the inbox has it.
-            tokio::select! {
-                biased;
-                settled = self.apply(settlement) => settled.map_err(TransportError::from),
-                () = link.retired() => Err(Error::ChannelClosed.into()),
-            }
-        })
+        let link = self.link.clone();
+        match settlement {
+            // An ack, the usual settlement, gets a future of its own: the one that may also
+            // publish a copy is several KiB, which every delivery would allocate and copy.
+            Settlement::Ack => Box::pin(or_retired(link, async move { self.ack().await })),
+            other => Box::pin(or_retired(link, self.apply(other))),
+        }
     }
 
     /// A retry publishes a copy to a retry queue (confirmed) before the original is acked;
     /// the retry queue dead-letters it back to this consumer's queue when it is due.
     fn copy_scope(&self) -> Option<&str> {
         Some(&self.link.topology.copy_scope)
+    }
+}
+
+/// `settling`, unless the session gives its connection up first: a settlement caught in its
+/// connection's failure ends then, and the broker redelivers the message (the inbox has it).
+async fn or_retired(
+    link: Arc<Link>,
+    settling: impl Future<Output = Result<(), Error>>,
+) -> Result<(), TransportError> {
+    tokio::select! {
+        biased;
+        settled = settling => settled.map_err(TransportError::from),
+        () = link.retired() => Err(Error::ChannelClosed.into()),
     }
 }
 
