@@ -65,7 +65,7 @@ pub enum Db {
     },
     Sqlite {
         pool: SqlitePool,
-        _dir: tempfile::TempDir,
+        _dir: Arc<tempfile::TempDir>,
     },
 }
 
@@ -73,27 +73,8 @@ impl Db {
     /// A fresh PostgreSQL schema with the `effects` table; the pool's `search_path` is it.
     pub async fn postgres() -> Db {
         let schema = unique("http");
-        let options = PgConnectOptions::from_str(&database_url())
-            .expect("DATABASE_URL")
-            .options([("search_path", schema.as_str())]);
         let acquires = Arc::new(AtomicU64::new(0));
-        // A new connection is handed out after `after_connect`, an idle one after
-        // `before_acquire`: together, every acquisition.
-        let (on_connect, on_acquire) = (acquires.clone(), acquires.clone());
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(Duration::from_secs(30))
-            .after_connect(move |_, _| {
-                on_connect.fetch_add(1, Ordering::SeqCst);
-                Box::pin(async { Ok(()) })
-            })
-            .before_acquire(move |_, _| {
-                on_acquire.fetch_add(1, Ordering::SeqCst);
-                Box::pin(async { Ok(true) })
-            })
-            .connect_with(options)
-            .await
-            .expect("connect to PostgreSQL");
+        let pool = pg_pool(&schema, &acquires).await;
         sqlx::raw_sql(&format!(
             "CREATE SCHEMA \"{schema}\"; \
              CREATE TABLE \"{schema}\".effects (route TEXT NOT NULL, run INTEGER NOT NULL);"
@@ -130,6 +111,34 @@ impl Db {
         self
     }
 
+    /// The same database as another process sees it: a pool of its own (the same schema
+    /// and acquisition count), so that a runtime dropped under it ([`App::serve_killable`])
+    /// takes only its own connections along. sqlx registers a connection with the runtime
+    /// that opened it: one the killed runtime opened, back in a shared pool, would fail the
+    /// next request that takes it.
+    pub async fn another_process(&self) -> Db {
+        match self {
+            Db::Pg {
+                schema,
+                acquires,
+                #[cfg(feature = "redis")]
+                redis,
+                ..
+            } => Db::Pg {
+                pool: pg_pool(schema, acquires).await,
+                schema: schema.clone(),
+                acquires: acquires.clone(),
+                #[cfg(feature = "redis")]
+                redis: redis.clone(),
+            },
+            // SQLite's connections run on threads of their own, not on the runtime.
+            Db::Sqlite { pool, _dir } => Db::Sqlite {
+                pool: pool.clone(),
+                _dir: _dir.clone(),
+            },
+        }
+    }
+
     /// How often a connection has been taken from the PostgreSQL pool so far.
     pub fn acquires(&self) -> u64 {
         match self {
@@ -155,7 +164,10 @@ impl Db {
             .execute(&pool)
             .await
             .expect("create the test table");
-        Db::Sqlite { pool, _dir: dir }
+        Db::Sqlite {
+            pool,
+            _dir: Arc::new(dir),
+        }
     }
 
     /// How many effect rows have committed.
@@ -185,6 +197,31 @@ impl Db {
         }
         .expect("purge")
     }
+}
+
+/// A pool of up to 16 connections to PostgreSQL whose `search_path` is `schema`, counting
+/// every acquisition in `acquires`.
+async fn pg_pool(schema: &str, acquires: &Arc<AtomicU64>) -> PgPool {
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("DATABASE_URL")
+        .options([("search_path", schema)]);
+    // A new connection is handed out after `after_connect`, an idle one after
+    // `before_acquire`: together, every acquisition.
+    let (on_connect, on_acquire) = (acquires.clone(), acquires.clone());
+    PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(Duration::from_secs(30))
+        .after_connect(move |_, _| {
+            on_connect.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(()) })
+        })
+        .before_acquire(move |_, _| {
+            on_acquire.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(true) })
+        })
+        .connect_with(options)
+        .await
+        .expect("connect to PostgreSQL")
 }
 
 async fn pg_store(pool: &PgPool, schema: &str) -> IdempotencyStore<sqlx::Postgres> {
@@ -315,7 +352,8 @@ impl App {
     /// request in flight: what a killed process leaves behind (claims, no commits).
     pub async fn serve_killable(db: &Db, config: IdempotencyConfig) -> (App, Killable) {
         let handlers = Arc::new(Handlers::default());
-        let router = router(db, config, handlers.clone()).await;
+        // Its own connections, as a process of its own would have.
+        let router = router(&db.another_process().await, config, handlers.clone()).await;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("address");
