@@ -1,7 +1,8 @@
 //! Which attempts hold their key's PostgreSQL advisory lock. A counted attempt (a retry, a
-//! redelivery) runs under its key's lock, taken with its attempt count and held to its
-//! commit, so that two processes cannot count and run the same key at once; a fresh attempt
-//! claims its key in its own transaction and takes no database lock.
+//! redelivery) runs under its key's lock, taken with its attempt count and released by the
+//! statement that completes the key, so that two processes cannot count and run the same
+//! key at once; a fresh attempt claims its key in its own transaction and takes no database
+//! lock.
 //!
 //! Against real PostgreSQL (a fresh schema per test), one transaction per delivery and in
 //! batched mode.
