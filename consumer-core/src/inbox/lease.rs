@@ -17,21 +17,16 @@ impl<DB: Backend> Inbox<DB> {
         keys: &[impl AsRef<str>],
         db_locks: bool,
     ) -> Result<Lease<DB>, sqlx::Error> {
-        let mut local_ids: Vec<i64> = keys
-            .iter()
-            .map(|k| self.locks.local_id(handler, k.as_ref()))
-            .collect();
-        local_ids.sort_unstable();
-        local_ids.dedup();
-        let mut lock_ids: Vec<i64> = if db_locks {
+        let local_ids = sorted(
             keys.iter()
-                .map(|k| lock_id(&self.names.lock_namespace, handler, k.as_ref()))
-                .collect()
+                .map(|k| self.locks.local_id(handler, k.as_ref())),
+        );
+        let lock_ids = if db_locks {
+            let namespace = &self.names.lock_namespace;
+            sorted(keys.iter().map(|k| lock_id(namespace, handler, k.as_ref())))
         } else {
             Vec::new()
         };
-        lock_ids.sort_unstable();
-        lock_ids.dedup();
         let local = self.locks.lock_many(&local_ids).await;
         let conn = self.pool.acquire().await?;
         Ok(Lease {
@@ -42,6 +37,14 @@ impl<DB: Backend> Inbox<DB> {
             _local: local,
         })
     }
+}
+
+/// `ids` in ascending order, each once: the order every lease takes its locks in.
+fn sorted(ids: impl Iterator<Item = i64>) -> Vec<i64> {
+    let mut ids: Vec<i64> = ids.collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 /// A pooled connection holding the key's lock.
