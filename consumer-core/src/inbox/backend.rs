@@ -218,6 +218,23 @@ pub trait Backend: Execute + OutboxStore {
         })
     }
 
+    /// [`Backend::claim_fresh_many`] for a batch whose keys are expected to have no rows
+    /// (the usual case of fresh deliveries): a backend may claim them with a plain insert,
+    /// which costs the database less than one that tolerates rows, and then fails with a
+    /// unique violation if a key has a row after all. That leaves the transaction to be
+    /// rolled back; the caller claims again with [`Backend::claim_fresh_many`] in a new one.
+    /// By default the same as [`Backend::claim_fresh_many`].
+    #[doc(hidden)]
+    fn claim_new_many<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        handler: &'a str,
+        items: &'a [(&'a str, &'a str)],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
+        Self::claim_fresh_many(conn, names, handler, items, retention)
+    }
+
     /// A fresh delivery's attempt failed and rolled back its claim: counts that attempt
     /// (a pending row with 1 attempt) unless the key has a row by now.
     #[doc(hidden)]

@@ -130,6 +130,8 @@ pub struct Statements {
     pub(crate) purge_expired: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
+    /// `claim_fresh_many` as a plain insert (PostgreSQL; see `Backend::claim_new_many`).
+    pub(crate) claim_new_many: String,
     pub(crate) count_fresh_failure: String,
     /// Creates the (handler, log) mark row if missing, with no mark.
     pub(crate) mark_insert: String,

@@ -141,6 +141,14 @@ const CLAIM_FRESH_MANY: &str = "WITH ins AS (INSERT INTO {inbox} \
      ON CONFLICT (handler, key) DO NOTHING RETURNING key) \
      SELECT u.key FROM unnest($2::text[]) AS u(key) EXCEPT SELECT key FROM ins";
 
+/// [`CLAIM_FRESH_MANY`] as a plain insert, in the same key order: no speculative insertion
+/// and no confirmation record per row, so it costs the database less; a key with a row
+/// fails it (a unique violation, see `Backend::claim_new_many`).
+const CLAIM_NEW_MANY: &str = "INSERT INTO {inbox} \
+     (handler, key, payload_hash, status, attempts, completed_at, expires_at) \
+     SELECT $1, u.key, u.hash, 'completed', 1, now(), now() + $4 * interval '1 millisecond' \
+     FROM unnest($2::text[], $3::text[]) AS u(key, hash) ORDER BY u.key";
+
 const COUNT_FRESH_FAILURE: &str = "INSERT INTO {inbox} \
      (handler, key, payload_hash, status, attempts) VALUES ($1, $2, $3, 'pending', 1) \
      ON CONFLICT (handler, key) DO NOTHING";
@@ -210,6 +218,7 @@ impl Backend for Postgres {
             purge_expired: names.render(PURGE_EXPIRED),
             claim_fresh: names.render(CLAIM_FRESH),
             claim_fresh_many: names.render(CLAIM_FRESH_MANY),
+            claim_new_many: names.render(CLAIM_NEW_MANY),
             count_fresh_failure: names.render(COUNT_FRESH_FAILURE),
             mark_insert: names.render(MARK_INSERT),
             mark_select: names.render(MARK_SELECT),
@@ -361,15 +370,26 @@ impl Backend for Postgres {
         retention: Duration,
     ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(async move {
-            let (keys, hashes): (Vec<&str>, Vec<&str>) = items.iter().copied().unzip();
-            let mut args = sized(4, handler.len() + text_array(&keys) + text_array(&hashes));
-            args.add(handler).map_err(sqlx::Error::Encode)?;
-            args.add(keys).map_err(sqlx::Error::Encode)?;
-            args.add(hashes).map_err(sqlx::Error::Encode)?;
-            args.add(millis(retention)).map_err(sqlx::Error::Encode)?;
+            let args = claim_arguments(handler, items, retention)?;
             sqlx::query_scalar_with(&names.sql.claim_fresh_many, args)
                 .fetch_all(conn)
                 .await
+        })
+    }
+
+    fn claim_new_many<'a>(
+        conn: &'a mut PgConnection,
+        names: &'a TableNames,
+        handler: &'a str,
+        items: &'a [(&'a str, &'a str)],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
+        Box::pin(async move {
+            let args = claim_arguments(handler, items, retention)?;
+            sqlx::query_with(&names.sql.claim_new_many, args)
+                .execute(conn)
+                .await?;
+            Ok(Vec::new())
         })
     }
 
@@ -468,6 +488,22 @@ fn sized(values: usize, bytes: usize) -> PgArguments {
 /// one dimension) and each element's length and text.
 fn text_array(texts: &[&str]) -> usize {
     20 + texts.iter().map(|t| 4 + t.len()).sum::<usize>()
+}
+
+/// The arguments of a batch's fresh claim ([`CLAIM_FRESH_MANY`], [`CLAIM_NEW_MANY`]): the
+/// handler, the keys, their payload hashes, the retention.
+fn claim_arguments(
+    handler: &str,
+    items: &[(&str, &str)],
+    retention: Duration,
+) -> Result<PgArguments, sqlx::Error> {
+    let (keys, hashes): (Vec<&str>, Vec<&str>) = items.iter().copied().unzip();
+    let mut args = sized(4, handler.len() + text_array(&keys) + text_array(&hashes));
+    args.add(handler).map_err(sqlx::Error::Encode)?;
+    args.add(keys).map_err(sqlx::Error::Encode)?;
+    args.add(hashes).map_err(sqlx::Error::Encode)?;
+    args.add(millis(retention)).map_err(sqlx::Error::Encode)?;
+    Ok(args)
 }
 
 /// An attempt number as the `INTEGER` columns hold it.

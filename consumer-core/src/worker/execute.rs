@@ -4,7 +4,7 @@
 //! code, so one failure never sinks or half-commits the others.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use futures::FutureExt;
@@ -16,6 +16,42 @@ use crate::fault::point::FaultPoint;
 use crate::handler::{BatchContext, BatchMember, Context, Handler, Written};
 use crate::inbox::{Backend, Lease};
 use crate::HandlerError;
+
+/// How a worker claims its batches' fresh keys: with the plain insert of
+/// [`Backend::claim_new_many`] while fresh keys turn out to have no rows, which is the usual
+/// case; with [`Backend::claim_fresh_many`], which tolerates rows, for the next
+/// [`Claims::TOLERANT_AFTER_ROWS`] batches after one that found a row. Republished messages
+/// tend to come in runs (a producer's retried backlog), and each batch that meets one pays a
+/// failed insert and a second transaction on the plain insert.
+#[derive(Debug, Default)]
+pub(super) struct Claims {
+    /// How many more batches claim with the tolerant statement.
+    tolerant: AtomicU32,
+}
+
+impl Claims {
+    const TOLERANT_AFTER_ROWS: u32 = 64;
+
+    /// Whether the next batch may claim with the plain insert (if not, one fewer batch
+    /// waits for it).
+    fn optimistic(&self) -> bool {
+        self.tolerant
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_err()
+    }
+
+    /// A batch's plain insert found a key with a row.
+    fn found_rows(&self) {
+        self.tolerant
+            .store(Self::TOLERANT_AFTER_ROWS, Ordering::Relaxed);
+    }
+}
+
+/// Whether the database refused a statement because a row with its key exists.
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.is_unique_violation())
+}
 
 /// How a group's transaction ended.
 enum Ended {
@@ -165,7 +201,31 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             } else {
                 let items: Vec<(&str, &str)> =
                     jobs.iter().map(|j| (j.key(), j.hash.as_str())).collect();
-                DB::claim_fresh_many(&mut tx, names, &self.name, &items, s.retention).await
+                let (name, retention) = (&self.name, s.retention);
+                let optimistic = self.claims.optimistic();
+                let claim = if optimistic {
+                    DB::claim_new_many(&mut tx, names, name, &items, retention).await
+                } else {
+                    DB::claim_fresh_many(&mut tx, names, name, &items, retention).await
+                };
+                match claim {
+                    Err(e) if optimistic && is_unique_violation(&e) => {
+                        // A key had a row after all (a republished message): that statement
+                        // failed the transaction. Claim again in a new one, keeping the keys
+                        // with rows apart.
+                        self.claims.found_rows();
+                        tracing::debug!("a fresh key of the batch had a row; claiming again");
+                        if let Err(e) = tx.rollback().await {
+                            return Ok(Ended::NotRun(e));
+                        }
+                        tx = match DB::begin_handler(conn, s.timeout).await {
+                            Ok(tx) => tx,
+                            Err(e) => return Ok(Ended::NotRun(e)),
+                        };
+                        DB::claim_fresh_many(&mut tx, names, name, &items, retention).await
+                    }
+                    claim => claim,
+                }
             };
             match claimed {
                 Ok(taken) if taken.is_empty() => {}
@@ -389,5 +449,21 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Claims;
+
+    #[test]
+    fn claims_are_tolerant_for_a_while_after_a_batch_found_a_row() {
+        let claims = Claims::default();
+        assert!(claims.optimistic() && claims.optimistic());
+        claims.found_rows();
+        for _ in 0..Claims::TOLERANT_AFTER_ROWS {
+            assert!(!claims.optimistic());
+        }
+        assert!(claims.optimistic());
     }
 }

@@ -82,6 +82,8 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     stats: Arc<Stats>,
     freshness: Freshness<DB>,
     turns: turn::Turns,
+    /// How batches claim their fresh keys.
+    claims: execute::Claims,
     #[cfg(feature = "fault-injection")]
     faults: Option<Arc<dyn crate::fault::FaultInjector>>,
     #[cfg(feature = "fault-injection")]
@@ -119,6 +121,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 inbox_gauge_interval: config.inbox_gauge_interval,
                 stats,
                 turns: turn::Turns::default(),
+                claims: execute::Claims::default(),
                 #[cfg(feature = "fault-injection")]
                 faults: config.faults,
                 #[cfg(feature = "fault-injection")]
