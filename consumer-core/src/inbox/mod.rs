@@ -13,6 +13,10 @@
 //! handler's transaction, unless it has a row (a concurrent insert of the same key waits on
 //! the primary key for this transaction); the commit makes the handler's writes and the
 //! completion durable together. If the key has a row, the delivery takes the counted path.
+//! A batch's fresh keys are claimed by one statement, in key order. On PostgreSQL that is
+//! first a plain insert, which costs the database less than one that tolerates rows; if a
+//! key has a row after all (a republished message), that transaction is rolled back and
+//! the batch claims again with the tolerant insert in a new one.
 //!
 //! The counted path (every other delivery) takes two steps, both under a per-key lock (an
 //! in-process mutex, plus a PostgreSQL session advisory lock so workers in other processes
