@@ -20,9 +20,10 @@ use crate::HandlerError;
 /// How a worker claims its batches' fresh keys: with the plain insert of
 /// [`Backend::claim_new_many`] while fresh keys turn out to have no rows, which is the usual
 /// case; with [`Backend::claim_fresh_many`], which tolerates rows, for the next
-/// [`Claims::TOLERANT_AFTER_ROWS`] batches after one that found a row. Republished messages
-/// tend to come in runs (a producer's retried backlog), and each batch that meets one pays a
-/// failed insert and a second transaction on the plain insert.
+/// [`Claims::TOLERANT_AFTER_ROWS`] batches after one that found a row. On the plain insert a
+/// batch that meets a republished message pays a failed insert and a second transaction, and
+/// republished messages may come in runs (a producer's retried backlog); the count is a
+/// chosen bound, not a measured one.
 #[derive(Debug, Default)]
 pub(super) struct Claims {
     /// How many more batches claim with the tolerant statement.
