@@ -480,6 +480,48 @@ impl Acknowledger for Timed {
             }),
         }
     }
+
+    /// Passes the batch on to the acknowledgers it wraps, so that their transport acks them
+    /// together as it would unwrapped, and records each one's latency when that is done.
+    fn ack_with(
+        self: Box<Self>,
+        others: Vec<Box<dyn Acknowledger>>,
+    ) -> BoxFuture<'static, consumer_core::AckResults> {
+        use futures::FutureExt as _;
+        let Timed {
+            inner,
+            delivered,
+            acks,
+        } = *self;
+        let mut times = Vec::with_capacity(1 + others.len());
+        times.push(Some(delivered));
+        let inners = others
+            .into_iter()
+            .map(
+                |other| match consumer_core::downcast_acker::<Timed>(other) {
+                    Ok(timed) => {
+                        times.push(Some(timed.delivered));
+                        timed.inner
+                    }
+                    Err(untimed) => {
+                        times.push(None);
+                        untimed
+                    }
+                },
+            )
+            .collect();
+        let mut acking = inner.ack_with(inners);
+        let timed = move |results: consumer_core::AckResults| {
+            for delivered in times.into_iter().flatten() {
+                acks.settled(delivered);
+            }
+            results
+        };
+        match (&mut acking).now_or_never() {
+            Some(results) => Box::pin(std::future::ready(timed(results))),
+            None => Box::pin(acking.map(timed)),
+        }
+    }
 }
 
 /// Whether the arm named `arm` is one `--arms` asked for with `want`: a name containing it,

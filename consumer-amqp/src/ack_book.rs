@@ -90,6 +90,19 @@ impl<A: Clone> AckBook<A> {
         }
     }
 
+    /// [`AckBook::ready`] for several deliveries, under one hold of the lock.
+    pub(crate) fn ready_all<'a>(&self, ready: impl IntoIterator<Item = (u64, &'a A)>)
+    where
+        A: 'a,
+    {
+        let mut entries = self.entries();
+        for (tag, acker) in ready {
+            if let Some(slot) = entries.get_mut(&tag) {
+                *slot = Some(acker.clone());
+            }
+        }
+    }
+
     /// Called with `sending` held.
     pub(crate) fn plan(&self, tag: u64) -> AckPlan<A> {
         let entries = self.entries();

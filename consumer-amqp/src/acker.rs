@@ -12,7 +12,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
-    Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
+    AckResults, Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
     TransportError,
 };
 
@@ -138,6 +138,22 @@ impl Acknowledger for AmqpAcker {
         }
     }
 
+    /// The deliveries of this channel among `others` are acked with this one as a run: marked
+    /// ready together, then acked from the oldest, each `multiple` ack covering as many of
+    /// them as the channel's [`AckBook`](crate::ack_book::AckBook) allows (usually all, in
+    /// one frame). Each reports success once the frame that acked it was sent. The others (of
+    /// another connection, or another transport) are settled on their own.
+    fn ack_with(
+        self: Box<Self>,
+        others: Vec<Box<dyn Acknowledger>>,
+    ) -> BoxFuture<'static, AckResults> {
+        let link = self.link.clone();
+        let same_channel = |a: &AmqpAcker, b: &AmqpAcker| Arc::ptr_eq(&a.link, &b.link);
+        consumer_core::ack_together(self, others, same_channel, |run| {
+            Box::pin(ack_run(link, run))
+        })
+    }
+
     /// A retry publishes a copy to a retry queue (confirmed) before the original is acked;
     /// the retry queue dead-letters it back to this consumer's queue when it is due.
     fn copy_scope(&self) -> Option<&str> {
@@ -147,15 +163,48 @@ impl Acknowledger for AmqpAcker {
 
 /// `settling`, unless the session gives its connection up first: a settlement caught in its
 /// connection's failure ends then, and the broker redelivers the message (the inbox has it).
-async fn or_retired(
+async fn or_retired<T>(
     link: Arc<Link>,
-    settling: impl Future<Output = Result<(), Error>>,
-) -> Result<(), TransportError> {
+    settling: impl Future<Output = Result<T, Error>>,
+) -> Result<T, TransportError> {
     tokio::select! {
         biased;
         settled = settling => settled.map_err(TransportError::from),
         () = link.retired() => Err(Error::ChannelClosed.into()),
     }
+}
+
+/// Acks `run`, deliveries of `link`'s channel, together (see [`AmqpAcker::ack_with`]): one
+/// result each, in their order. Each frame is sent unless the session gives its connection up
+/// first ([`or_retired`]); the deliveries acked before keep their success.
+// Each came boxed from the runtime: unboxing them would copy every acknowledger.
+#[allow(clippy::vec_box)]
+async fn ack_run(link: Arc<Link>, run: Vec<Box<AmqpAcker>>) -> AckResults {
+    if !link.is_alive() {
+        return run
+            .iter()
+            .map(|_| Err(Error::ChannelClosed.into()))
+            .collect();
+    }
+    link.acks
+        .ready_all(run.iter().map(|a| (a.delivery_tag, &a.acker)));
+    let mut oldest_first: Vec<usize> = (0..run.len()).collect();
+    oldest_first.sort_unstable_by_key(|&i| run[i].delivery_tag);
+    let deadline = tokio::time::Instant::now() + ACK_WAIT_FOR_OLDER;
+    let mut results: AckResults = run.iter().map(|_| Ok(())).collect();
+    // The last tag a frame of this run acked: the deliveries up to it are settled.
+    let mut through = None;
+    for i in oldest_first {
+        let delivery = &run[i];
+        if through.is_some_and(|t| delivery.delivery_tag <= t) {
+            continue;
+        }
+        match or_retired(link.clone(), delivery.send_ack(deadline)).await {
+            Ok(last) => through = Some(last),
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    results
 }
 
 impl AmqpAcker {
@@ -278,16 +327,27 @@ impl AmqpAcker {
         if !self.link.is_alive() {
             return Err(Error::ChannelClosed);
         }
-        let book = &self.link.acks;
-        let tag = self.delivery_tag;
-        book.ready(tag, &self.acker);
-        // Let the other deliveries of a batch, settled together, mark themselves ready
-        // first: then the first of them acks all of them in one frame.
+        self.link.acks.ready(self.delivery_tag, &self.acker);
+        // Let the other deliveries settled at the same time (by other tasks) mark
+        // themselves ready first: then the first of them acks all of them in one frame.
         tokio::task::yield_now().await;
         let deadline = tokio::time::Instant::now() + ACK_WAIT_FOR_OLDER;
+        self.send_ack(deadline).await.map(drop)
+    }
+
+    /// Acks this delivery, marked ready: alone, or in a `multiple` ack of the run it ends
+    /// or belongs to, or not at all if another delivery's `multiple` ack covered it already
+    /// (waiting until `deadline` for older deliveries in flight, see
+    /// [`AckBook`](crate::ack_book::AckBook)). Returns the last tag the frame acked.
+    async fn send_ack(&self, deadline: tokio::time::Instant) -> Result<u64, Error> {
+        if !self.link.is_alive() {
+            return Err(Error::ChannelClosed);
+        }
+        let book = &self.link.acks;
+        let tag = self.delivery_tag;
         let (_sending, plan) = book.plan_waiting(tag, deadline).await;
         let (acker, multiple) = match plan {
-            AckPlan::Done => return Ok(()),
+            AckPlan::Done => return Ok(tag),
             AckPlan::Through(last, acker) => (acker, Some(last)),
             AckPlan::Alone => (self.acker.clone(), None),
         };
@@ -297,13 +357,16 @@ impl AmqpAcker {
             })
             .await;
         match sent {
-            Ok(true) => {
-                match multiple {
-                    Some(last) => book.settled_through(last),
-                    None => book.settled(tag),
+            Ok(true) => Ok(match multiple {
+                Some(last) => {
+                    book.settled_through(last);
+                    last
                 }
-                Ok(())
-            }
+                None => {
+                    book.settled(tag);
+                    tag
+                }
+            }),
             // lapin poisons the ackers of a closed channel.
             Ok(false) => Err(Error::ChannelClosed),
             Err(e) => Err(Error::Ack { source: e.into() }),
@@ -389,7 +452,7 @@ impl AmqpAcker {
     fn retry_properties(&self, attempt: u32, now: SystemTime) -> BasicProperties {
         let mut table = self.copy_headers(now);
         headers::set_int(&mut table, headers::ATTEMPT, attempt);
-        copy_properties(&self.properties, table)
+        headers::copy_properties(&self.properties, table)
     }
 
     fn dead_letter_properties(&self, dead: &DeadLetter, now: SystemTime) -> BasicProperties {
@@ -410,78 +473,6 @@ impl AmqpAcker {
             &headers::truncate(&dead.error, headers::MAX_ERROR_LEN),
         );
         headers::set_string(&mut table, headers::LAST_FAILURE, &headers::rfc3339(now));
-        copy_properties(&self.properties, table)
-    }
-}
-
-/// The original properties with `headers`, made persistent, minus two that would defeat the
-/// copy: `expiration` (a per-message TTL would expire it from the retry or dead-letter
-/// queue) and `user_id` (RabbitMQ refuses a publish whose `user_id` is not the connection's
-/// user, closing the channel).
-fn copy_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
-    let mut p = BasicProperties::default()
-        .with_headers(headers)
-        .with_delivery_mode(2);
-    if let Some(v) = original.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = original.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = original.priority() {
-        p = p.with_priority(*v);
-    }
-    if let Some(v) = original.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
-    if let Some(v) = original.reply_to() {
-        p = p.with_reply_to(v.clone());
-    }
-    if let Some(v) = original.message_id() {
-        p = p.with_message_id(v.clone());
-    }
-    if let Some(v) = original.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = original.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = original.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    if let Some(v) = original.cluster_id() {
-        p = p.with_cluster_id(v.clone());
-    }
-    p
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn copies_keep_properties_but_expiration_and_user_id() {
-        let original = BasicProperties::default()
-            .with_message_id("m-1".into())
-            .with_content_type("application/json".into())
-            .with_correlation_id("c".into())
-            .with_expiration("1000".into())
-            .with_user_id("alice".into())
-            .with_delivery_mode(1)
-            .with_priority(3);
-        let copy = copy_properties(&original, FieldTable::default());
-        assert_eq!(copy.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
-        assert_eq!(
-            copy.content_type().as_ref().map(|s| s.as_str()),
-            Some("application/json")
-        );
-        assert_eq!(
-            copy.correlation_id().as_ref().map(|s| s.as_str()),
-            Some("c")
-        );
-        assert_eq!(*copy.priority(), Some(3));
-        assert_eq!(*copy.delivery_mode(), Some(2));
-        assert!(copy.expiration().is_none());
-        assert!(copy.user_id().is_none());
+        headers::copy_properties(&self.properties, table)
     }
 }

@@ -11,6 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use consumer_core::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::BasicProperties;
 
 /// The attempt number of a retried copy (1 when absent); becomes [`consumer_core::Delivery::attempt`].
 pub const ATTEMPT: &str = consumer_core::memory::ATTEMPT_HEADER;
@@ -213,6 +214,47 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
+/// The original properties with `headers`, made persistent, minus two that would defeat the
+/// copy: `expiration` (a per-message TTL would expire it from the retry or dead-letter
+/// queue) and `user_id` (RabbitMQ refuses a publish whose `user_id` is not the connection's
+/// user, closing the channel).
+pub(crate) fn copy_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    let mut p = BasicProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(2);
+    if let Some(v) = original.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = original.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = original.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = original.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = original.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = original.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = original.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = original.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = original.cluster_id() {
+        p = p.with_cluster_id(v.clone());
+    }
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,5 +328,31 @@ mod tests {
         assert_eq!(truncate("short", 10), "short");
         let cut = truncate(&"é".repeat(100), 11);
         assert!(cut.len() <= 11 && cut.ends_with('…'), "{cut}");
+    }
+
+    #[test]
+    fn copies_keep_properties_but_expiration_and_user_id() {
+        let original = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_content_type("application/json".into())
+            .with_correlation_id("c".into())
+            .with_expiration("1000".into())
+            .with_user_id("alice".into())
+            .with_delivery_mode(1)
+            .with_priority(3);
+        let copy = copy_properties(&original, FieldTable::default());
+        assert_eq!(copy.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
+        assert_eq!(
+            copy.content_type().as_ref().map(|s| s.as_str()),
+            Some("application/json")
+        );
+        assert_eq!(
+            copy.correlation_id().as_ref().map(|s| s.as_str()),
+            Some("c")
+        );
+        assert_eq!(*copy.priority(), Some(3));
+        assert_eq!(*copy.delivery_mode(), Some(2));
+        assert!(copy.expiration().is_none());
+        assert!(copy.user_id().is_none());
     }
 }

@@ -27,11 +27,13 @@
 //! The runtime settles a delivery only after the handler's transaction committed (or the
 //! inbox recorded a duplicate). Then:
 //!
-//! - `Ack`: `basic.ack` of that delivery tag. Acks settled together (a batch) are coalesced
-//!   into one `basic.ack` with `multiple`, but only over a run of deliveries that starts at
-//!   the channel's oldest unsettled delivery and whose outcomes are all durable: a `multiple`
-//!   ack never covers a delivery that is still running or being requeued. A delivery that
-//!   finishes out of order is acked alone.
+//! - `Ack`: `basic.ack` of that delivery tag. Acks settled together (a batch, whose acks the
+//!   runtime hands over at once through `Acknowledger::ack_with`, or batches completing at
+//!   the same time) are coalesced into one `basic.ack` with `multiple`, but only over a run
+//!   of deliveries that starts at the channel's oldest unsettled delivery and whose outcomes
+//!   are all durable: a `multiple` ack never covers a delivery that is still running or
+//!   being requeued. A delivery that finishes out of order waits briefly for the older ones,
+//!   and is acked alone if they do not finish.
 //! - `Retry { delay, attempt }`: a copy (same body, properties and message id, plus
 //!   [`headers::ATTEMPT`] = `attempt`, [`headers::FIRST_FAILURE`] and the original exchange
 //!   and routing key) is published to the retry queue for `delay`; once the broker
@@ -126,7 +128,8 @@
 //! confirm channel, and what one connection's deliveries share), `consumer` (the
 //! reconnecting stream), `acker` (deliveries and their settlement: acks, retry and
 //! dead-letter copies, requeues), `ack_book` (which acks may be coalesced into one
-//! `multiple` ack), `publisher`, `headers`, `error`.
+//! `multiple` ack), `publisher`, `headers` (the headers and properties of deliveries and
+//! their copies), `error`.
 
 mod ack_book;
 mod acker;

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use futures::Stream;
+use futures::{FutureExt, Stream};
 
 use crate::{Headers, TransportError};
 
@@ -272,12 +272,32 @@ pub struct DeadLetter {
 /// (or the runtime decided the message must not run). An implementation must not report
 /// success before the broker has the outcome (for instance a retry copy must be confirmed
 /// before the original is acked).
-pub trait Acknowledger: Send + 'static {
+pub trait Acknowledger: std::any::Any + Send {
     /// Applies `settlement` to the delivery.
     fn settle(
         self: Box<Self>,
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>>;
+
+    /// Acks this delivery and `others` (deliveries of the same batch, all to be acked, in
+    /// the order they were delivered), and returns one result each, this delivery's first.
+    ///
+    /// The runtime calls it once per batch that acks more than one delivery, with all of
+    /// them, on the acknowledger of the first ([`Acknowledger::settle`] applies every other
+    /// settlement, and a lone ack). Each result means what `settle`'s would: success once
+    /// that delivery's ack is applied. The default settles each on its own
+    /// with [`Settlement::Ack`], all under way at once. A transport for which acking several deliveries is one step (RabbitMQ's
+    /// `multiple` ack) overrides it: it takes from `others` those of its own kind and channel
+    /// ([`crate::ack_together`]) and acks them together, and settles the rest on their own. A
+    /// wrapper around another acknowledger overrides it to pass the batch on
+    /// ([`crate::downcast_acker`]).
+    fn ack_with(
+        self: Box<Self>,
+        others: Vec<Box<dyn Acknowledger>>,
+    ) -> BoxFuture<'static, AckResults> {
+        let first = self.settle(Settlement::Ack);
+        settle_each(first, others, Settlement::Ack)
+    }
 
     /// Where the copies of a [`Settlement::Retry`] that returns `Ok` go, when such a retry
     /// leaves a new copy of the message with the broker, carrying the new attempt number (a
@@ -302,6 +322,44 @@ pub trait Acknowledger: Send + 'static {
     fn copy_scope(&self) -> Option<&str> {
         None
     }
+}
+
+/// The results of acking a batch's deliveries: one each, in the batch's order.
+pub type AckResults = Vec<Result<(), TransportError>>;
+
+/// The settlements `first` (already under way) and `settlement` of each of `others`, as one
+/// future of their results in that order. Each is polled once at once: those applied then
+/// (a Kafka ack, say) are not kept, and only the rest are joined.
+pub fn settle_each(
+    first: BoxFuture<'static, Result<(), TransportError>>,
+    others: Vec<Box<dyn Acknowledger>>,
+    settlement: Settlement,
+) -> BoxFuture<'static, AckResults> {
+    let mut done = Vec::with_capacity(1 + others.len());
+    let mut waiting = Vec::new();
+    let settling = std::iter::once(first).chain(
+        others
+            .into_iter()
+            .map(|acker| acker.settle(settlement.clone())),
+    );
+    for (i, mut settling) in settling.enumerate() {
+        match (&mut settling).now_or_never() {
+            Some(result) => done.push(result),
+            None => {
+                done.push(Ok(()));
+                waiting.push(settling.map(move |result| (i, result)));
+            }
+        }
+    }
+    if waiting.is_empty() {
+        return Box::pin(std::future::ready(done));
+    }
+    Box::pin(async move {
+        for (i, result) in futures::future::join_all(waiting).await {
+            done[i] = result;
+        }
+        done
+    })
 }
 
 /// The future of a settlement an [`Acknowledger`] has already applied, before returning:

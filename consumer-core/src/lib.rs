@@ -26,7 +26,8 @@
 //! # Layout
 //!
 //! - `delivery`: what a transport hands the runtime ([`Delivery`], [`Incoming`]) and how
-//!   the runtime hands it back ([`Acknowledger`], [`Settlement`]); `headers`: a delivery's
+//!   the runtime hands it back ([`Acknowledger`], [`Settlement`]); `acks`: a batch's acks
+//!   handed back together ([`Acknowledger::ack_with`], [`ack_together`]); `headers`: a delivery's
 //!   text [`Headers`], one shared block per message; `blocks`: [`Blocks`], shared blocks a
 //!   transport copies many messages' bytes into.
 //! - `worker`: the runtime, one pipeline in four stages: `worker::job` prepares (decode and
@@ -114,6 +115,7 @@
 //!   ([`trace`]). It pins `opentelemetry` 0.33 and `tracing-opentelemetry` 0.34; the
 //!   application installs the `tracing-opentelemetry` layer and its exporter.
 
+mod acks;
 mod app;
 mod blocks;
 mod canonical;
@@ -137,12 +139,14 @@ mod stats;
 pub mod trace;
 mod worker;
 
+pub use acks::{ack_together, downcast_acker};
 pub use app::{App, AppHealth, HandlerHealth, PartState};
 pub use blocks::Blocks;
 pub use consumer_macros::handler;
 pub use delivery::{
-    settled_now, Acknowledger, DeadLetter, DeadLetterReason, Delivery, Incoming, Location,
-    LogPosition, Origin, Settlement, Source, Transport, CORRELATION_ID_HEADER, REPLY_TO_HEADER,
+    settle_each, settled_now, AckResults, Acknowledger, DeadLetter, DeadLetterReason, Delivery,
+    Incoming, Location, LogPosition, Origin, Settlement, Source, Transport, CORRELATION_ID_HEADER,
+    REPLY_TO_HEADER,
 };
 pub use error::{Error, ErrorKind, HandlerError, TransportError};
 pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};

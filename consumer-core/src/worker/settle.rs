@@ -68,25 +68,68 @@ pub(super) struct Settled {
 }
 
 /// Applies a batch's settlements, all under way at once, and returns each outcome with its
-/// result, in order. Most settle at their first poll (a Kafka ack marks an offset): those
-/// are polled in place, and only the rest are joined, so a batch does not pay a task and a
-/// wake-up per delivery.
+/// result, in order. The acks go together, through the first acked delivery's
+/// [`Acknowledger::ack_with`] (a RabbitMQ batch is then one `multiple` ack, not one
+/// settlement a delivery); the other settlements each through their own acknowledger. Most
+/// settle at their first poll (a Kafka ack marks an offset): those are polled in place, and
+/// only the rest are joined, so a batch does not pay a task and a wake-up per delivery.
 pub(super) async fn settle_all(
     settled: Vec<Settled>,
 ) -> Vec<(Outcome, Result<(), TransportError>)> {
     let mut done = Vec::with_capacity(settled.len());
-    let mut waiting = Vec::new();
+    // The acked deliveries: where each one's result goes, and its acknowledger.
+    let mut acked = Vec::new();
+    let mut ackers: Vec<Box<dyn Acknowledger>> = Vec::new();
+    let mut alone = Vec::new();
     for (i, Settled { acker, verdict }) in settled.into_iter().enumerate() {
-        let mut settling = acker.settle(verdict.settlement);
-        match futures::poll!(settling.as_mut()) {
-            std::task::Poll::Ready(result) => done.push((verdict.outcome, result)),
-            std::task::Poll::Pending => {
-                done.push((verdict.outcome, Ok(())));
-                waiting.push(settling.map(move |result| (i, result)));
+        done.push((verdict.outcome, Ok(())));
+        match verdict.settlement {
+            Settlement::Ack => {
+                acked.push(i);
+                ackers.push(acker);
             }
+            other => alone.push((i, acker, other)),
         }
     }
-    for (i, result) in futures::future::join_all(waiting).await {
+    // One ack (the per-message mode) goes as any other settlement.
+    let acking = match ackers.len() {
+        0 => None,
+        1 => {
+            alone.extend(
+                acked
+                    .drain(..)
+                    .zip(ackers.drain(..))
+                    .map(|(i, a)| (i, a, Settlement::Ack)),
+            );
+            None
+        }
+        _ => {
+            let others = ackers.split_off(1);
+            ackers.pop().map(|first| first.ack_with(others))
+        }
+    };
+    let mut waiting = Vec::new();
+    for (i, acker, settlement) in alone {
+        let mut settling = acker.settle(settlement);
+        match futures::poll!(settling.as_mut()) {
+            std::task::Poll::Ready(result) => done[i].1 = result,
+            std::task::Poll::Pending => waiting.push(settling.map(move |result| (i, result))),
+        }
+    }
+    let (acks, others) = futures::future::join(
+        async move {
+            match acking {
+                Some(acking) => acking.await,
+                None => Vec::new(),
+            }
+        },
+        futures::future::join_all(waiting),
+    )
+    .await;
+    for (i, result) in acked.into_iter().zip(acks) {
+        done[i].1 = result;
+    }
+    for (i, result) in others {
         done[i].1 = result;
     }
     done
@@ -415,5 +458,119 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             Outcome::Retry { .. } => stats.retries.bump(),
             Outcome::DeadLettered(reason) => stats.dead_letter(reason),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// What the acknowledgers of a test batch were asked: each call's ids, `ack_with`'s
+    /// first.
+    type Calls = Arc<Mutex<Vec<(&'static str, Vec<usize>)>>>;
+
+    /// Acks a batch together, refusing the odd ids.
+    struct Grouping {
+        id: usize,
+        calls: Calls,
+    }
+
+    fn result_of(id: usize) -> Result<(), TransportError> {
+        if id % 2 == 1 {
+            Err(TransportError::msg(format!("refused {id}")))
+        } else {
+            Ok(())
+        }
+    }
+
+    impl Acknowledger for Grouping {
+        fn settle(
+            self: Box<Self>,
+            s: Settlement,
+        ) -> BoxFuture<'static, Result<(), TransportError>> {
+            let what = if matches!(s, Settlement::Ack) {
+                "ack"
+            } else {
+                "retry"
+            };
+            self.calls
+                .lock()
+                .expect("calls")
+                .push((what, vec![self.id]));
+            Box::pin(std::future::ready(result_of(self.id)))
+        }
+
+        fn ack_with(
+            self: Box<Self>,
+            others: Vec<Box<dyn Acknowledger>>,
+        ) -> BoxFuture<'static, crate::AckResults> {
+            let mut ids = vec![self.id];
+            for other in others {
+                let Ok(other) = crate::downcast_acker::<Grouping>(other) else {
+                    panic!("a batch of one kind");
+                };
+                ids.push(other.id);
+            }
+            let results = ids.iter().map(|&id| result_of(id)).collect();
+            self.calls.lock().expect("calls").push(("ack_with", ids));
+            Box::pin(std::future::ready(results))
+        }
+    }
+
+    fn batch(calls: &Calls, retried: &[usize], n: usize) -> Vec<Settled> {
+        (0..n)
+            .map(|id| {
+                let verdict = if retried.contains(&id) {
+                    Verdict {
+                        settlement: Settlement::Retry {
+                            delay: Duration::from_secs(1),
+                            attempt: 2,
+                        },
+                        outcome: Outcome::Retry { counted: true },
+                    }
+                } else {
+                    Verdict::ack(Outcome::Completed)
+                };
+                Settled {
+                    acker: Box::new(Grouping {
+                        id,
+                        calls: calls.clone(),
+                    }),
+                    verdict,
+                }
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_batch_acks_together_and_settles_the_rest_alone() {
+        let calls = Calls::default();
+        let done = settle_all(batch(&calls, &[2, 5], 7)).await;
+        // Each outcome keeps its own result, in the batch's order.
+        for (id, (outcome, result)) in done.iter().enumerate() {
+            let retried = matches!(outcome, Outcome::Retry { .. });
+            assert_eq!(retried, id == 2 || id == 5, "{id}");
+            assert_eq!(result.is_err(), id % 2 == 1, "{id}: {result:?}");
+        }
+        let calls = calls.lock().expect("calls").clone();
+        assert_eq!(
+            calls,
+            [
+                ("ack_with", vec![0, 1, 3, 4, 6]),
+                ("retry", vec![2]),
+                ("retry", vec![5]),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_single_ack_settles_as_any_other() {
+        let calls = Calls::default();
+        let done = settle_all(batch(&calls, &[0], 2)).await;
+        assert!(done[0].1.is_ok() && done[1].1.is_err());
+        let calls = calls.lock().expect("calls").clone();
+        assert_eq!(calls, [("retry", vec![0]), ("ack", vec![1])]);
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use consumer_core::{Acknowledger, Settlement, TransportError};
+use consumer_core::{AckResults, Acknowledger, Settlement, TransportError};
 use futures::future::BoxFuture;
 use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
@@ -97,6 +97,24 @@ impl Acknowledger for KafkaAcker {
             let result = this.apply(settlement).await;
             this.done = true;
             result
+        })
+    }
+
+    /// The records of this consumer among `others` are marked settled with this one, under
+    /// one hold of the partition table's lock; the others are settled on their own.
+    fn ack_with(
+        self: Box<Self>,
+        others: Vec<Box<dyn Acknowledger>>,
+    ) -> BoxFuture<'static, AckResults> {
+        let same_consumer = |a: &KafkaAcker, b: &KafkaAcker| Arc::ptr_eq(&a.shared, &b.shared);
+        consumer_core::ack_together(self, others, same_consumer, |mut run| {
+            let shared = run[0].shared.clone();
+            let results =
+                shared.mark_all_settled(run.iter().map(|a| (&a.tp, a.generation, &a.record)));
+            for acker in &mut run {
+                acker.done = true;
+            }
+            Box::pin(std::future::ready(results))
         })
     }
 

@@ -172,6 +172,66 @@ impl Shared {
         self.changed(settled, record)
     }
 
+    /// [`Shared::mark_settled`] for the records of several acknowledgers (their partition,
+    /// assignment and record), under one hold of the lock: one result each, in their order.
+    /// The stream is woken at most once, and a waiting revoke signalled once.
+    pub(super) fn mark_all_settled<'a>(
+        &self,
+        records: impl ExactSizeIterator<Item = (&'a Tp, u64, &'a Arc<Record>)>,
+    ) -> consumer_core::AckResults {
+        let order = self.settings.order;
+        let now = Instant::now();
+        let mut settled = Vec::with_capacity(records.len());
+        let (waker, any) = {
+            let mut state = self.lock();
+            let State {
+                partitions,
+                waker,
+                retired,
+                ..
+            } = &mut *state;
+            let waiting = waker.is_some();
+            let mut wake = false;
+            // The partition of the records before, found once for a run of its records.
+            let mut current: Option<(&Tp, u64, Option<&mut Partition>)> = None;
+            for (tp, generation, record) in records {
+                let same = current
+                    .as_ref()
+                    .is_some_and(|(t, g, _)| *g == generation && *t == tp);
+                if !same {
+                    if let Some((_, _, Some(p))) = current.take() {
+                        wake |= waiting && p.tracker.has_next(order, now);
+                    }
+                    let found = partitions
+                        .get_mut(tp)
+                        .filter(|p| p.generation == generation);
+                    current = Some((tp, generation, found));
+                }
+                match &mut current {
+                    Some((_, _, Some(p))) => {
+                        p.tracker.settle(record.offset);
+                        retired.push(record.clone());
+                        settled.push(Ok(record));
+                    }
+                    _ => settled.push(Err(record)),
+                }
+            }
+            if let Some((_, _, Some(p))) = current {
+                wake |= waiting && p.tracker.has_next(order, now);
+            }
+            let any = settled.iter().any(Result::is_ok);
+            (if wake { waker.take() } else { None }, any)
+        };
+        if any {
+            self.signal_revoke();
+            Shared::wake(waker);
+        }
+        settled
+            .into_iter()
+            .map(|s| s.map(drop).map_err(|record| self.revoked_error(record)))
+            .collect()
+    }
+
     /// After a record's settlement or deferral ([`Shared::with_partition`]'s result): wakes a
     /// waiting revoke and the stream, or reports the partition revoked.
     pub(super) fn changed(
