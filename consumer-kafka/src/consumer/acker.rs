@@ -22,19 +22,17 @@ const REWRITE_DELAY: Duration = Duration::from_secs(1);
 /// Settles one Kafka record.
 pub(super) struct KafkaAcker {
     shared: Arc<Shared>,
-    tp: Tp,
     generation: u64,
     record: Arc<Record>,
     done: bool,
 }
 
 impl KafkaAcker {
-    /// The acknowledger of `record`, handed out from partition `tp` in assignment
+    /// The acknowledger of `record`, handed out from its partition in assignment
     /// `generation`.
-    pub(super) fn new(shared: Arc<Shared>, tp: Tp, generation: u64, record: Arc<Record>) -> Self {
+    pub(super) fn new(shared: Arc<Shared>, generation: u64, record: Arc<Record>) -> Self {
         KafkaAcker {
             shared,
-            tp,
             generation,
             record,
             done: false,
@@ -48,7 +46,7 @@ impl KafkaAcker {
 
     /// Its record's partition, assignment and offset.
     pub(super) fn place(&self) -> (&Tp, u64, i64) {
-        (&self.tp, self.generation, self.record.offset)
+        (&self.record.tp, self.generation, self.record.offset)
     }
 
     /// Its record was put back in its partition, unsettled and not in flight: dropping the
@@ -67,7 +65,7 @@ impl Drop for KafkaAcker {
             // It holds its key back for good, so nothing new can go: the stream is not woken.
             let _ = self
                 .shared
-                .with_partition(&self.tp, self.generation, |p, _, _| {
+                .with_partition(&self.record.tp, self.generation, |p, _, _| {
                     p.tracker.abandon(offset);
                     false
                 });
@@ -84,9 +82,7 @@ impl Acknowledger for KafkaAcker {
         let mut this = self;
         if let Settlement::Ack = settlement {
             // Marking the offset is all an ack does: done here, with nothing to box.
-            let marked = this
-                .shared
-                .mark_settled(&this.tp, this.generation, &this.record);
+            let marked = this.shared.mark_settled(this.generation, &this.record);
             this.done = true;
             return match marked {
                 Ok(()) => consumer_core::settled_now(),
@@ -109,8 +105,7 @@ impl Acknowledger for KafkaAcker {
         let same_consumer = |a: &KafkaAcker, b: &KafkaAcker| Arc::ptr_eq(&a.shared, &b.shared);
         consumer_core::ack_together(self, others, same_consumer, |mut run| {
             let shared = run[0].shared.clone();
-            let results =
-                shared.mark_all_settled(run.iter().map(|a| (&a.tp, a.generation, &a.record)));
+            let results = shared.mark_all_settled(run.iter().map(|a| (a.generation, &a.record)));
             for acker in &mut run {
                 acker.done = true;
             }
@@ -132,17 +127,17 @@ impl Acknowledger for KafkaAcker {
 impl KafkaAcker {
     async fn apply(&self, settlement: Settlement) -> Result<(), TransportError> {
         let shared = &self.shared;
-        let (tp, generation, record) = (&self.tp, self.generation, &self.record);
+        let (generation, record) = (self.generation, &self.record);
         match settlement {
             // `settle` applies acks itself, without a future: the same step.
-            Settlement::Ack => shared.mark_settled(tp, generation, record),
+            Settlement::Ack => shared.mark_settled(generation, record),
             Settlement::Retry { delay, attempt } => match shared.settings.retry {
-                RetryMode::Blocking => shared.defer(tp, generation, record, delay, attempt),
+                RetryMode::Blocking => shared.defer(generation, record, delay, attempt),
                 RetryMode::RetryTopic => {
-                    if !shared.owned(tp, generation) {
+                    if !shared.owned(&record.tp, generation) {
                         return Err(shared.revoked_error(record));
                     }
-                    let topic = format!("{}{}", record.origin, shared.settings.retry_suffix);
+                    let topic = format!("{}{}", record.origin(), shared.settings.retry_suffix);
                     let out = retry_copy(record, &shared.settings, delay, attempt);
                     match producer::send(
                         &shared.producer,
@@ -157,24 +152,24 @@ impl KafkaAcker {
                             // even if the partition was revoked meanwhile. The new owner's
                             // replay of this record is then superseded by the copy (see
                             // `copy_scope`).
-                            if let Err(e) = shared.mark_settled(tp, generation, record) {
+                            if let Err(e) = shared.mark_settled(generation, record) {
                                 tracing::debug!(error = %e, "retry copy written after a revoke");
                             }
                             Ok(())
                         }
                         Err(e) => {
                             // Not written: retry in place instead, so the record is not stuck.
-                            let _ = shared.defer(tp, generation, record, delay, attempt);
+                            let _ = shared.defer(generation, record, delay, attempt);
                             Err(TransportError::new("writing the retry copy failed", e))
                         }
                     }
                 }
             },
             Settlement::DeadLetter(dl) => {
-                if !shared.owned(tp, generation) {
+                if !shared.owned(&record.tp, generation) {
                     return Err(shared.revoked_error(record));
                 }
-                let topic = format!("{}{}", record.origin, shared.settings.dead_letter_suffix);
+                let topic = format!("{}{}", record.origin(), shared.settings.dead_letter_suffix);
                 let out = dead_letter_copy(record, &dl);
                 let timeout = shared.settings.produce_timeout;
                 let mut written = producer::send(&shared.producer, &topic, &out, timeout).await;
@@ -191,10 +186,10 @@ impl KafkaAcker {
                     written = producer::send(&shared.producer, &topic, &out, timeout).await;
                 }
                 match written {
-                    Ok(_) => shared.mark_settled(tp, generation, record),
+                    Ok(_) => shared.mark_settled(generation, record),
                     Err(e) => {
                         // The redelivery is dead-lettered again (the inbox remembers why).
-                        let _ = shared.defer(tp, generation, record, REWRITE_DELAY, record.attempt);
+                        let _ = shared.defer(generation, record, REWRITE_DELAY, record.attempt);
                         Err(TransportError::new("writing the dead letter failed", e))
                     }
                 }

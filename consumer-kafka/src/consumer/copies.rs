@@ -45,8 +45,8 @@ fn inject_trace(hs: &mut Vec<(String, Option<Vec<u8>>)>) {
 /// Where a record first came from: its own position, unless it is a retry copy that says.
 fn add_origin(hs: &mut Vec<(String, Option<Vec<u8>>)>, record: &Record) {
     if !has_header(hs, headers::ORIGINAL_TOPIC) {
-        hs.push(text(headers::ORIGINAL_TOPIC, &record.topic));
-        hs.push(text(headers::ORIGINAL_PARTITION, record.partition));
+        hs.push(text(headers::ORIGINAL_TOPIC, record.topic()));
+        hs.push(text(headers::ORIGINAL_PARTITION, record.partition()));
         hs.push(text(headers::ORIGINAL_OFFSET, record.offset));
     }
 }
@@ -148,7 +148,9 @@ pub(super) fn reference_letter(record: &Record, dl: &DeadLetter, s: &Settings) -
     // Topic names are `[A-Za-z0-9._-]`: nothing to escape.
     let reference = format!(
         r#"{{"topic":"{}","partition":{},"offset":{}}}"#,
-        record.topic, record.partition, record.offset
+        record.topic(),
+        record.partition(),
+        record.offset
     );
     OutgoingRecord {
         key: None,

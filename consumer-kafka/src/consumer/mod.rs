@@ -260,7 +260,7 @@ impl Stream for KafkaConsumer {
         while this.taken.len() < TAKE_AT_ONCE && dry < n {
             let index = state.cursor % n;
             state.cursor = index + 1;
-            let Some((tp, p)) = state.partitions.iter_mut().nth(index) else {
+            let Some(p) = state.partitions.values_mut().nth(index) else {
                 break;
             };
             let next = if p.revoking {
@@ -278,7 +278,7 @@ impl Stream for KafkaConsumer {
                 epoch: p.generation,
                 offset: h.record.offset,
             };
-            let acker = KafkaAcker::new(shared.clone(), tp.clone(), p.generation, h.record.clone());
+            let acker = KafkaAcker::new(shared.clone(), p.generation, h.record.clone());
             this.taken.push_back(Taken {
                 acker,
                 attempt: h.attempt,

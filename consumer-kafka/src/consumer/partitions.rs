@@ -142,26 +142,25 @@ impl Shared {
 
     pub(super) fn revoked_error(&self, record: &Record) -> TransportError {
         self.observer.record_all([OffsetEvent::SettlementDropped {
-            topic: record.topic.to_string(),
-            partition: record.partition,
+            topic: record.topic().to_string(),
+            partition: record.partition(),
             offset: record.offset,
         }]);
         TransportError::msg(format!(
             "partition {}/{} was revoked before {} settled; the new owner redelivers it",
-            record.topic,
-            record.partition,
+            record.topic(),
+            record.partition(),
             record.location()
         ))
     }
 
     pub(super) fn mark_settled(
         &self,
-        tp: &Tp,
         generation: u64,
         record: &Arc<Record>,
     ) -> Result<(), TransportError> {
         let order = self.settings.order;
-        let settled = self.with_partition(tp, generation, |p, waiting, retired| {
+        let settled = self.with_partition(&record.tp, generation, |p, waiting, retired| {
             p.tracker.settle(record.offset);
             retired.push(record.clone());
             // A waiting stream is woken only if the settlement let a record go (an earlier
@@ -172,12 +171,12 @@ impl Shared {
         self.changed(settled, record)
     }
 
-    /// [`Shared::mark_settled`] for the records of several acknowledgers (their partition,
-    /// assignment and record), under one hold of the lock: one result each, in their order.
+    /// [`Shared::mark_settled`] for the records of several acknowledgers (their assignment
+    /// and record), under one hold of the lock: one result each, in their order.
     /// The stream is woken at most once, and a waiting revoke signalled once.
     pub(super) fn mark_all_settled<'a>(
         &self,
-        records: impl ExactSizeIterator<Item = (&'a Tp, u64, &'a Arc<Record>)>,
+        records: impl ExactSizeIterator<Item = (u64, &'a Arc<Record>)>,
     ) -> consumer_core::AckResults {
         let order = self.settings.order;
         let now = Instant::now();
@@ -194,7 +193,8 @@ impl Shared {
             let mut wake = false;
             // The partition of the records before, found once for a run of its records.
             let mut current: Option<(&Tp, u64, Option<&mut Partition>)> = None;
-            for (tp, generation, record) in records {
+            for (generation, record) in records {
+                let tp = &record.tp;
                 let same = current
                     .as_ref()
                     .is_some_and(|(t, g, _)| *g == generation && *t == tp);
@@ -252,14 +252,13 @@ impl Shared {
     /// Puts the record back in its place, due at `not_before`, carrying `attempt`.
     pub(super) fn defer(
         &self,
-        tp: &Tp,
         generation: u64,
         record: &Record,
         delay: Duration,
         attempt: u32,
     ) -> Result<(), TransportError> {
         let not_before = Instant::now() + delay;
-        let deferred = self.with_partition(tp, generation, |p, _, _| {
+        let deferred = self.with_partition(&record.tp, generation, |p, _, _| {
             if let Some(h) = p.tracker.defer(record.offset, not_before) {
                 h.attempt = attempt;
                 h.redelivered = true;

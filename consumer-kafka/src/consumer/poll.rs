@@ -118,19 +118,19 @@ impl Shared {
         spares: &mut Spares,
     ) -> Fetched {
         let s = &self.settings;
-        let Topic {
-            name: topic,
-            origin,
-        } = match topics.iter().find(|t| *t.name == *m.topic()) {
-            Some(t) => t.clone(),
+        let index = match topics.iter().position(|t| *t.name == *m.topic()) {
+            Some(i) => i,
             None => {
                 let name: Arc<str> = Arc::from(m.topic());
                 let origin = s.retry_sources.get(&*name).cloned();
-                let t = Topic { name, origin };
-                topics.push(t.clone());
-                t
+                topics.push(Topic { name, origin });
+                topics.len() - 1
             }
         };
+        let Topic {
+            name: topic,
+            origin,
+        } = &topics[index];
         let (partition, offset) = (m.partition(), m.offset());
         let (text_headers, raw_headers, header_bytes) = read_headers(m.headers(), blocks);
         let header = |name: &str| text_headers.get(name);
@@ -138,7 +138,7 @@ impl Shared {
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
         if origin.is_some() && group.is_some_and(|g| g != s.group_id) {
             return Fetched::Foreign {
-                topic,
+                topic: topic.clone(),
                 partition,
                 offset,
             };
@@ -173,16 +173,18 @@ impl Shared {
         let bytes = payload.len() + key_len + header_bytes;
         // The key and the payload copied together, into a block shared with other records
         // (beside its headers).
-        let buffer = blocks.copy(&[m.key().unwrap_or_default(), payload]);
+        let mut copied = blocks.copy(&[m.key().unwrap_or_default(), payload]);
         let key = key_id(&self.key_seed, m.key());
+        // The key split off the copy, not sliced: a slice would take one more handle on the
+        // shared block, which the worker threads' handles also count.
+        let record_key = m.key().map(|_| copied.split_to(key_len));
         let record = spares.make(Record {
             bytes,
-            origin: origin.unwrap_or_else(|| topic.clone()),
-            topic,
-            partition,
+            tp: (topic.clone(), partition),
             offset,
-            key: m.key().map(|_| buffer.slice(..key_len)),
-            payload: buffer.slice(key_len..),
+            retried: origin.clone(),
+            key: record_key,
+            payload: copied,
             null_payload: m.payload().is_none(),
             headers: text_headers,
             raw_headers,
@@ -225,10 +227,10 @@ impl Shared {
                     key,
                     not_before,
                 } => {
-                    let tp = (record.topic.clone(), record.partition);
                     // Gone: fetched just before its partition was revoked; the new owner
                     // reads it.
-                    let Some(p) = state.partitions.get_mut(&tp).filter(|p| !p.revoking) else {
+                    let Some(p) = state.partitions.get_mut(&record.tp).filter(|p| !p.revoking)
+                    else {
                         continue;
                     };
                     let (offset, attempt) = (record.offset, record.attempt);

@@ -21,11 +21,12 @@ pub(super) type Tp = (Arc<str>, i32);
 /// ([`Record::delivery`]), off the poll thread and outside the state lock.
 #[derive(Debug)]
 pub(super) struct Record {
-    pub(super) topic: Arc<str>,
-    pub(super) partition: i32,
+    /// Its partition, as the partition table's key: the acknowledgers and the poll thread
+    /// look the partition up by it, so they hold no name of their own.
+    pub(super) tp: Tp,
     pub(super) offset: i64,
-    /// The topic its retry and dead-letter topics are named after (the retry topic's source).
-    pub(super) origin: Arc<str>,
+    /// The topic it retries, if it was read from a retry topic: see [`Record::origin`].
+    pub(super) retried: Option<Arc<str>>,
     /// The key and the payload share one buffer (one allocation per record).
     pub(super) key: Option<Bytes>,
     pub(super) payload: Bytes,
@@ -92,12 +93,28 @@ pub(super) enum MessageId {
 }
 
 impl Record {
+    /// Its topic.
+    pub(super) fn topic(&self) -> &Arc<str> {
+        &self.tp.0
+    }
+
+    /// Its partition number.
+    pub(super) fn partition(&self) -> i32 {
+        self.tp.1
+    }
+
+    /// The topic its retry and dead-letter topics are named after: the topic a retry topic
+    /// retries, or its own.
+    pub(super) fn origin(&self) -> &str {
+        self.retried.as_deref().unwrap_or(&self.tp.0)
+    }
+
     /// Where it is: `topic/partition@offset`, shown by [`Location`]'s `Display` (the one
     /// owner of that form).
     pub(super) fn place(&self) -> Location {
         Location::Record {
-            topic: self.topic.clone(),
-            partition: self.partition,
+            topic: self.tp.0.clone(),
+            partition: self.tp.1,
             offset: self.offset,
         }
     }
@@ -106,7 +123,7 @@ impl Record {
     pub(super) fn location(&self) -> String {
         use std::fmt::Write as _;
         // Sized up front (a partition takes at most 11 characters, an offset 20).
-        let mut s = String::with_capacity(self.topic.len() + 33);
+        let mut s = String::with_capacity(self.tp.0.len() + 33);
         let _ = write!(s, "{}", self.place());
         s
     }
@@ -166,6 +183,9 @@ impl Record {
     }
 }
 
+/// Up to this many headers, [`read_headers`] reads a record's headers from librdkafka once.
+const SHORT_HEADERS: usize = 8;
+
 /// A record's headers as librdkafka gives them: names, and values that may be null.
 pub(super) type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
 
@@ -181,14 +201,26 @@ pub(super) fn read_headers<H: rdkafka::message::Headers>(
     let Some(hs) = hs else {
         return (Headers::new(), None, 0);
     };
+    // Read once: the names and values as text, checked as they are read, held here for
+    // the few headers a record usually has.
+    let mut text = [("", ""); SHORT_HEADERS];
+    let mut count = 0;
     let mut bytes = 0;
     let mut exact = true;
     let mut last: Option<&str> = None;
     for h in hs.iter() {
         bytes += h.key.len() + h.value.map_or(0, <[u8]>::len);
-        exact &= last.is_none_or(|l| l < h.key)
-            && h.value.is_some_and(|v| std::str::from_utf8(v).is_ok());
+        let value = h.value.and_then(|v| std::str::from_utf8(v).ok());
+        exact &= last.is_none_or(|l| l < h.key) && value.is_some();
         last = Some(h.key);
+        if let (true, Some(value), Some(slot)) = (exact, value, text.get_mut(count)) {
+            *slot = (h.key, value);
+        }
+        count += 1;
+    }
+    if exact && count <= SHORT_HEADERS {
+        let text = text[..count].iter().copied();
+        return (Headers::from_pairs_in(text, blocks), None, bytes);
     }
     if exact {
         let text = (0..hs.count()).filter_map(|i| {
@@ -272,6 +304,32 @@ mod tests {
     }
 
     #[test]
+    fn many_headers_are_read_as_few_are() {
+        for n in [
+            SHORT_HEADERS - 1,
+            SHORT_HEADERS,
+            SHORT_HEADERS + 1,
+            3 * SHORT_HEADERS,
+        ] {
+            let names: Vec<String> = (0..n).map(|i| format!("h{i:02}")).collect();
+            let pairs: Vec<(&str, Option<&[u8]>)> = names
+                .iter()
+                .map(|k| (k.as_str(), Some(k.as_bytes())))
+                .collect();
+            let (map, raw, bytes) = read_headers(Some(&headers(&pairs)), &mut Blocks::new());
+            let expected: Vec<(&str, &str)> = names.iter().map(|k| (&**k, &**k)).collect();
+            assert_eq!(map.to_map(), text(&expected), "{n} headers");
+            assert_eq!(raw, None, "{n} headers");
+            assert_eq!(bytes, 2 * names.iter().map(String::len).sum::<usize>());
+            // One out of order among many: kept as it was.
+            let mut swapped = pairs.clone();
+            swapped.swap(0, n - 1);
+            let (_, raw, _) = read_headers(Some(&headers(&swapped)), &mut Blocks::new());
+            assert_eq!(raw.map(|r| r.len()), Some(n), "{n} headers, out of order");
+        }
+    }
+
+    #[test]
     fn headers_the_text_map_would_change_are_kept_as_they_were() {
         let cases: [Pairs<'_>; 4] = [
             &[("a", None)],
@@ -297,10 +355,9 @@ mod tests {
 
     fn record(message_id: MessageId) -> Record {
         Record {
-            topic: Arc::from("jobs"),
-            partition: 3,
+            tp: (Arc::from("jobs"), 3),
             offset: 41,
-            origin: Arc::from("jobs"),
+            retried: None,
             key: None,
             payload: Bytes::from_static(b"{}"),
             null_payload: false,
