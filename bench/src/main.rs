@@ -56,7 +56,8 @@
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
 //! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`);
-//! `--relay-batch N` sets the rows a relay round of the `+ outbox` arms takes (100).
+//! `--relay-batch N` sets the rows a relay round of the `+ outbox` arms takes (100);
+//! `--thread-cpu` prints every arm's CPU time a message by thread name.
 //!
 //! `--http N` runs no arm either: the `Idempotency-Key` layer's cost on a trivial POST,
 //! with and without the Redis fast path (`http`).
@@ -226,6 +227,10 @@ struct Options {
     /// arms alone, not the filling of their queues.
     #[arg(long, value_name = "FIFO")]
     perf_ctl: Option<std::path::PathBuf>,
+    /// Print to stderr, for every arm, this process's CPU time per message by thread name
+    /// (from /proc/self/task, to the nanosecond): which threads an arm's CPU goes to.
+    #[arg(long)]
+    thread_cpu: bool,
     /// Record per-delivery latencies (1) or not (0, for long RSS runs).
     #[arg(long, value_name = "0|1", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(0..=1))]
@@ -283,6 +288,60 @@ struct Figures {
     relay: Option<outbox::RelayFigures>,
 }
 
+/// `--thread-cpu`: whether to print the arms' CPU time by thread.
+static THREAD_CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--thread-cpu`: the CPU time of each live thread of this process (by id, with its name)
+/// when the running arm's clock started.
+static THREAD_CPU0: Mutex<Vec<(u64, String, u64)>> = Mutex::new(Vec::new());
+
+/// Every live thread of this process: its id, name, and CPU time in nanoseconds (the first
+/// field of its schedstat).
+fn threads_cpu() -> Vec<(u64, String, u64)> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| {
+            let dir = t.ok()?.path();
+            let id = dir.file_name()?.to_str()?.parse().ok()?;
+            let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+            let ns = std::fs::read_to_string(dir.join("schedstat"))
+                .ok()?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
+            Some((id, name.trim().to_owned(), ns))
+        })
+        .collect()
+}
+
+/// `--thread-cpu`: prints the running arm's CPU time per message (of `n`) by thread name,
+/// since its clock started; threads that ended meanwhile are not seen (the arm's `CPU µs`
+/// holds them).
+fn print_threads_cpu(n: usize) {
+    if !THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let before = THREAD_CPU0.lock().map(|t| t.clone()).unwrap_or_default();
+    let mut by_name: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for (id, name, ns) in threads_cpu() {
+        let was = before
+            .iter()
+            .find(|(i, _, _)| *i == id)
+            .map_or(0, |(_, _, ns)| *ns);
+        let e = by_name.entry(name).or_default();
+        e.0 += 1;
+        e.1 += ns.saturating_sub(was);
+    }
+    let line: Vec<String> = by_name
+        .iter()
+        .filter(|(_, (_, ns))| *ns > 0)
+        .map(|(name, (k, ns))| format!("{name} x{k} {:.2}", *ns as f64 / 1e3 / n as f64))
+        .collect();
+    eprintln!("threads, CPU µs a message: {}", line.join(", "));
+}
+
 /// Resident set size of this process (VmRSS), to show memory stays bounded.
 #[derive(Debug, Clone, Copy)]
 struct Rss {
@@ -308,6 +367,11 @@ impl Rss {
         SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
         let us = u64::try_from(broker_cpu_time().as_micros()).unwrap_or(u64::MAX);
         BROKER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
+        if THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(mut t) = THREAD_CPU0.lock() {
+                *t = threads_cpu();
+            }
+        }
         Rss {
             start_kib: Self::now_kib(),
         }
@@ -421,14 +485,33 @@ impl Acks {
 
     /// A delivery handed out at `delivered` has settled.
     fn settled(&self, delivered: Instant) {
-        let settled = self
-            .settled
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if let Some(slot) = self.latencies.get(settled) {
-            let latency = u64::try_from(delivered.elapsed().as_micros()).unwrap_or(u64::MAX);
-            slot.store(latency, std::sync::atomic::Ordering::Relaxed);
+        self.all_settled(&[delivered]);
+    }
+
+    /// Deliveries handed out at `delivered` have settled together: one count and one
+    /// clock read for them all, as the hand-written arms time a whole batch.
+    fn all_settled(&self, delivered: &[Instant]) {
+        if delivered.is_empty() {
+            return;
         }
-        if settled + 1 == self.n {
+        let first = self
+            .settled
+            .fetch_add(delivered.len(), std::sync::atomic::Ordering::Relaxed);
+        if !self.latencies.is_empty() {
+            let now = Instant::now();
+            for (slot, at) in self.latencies[first.min(self.latencies.len())..]
+                .iter()
+                .zip(delivered)
+            {
+                let latency = now.saturating_duration_since(*at).as_micros();
+                slot.store(
+                    u64::try_from(latency).unwrap_or(u64::MAX),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            }
+        }
+        // The settlement that brings the count to `n` sends `done`.
+        if first < self.n && self.n <= first + delivered.len() {
             if let Some(done) = self.done.lock().ok().and_then(|mut d| d.take()) {
                 let _ = done.send(());
             }
@@ -449,7 +532,8 @@ impl Acks {
 /// Records delivery-to-ack latency around any acknowledger. A settlement its acknowledger
 /// applies at once (a Kafka ack) is recorded at once, with nothing boxed, so the framework
 /// arms pay about what the hand-written arms pay for their own timing: one allocation a
-/// message (this acknowledger), where the hand-written arms time whole batches.
+/// message (this acknowledger), where the hand-written arms time whole batches. A batch
+/// settled together is counted and timed together (one clock read).
 struct Timed {
     inner: Box<dyn Acknowledger>,
     delivered: Instant,
@@ -494,27 +578,22 @@ impl Acknowledger for Timed {
             acks,
         } = *self;
         let mut times = Vec::with_capacity(1 + others.len());
-        times.push(Some(delivered));
+        times.push(delivered);
         let inners = others
             .into_iter()
             .map(
                 |other| match consumer_core::downcast_acker::<Timed>(other) {
                     Ok(timed) => {
-                        times.push(Some(timed.delivered));
+                        times.push(timed.delivered);
                         timed.inner
                     }
-                    Err(untimed) => {
-                        times.push(None);
-                        untimed
-                    }
+                    Err(untimed) => untimed,
                 },
             )
             .collect();
         let mut acking = inner.ack_with(inners);
         let timed = move |results: consumer_core::AckResults| {
-            for delivered in times.into_iter().flatten() {
-                acks.settled(delivered);
-            }
+            acks.all_settled(&times);
             results
         };
         match (&mut acking).now_or_never() {
@@ -591,6 +670,7 @@ fn perf_control(command: &str) {
 /// An arm's figures, taken when its clock stops (which also stops a `--perf-ctl` profile).
 fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: Rss) -> Figures {
     perf_control("disable");
+    print_threads_cpu(n);
     latencies.sort_unstable();
     let pct = |p: f64| percentile_ms(latencies, p);
     Figures {
@@ -875,6 +955,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         let _ = PERF_CTL.set(Mutex::new(fifo));
     }
     RECORD_LATENCY.store(o.latency != 0, std::sync::atomic::Ordering::Relaxed);
+    THREAD_CPU.store(o.thread_cpu, std::sync::atomic::Ordering::Relaxed);
     // Warnings of the runtime and the transports (a lost channel, a database error) explain
     // a failed arm; RUST_LOG=... for more.
     tracing_subscriber::fmt()
@@ -901,10 +982,18 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     let options = url
         .parse::<sqlx::postgres::PgConnectOptions>()?
         .options([("search_path", "bench")]);
+    // Every connection is opened here, before any clock starts, and kept for the whole run:
+    // a connection's handshake (SCRAM's key derivation alone is a few ms of this process's
+    // CPU) would otherwise land in whichever arm first needs one more, at random.
     let pool = PgPoolOptions::new()
         .max_connections(connections)
+        .min_connections(connections)
+        .idle_timeout(None)
+        .max_lifetime(None)
         .connect_with(options.clone())
         .await?;
+    let opened = futures::future::try_join_all((0..connections).map(|_| pool.acquire())).await?;
+    drop(opened);
     let inbox = Inbox::new(pool.clone(), InboxConfig::in_schema("bench")).await?;
     sqlx::raw_sql(
         "CREATE TABLE effects (job_id BIGINT NOT NULL, body TEXT NOT NULL);
