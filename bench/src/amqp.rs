@@ -18,8 +18,8 @@ use sqlx::{PgPool, Postgres};
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, framework_figures, hand_batch, payload, timed, Acks, Figures,
-    Fw, Job, Options, Rss,
+    bench_worker, cpu_since, cpu_time, figures, framework_figures, hand_batch, payload, timed,
+    Acks, Figures, Fw, Job, Options, Rss,
 };
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
@@ -122,7 +122,7 @@ pub(crate) async fn raw(
     let f = figures(
         o.messages,
         start.elapsed(),
-        cpu_time() - cpu0,
+        cpu_since(cpu0),
         &mut latencies,
         rss,
     );
@@ -184,7 +184,7 @@ pub(crate) async fn hand_written(
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
     let wall = start.elapsed();
-    let cpu = cpu_time() - cpu0;
+    let cpu = cpu_since(cpu0);
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
     conn.close(200, "done".into()).await?;
     Ok(figures(o.messages, wall, cpu, &mut l, rss))
@@ -247,7 +247,7 @@ pub(crate) async fn hand_batched(
     let f = figures(
         o.messages,
         start.elapsed(),
-        cpu_time() - cpu0,
+        cpu_since(cpu0),
         &mut latencies,
         rss,
     );
@@ -279,7 +279,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
         })
         .await?;
     let end = End::after(fw.relay, o.messages, start).await?;
-    let cpu = cpu_time() - cpu0;
+    let cpu = cpu_since(cpu0);
     framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)
 }
 

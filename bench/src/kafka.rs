@@ -19,8 +19,8 @@ use sqlx::Postgres;
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_time, figures, framework_figures, hand_batch, payload, timed, Acks, Figures,
-    Fw, Job, Options, Rss,
+    bench_worker, cpu_since, cpu_time, figures, framework_figures, hand_batch, payload, timed,
+    Acks, Figures, Fw, Job, Options, Rss,
 };
 
 const PARTITIONS: i32 = 4;
@@ -112,7 +112,7 @@ pub(crate) async fn raw(
     Ok(figures(
         o.messages,
         start.elapsed(),
-        cpu_time() - cpu0,
+        cpu_since(cpu0),
         &mut latencies,
         rss,
     ))
@@ -172,7 +172,7 @@ pub(crate) async fn hand_batched(
     Ok(figures(
         o.messages,
         start.elapsed(),
-        cpu_time() - cpu0,
+        cpu_since(cpu0),
         &mut latencies,
         rss,
     ))
@@ -209,7 +209,7 @@ pub(crate) async fn transport_only(
     Ok(figures(
         o.messages,
         start.elapsed(),
-        cpu_time() - cpu0,
+        cpu_since(cpu0),
         &mut [],
         rss,
     ))
@@ -246,7 +246,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
         .await?;
     let (start, cpu0, rss) = *started.get().context("no record arrived")?;
     let end = End::after(fw.relay, o.messages, start).await?;
-    let cpu = cpu_time() - cpu0;
+    let cpu = cpu_since(cpu0);
     closed.await;
     framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)
 }

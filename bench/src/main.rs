@@ -316,16 +316,36 @@ fn threads_cpu() -> Vec<(u64, String, u64)> {
         .collect()
 }
 
+/// `--thread-cpu`: the CPU time of each live thread when the running arm's CPU time was
+/// read ([`cpu_since`]).
+static THREAD_CPU1: Mutex<Vec<(u64, String, u64)>> = Mutex::new(Vec::new());
+
+/// This process's CPU time since `cpu0`, read when an arm's clock stops; with
+/// `--thread-cpu`, every thread's is read at the same moment.
+fn cpu_since(cpu0: Duration) -> Duration {
+    let cpu = cpu_time() - cpu0;
+    if THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
+        if let Ok(mut t) = THREAD_CPU1.lock() {
+            *t = threads_cpu();
+        }
+    }
+    cpu
+}
+
 /// `--thread-cpu`: prints the running arm's CPU time per message (of `n`) by thread name,
-/// since its clock started; threads that ended meanwhile are not seen (the arm's `CPU µs`
-/// holds them).
+/// from its clock's start to the reading of its CPU time; threads that ended meanwhile are
+/// not seen (the arm's `CPU µs` holds them).
 fn print_threads_cpu(n: usize) {
     if !THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }
     let before = THREAD_CPU0.lock().map(|t| t.clone()).unwrap_or_default();
+    let after = THREAD_CPU1
+        .lock()
+        .map(|mut t| std::mem::take(&mut *t))
+        .unwrap_or_default();
     let mut by_name: BTreeMap<String, (usize, u64)> = BTreeMap::new();
-    for (id, name, ns) in threads_cpu() {
+    for (id, name, ns) in after {
         let was = before
             .iter()
             .find(|(i, _, _)| *i == id)
@@ -780,7 +800,7 @@ async fn db_floor(
     Ok(figures(
         o.messages,
         start.elapsed(),
-        cpu_time() - cpu0,
+        cpu_since(cpu0),
         &mut [],
         rss,
     ))
@@ -857,7 +877,7 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
     let wall = start.elapsed();
-    let cpu = cpu_time() - cpu0;
+    let cpu = cpu_since(cpu0);
     Ok(figures(o.messages, wall, cpu, &mut acks.latencies(), rss))
 }
 
@@ -917,7 +937,7 @@ async fn framework<H: Handler<Postgres>>(
     let consumer = broker.consume("q").map(move |r| r.map(|i| timed(i, &a2)));
     worker.run(consumer, broker.drained("q")).await?;
     let wall = start.elapsed();
-    let cpu = cpu_time() - cpu0;
+    let cpu = cpu_since(cpu0);
     let s = worker.snapshot();
     ensure_completed(o, &s)?;
     Ok(figures(o.messages, wall, cpu, &mut acks.latencies(), rss))

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::Postgres;
 use tokio::sync::{oneshot, watch};
 
-use crate::{cpu_time, figures, Figures, Fw, Job, Options, Rss};
+use crate::{cpu_since, cpu_time, figures, Figures, Fw, Job, Options, Rss};
 
 /// How long an arm (or a latency sample) waits for its relay before it fails.
 const RELAY_DEADLINE: Duration = Duration::from_secs(300);
@@ -155,7 +155,7 @@ async fn relay_alone(
     let last = relay.confirmed(o.messages).await?;
     let wall = last.saturating_duration_since(start);
     Ok((
-        figures(o.messages, wall, cpu_time() - cpu0, &mut [], rss),
+        figures(o.messages, wall, cpu_since(cpu0), &mut [], rss),
         relay,
     ))
 }
