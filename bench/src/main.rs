@@ -288,15 +288,26 @@ struct Figures {
     relay: Option<outbox::RelayFigures>,
 }
 
-/// `--thread-cpu`: whether to print the arms' CPU time by thread.
-static THREAD_CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// `--thread-cpu`: the CPU time of each live thread of this process (by id, with its name)
-/// when the running arm's clock started.
-static THREAD_CPU0: Mutex<Vec<(u64, String, u64)>> = Mutex::new(Vec::new());
+/// `--thread-cpu`: every live thread's CPU time when the running arm's clock started and when
+/// its CPU time was read ([`cpu_since`]); `None` without the flag.
+static THREAD_CPU: Mutex<Option<ThreadTimes>> = Mutex::new(None);
 
-/// Every live thread of this process: its id, name, and CPU time in nanoseconds (the first
-/// field of its schedstat).
-fn threads_cpu() -> Vec<(u64, String, u64)> {
+/// The two readings of the threads' CPU time of one arm (see [`THREAD_CPU`]).
+#[derive(Default)]
+struct ThreadTimes {
+    start: Vec<ThreadTime>,
+    end: Vec<ThreadTime>,
+}
+
+/// One thread of this process: its id, name, and CPU time in nanoseconds.
+struct ThreadTime {
+    id: u64,
+    name: String,
+    ns: u64,
+}
+
+/// Every live thread of this process (its CPU time is the first field of its schedstat).
+fn threads_cpu() -> Vec<ThreadTime> {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return Vec::new();
     };
@@ -311,24 +322,32 @@ fn threads_cpu() -> Vec<(u64, String, u64)> {
                 .next()?
                 .parse()
                 .ok()?;
-            Some((id, name.trim().to_owned(), ns))
+            Some(ThreadTime {
+                id,
+                name: name.trim().to_owned(),
+                ns,
+            })
         })
         .collect()
 }
 
-/// `--thread-cpu`: the CPU time of each live thread when the running arm's CPU time was
-/// read ([`cpu_since`]).
-static THREAD_CPU1: Mutex<Vec<(u64, String, u64)>> = Mutex::new(Vec::new());
+/// With `--thread-cpu`, reads every thread's CPU time into the running arm's `start` or `end`.
+fn read_threads_cpu(into: fn(&mut ThreadTimes) -> &mut Vec<ThreadTime>) {
+    if let Some(times) = THREAD_CPU
+        .lock()
+        .ok()
+        .as_deref_mut()
+        .and_then(Option::as_mut)
+    {
+        *into(times) = threads_cpu();
+    }
+}
 
 /// This process's CPU time since `cpu0`, read when an arm's clock stops; with
 /// `--thread-cpu`, every thread's is read at the same moment.
 fn cpu_since(cpu0: Duration) -> Duration {
     let cpu = cpu_time() - cpu0;
-    if THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
-        if let Ok(mut t) = THREAD_CPU1.lock() {
-            *t = threads_cpu();
-        }
-    }
+    read_threads_cpu(|t| &mut t.end);
     cpu
 }
 
@@ -336,23 +355,25 @@ fn cpu_since(cpu0: Duration) -> Duration {
 /// from its clock's start to the reading of its CPU time; threads that ended meanwhile are
 /// not seen (the arm's `CPU µs` holds them).
 fn print_threads_cpu(n: usize) {
-    if !THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
-        return;
-    }
-    let before = THREAD_CPU0.lock().map(|t| t.clone()).unwrap_or_default();
-    let after = THREAD_CPU1
+    let Some(times) = THREAD_CPU
         .lock()
-        .map(|mut t| std::mem::take(&mut *t))
-        .unwrap_or_default();
+        .ok()
+        .as_deref_mut()
+        .and_then(Option::as_mut)
+        .map(std::mem::take)
+    else {
+        return;
+    };
     let mut by_name: BTreeMap<String, (usize, u64)> = BTreeMap::new();
-    for (id, name, ns) in after {
-        let was = before
+    for t in times.end {
+        let was = times
+            .start
             .iter()
-            .find(|(i, _, _)| *i == id)
-            .map_or(0, |(_, _, ns)| *ns);
-        let e = by_name.entry(name).or_default();
+            .find(|s| s.id == t.id)
+            .map_or(0, |s| s.ns);
+        let e = by_name.entry(t.name).or_default();
         e.0 += 1;
-        e.1 += ns.saturating_sub(was);
+        e.1 += t.ns.saturating_sub(was);
     }
     let line: Vec<String> = by_name
         .iter()
@@ -387,11 +408,7 @@ impl Rss {
         SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
         let us = u64::try_from(broker_cpu_time().as_micros()).unwrap_or(u64::MAX);
         BROKER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
-        if THREAD_CPU.load(std::sync::atomic::Ordering::Relaxed) {
-            if let Ok(mut t) = THREAD_CPU0.lock() {
-                *t = threads_cpu();
-            }
-        }
+        read_threads_cpu(|t| &mut t.start);
         Rss {
             start_kib: Self::now_kib(),
         }
@@ -511,9 +528,6 @@ impl Acks {
     /// Deliveries handed out at `delivered` have settled together: one count and one
     /// clock read for them all, as the hand-written arms time a whole batch.
     fn all_settled(&self, delivered: &[Instant]) {
-        if delivered.is_empty() {
-            return;
-        }
         let first = self
             .settled
             .fetch_add(delivered.len(), std::sync::atomic::Ordering::Relaxed);
@@ -975,7 +989,11 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         let _ = PERF_CTL.set(Mutex::new(fifo));
     }
     RECORD_LATENCY.store(o.latency != 0, std::sync::atomic::Ordering::Relaxed);
-    THREAD_CPU.store(o.thread_cpu, std::sync::atomic::Ordering::Relaxed);
+    if o.thread_cpu {
+        if let Ok(mut t) = THREAD_CPU.lock() {
+            *t = Some(ThreadTimes::default());
+        }
+    }
     // Warnings of the runtime and the transports (a lost channel, a database error) explain
     // a failed arm; RUST_LOG=... for more.
     tracing_subscriber::fmt()
@@ -1003,11 +1021,10 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         .parse::<sqlx::postgres::PgConnectOptions>()?
         .options([("search_path", "bench")]);
     // Every connection is opened here, before any clock starts, and kept for the whole run:
-    // a connection's handshake (SCRAM's key derivation alone is a few ms of this process's
-    // CPU) would otherwise land in whichever arm first needs one more, at random.
+    // the handshakes (SCRAM's key derivation, a few ms of this process's CPU for a pool's
+    // worth) would otherwise land in whichever arm first needs one more connection.
     let pool = PgPoolOptions::new()
         .max_connections(connections)
-        .min_connections(connections)
         .idle_timeout(None)
         .max_lifetime(None)
         .connect_with(options.clone())
