@@ -17,13 +17,30 @@ impl<DB: Backend> Inbox<DB> {
         keys: &[impl AsRef<str>],
         db_locks: bool,
     ) -> Result<Lease<DB>, sqlx::Error> {
-        let local_ids = sorted(
-            keys.iter()
-                .map(|k| self.locks.local_id(handler, k.as_ref())),
-        );
+        let ids = keys
+            .iter()
+            .map(|k| self.local_lock_id(handler, k.as_ref()))
+            .collect();
+        self.lease_ids(handler, keys, ids, db_locks).await
+    }
+
+    /// [`Inbox::lease_many`] for keys whose in-process lock ids (`local_ids`, in the keys'
+    /// order or any other) were computed before.
+    pub(crate) async fn lease_ids(
+        &self,
+        handler: &str,
+        keys: &[impl AsRef<str>],
+        local_ids: Vec<i64>,
+        db_locks: bool,
+    ) -> Result<Lease<DB>, sqlx::Error> {
+        let local_ids = sorted(local_ids);
         let lock_ids = if db_locks {
             let namespace = &self.names.lock_namespace;
-            sorted(keys.iter().map(|k| lock_id(namespace, handler, k.as_ref())))
+            sorted(
+                keys.iter()
+                    .map(|k| lock_id(namespace, handler, k.as_ref()))
+                    .collect(),
+            )
         } else {
             Vec::new()
         };
@@ -37,11 +54,15 @@ impl<DB: Backend> Inbox<DB> {
             _local: local,
         })
     }
+
+    /// The id `key` of `handler` is locked by in this process (see [`Inbox::lease_ids`]).
+    pub(crate) fn local_lock_id(&self, handler: &str, key: &str) -> i64 {
+        self.locks.local_id(handler, key)
+    }
 }
 
 /// `ids` in ascending order, each once: the order every lease takes its locks in.
-fn sorted(ids: impl Iterator<Item = i64>) -> Vec<i64> {
-    let mut ids: Vec<i64> = ids.collect();
+fn sorted(mut ids: Vec<i64>) -> Vec<i64> {
     ids.sort_unstable();
     ids.dedup();
     ids

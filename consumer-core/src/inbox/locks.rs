@@ -24,7 +24,11 @@ pub(crate) struct KeyLocks {
     ids: RandomState,
 }
 
-type Table = HashMap<i64, VecDeque<oneshot::Sender<()>>, BuildHasherDefault<LockIdHasher>>;
+type Table = IdMap<VecDeque<oneshot::Sender<()>>>;
+
+/// A map keyed by local ids ([`KeyLocks::local_id`]), which hashes them as themselves (see
+/// [`LockIdHasher`]).
+pub(crate) type IdMap<V> = HashMap<i64, V, BuildHasherDefault<LockIdHasher>>;
 type LockMap = Arc<Mutex<Table>>;
 
 /// Hashes a local id as itself: it is already a keyed hash of the key, so hashing it again
@@ -32,7 +36,7 @@ type LockMap = Arc<Mutex<Table>>;
 /// the workers' concurrency times their batch size), so even ids that share buckets cost a
 /// bounded probe.
 #[derive(Debug, Default)]
-struct LockIdHasher(u64);
+pub(crate) struct LockIdHasher(u64);
 
 impl Hasher for LockIdHasher {
     fn finish(&self) -> u64 {

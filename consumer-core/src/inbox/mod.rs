@@ -69,5 +69,6 @@ pub(crate) use config::TableNames;
 pub use entry::{EntryStatus, InboxCounts, InboxEntry};
 pub use handle::Inbox;
 pub(crate) use lease::Lease;
+pub(crate) use locks::IdMap;
 pub(crate) use outbox_store::OutboxRow;
 pub use outbox_store::OutboxStats;

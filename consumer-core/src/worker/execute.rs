@@ -108,7 +108,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         if unlocked {
             lease.released_in_db();
         }
-        let attempted = match ended? {
+        let failed = match ended? {
             Ended::Nothing => return Ok(()),
             Ended::NotRun(e) => {
                 self.retry_all_after_db_error(&e, jobs, settled, alone);
@@ -155,11 +155,12 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 return Ok(());
             }
         };
+        let Some(e) = failed else {
+            self.committed(jobs, settled);
+            return Ok(());
+        };
         for mut job in jobs {
-            let attempted = match &attempted {
-                None => Attempted::Committed,
-                Some(e) => Attempted::commit_failed(e.clone()),
-            };
+            let attempted = Attempted::commit_failed(e.clone());
             let verdict = self.conclude(lease.conn(), &mut job, attempted).await;
             settled.push(self.settled(job, verdict));
         }

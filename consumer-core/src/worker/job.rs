@@ -21,6 +21,9 @@ pub(super) struct Job<M> {
     /// The inbox found it fresh (see [`crate::log_marks::Freshness`]): it claims its key in
     /// the handler's transaction, counting nothing ahead.
     pub(super) fresh: bool,
+    /// The key's id in the inbox's in-process lock table, computed once: the lease locks it,
+    /// and a batch finds a repeated key by it.
+    pub(super) lock_id: i64,
     message: Option<M>,
 }
 
@@ -176,9 +179,11 @@ fn untemplated_key(s: &Settings, delivery: &Delivery, hash: &PayloadHash) -> Res
 /// hold).
 // The `Err` is a settlement, not an error: moved once, on a cold path.
 #[allow(clippy::result_large_err)]
+/// `lock_id` gives a key's in-process lock id.
 pub(super) fn prepare<M: serde::de::DeserializeOwned>(
     s: &Settings,
     incoming: Incoming,
+    lock_id: impl Fn(&str) -> i64,
 ) -> Result<Job<M>, (Incoming, Verdict)> {
     let Incoming {
         mut delivery,
@@ -187,6 +192,7 @@ pub(super) fn prepare<M: serde::de::DeserializeOwned>(
     delivery.attempt = super::attempt::delivered(delivery.attempt);
     match decode(s, &delivery) {
         Ok((message, key, hash)) => Ok(Job {
+            lock_id: lock_id(key.of(&delivery)),
             attempt: delivery.attempt,
             delivery,
             acker,
@@ -304,20 +310,20 @@ mod tests {
             items: vec!["a".into(), "b".into()],
         };
         for payload in [canonical, r#"{"items": ["a","b"], "id": 7}"#] {
-            let Ok(mut job) = prepare::<Order>(&by_hash, incoming(payload)) else {
+            let Ok(mut job) = prepare::<Order>(&by_hash, incoming(payload), |_| 0) else {
                 panic!("{payload} did not prepare");
             };
             assert_eq!(job.hash.as_str(), canonical_hash(&value), "{payload}");
             assert_eq!(job.key(), format!("sha256:{}", canonical_hash(&value)));
             assert_eq!(job.take_message().expect("decodes"), expected);
-            let Ok(job) = prepare::<Order>(&by_template, incoming(payload)) else {
+            let Ok(job) = prepare::<Order>(&by_template, incoming(payload), |_| 0) else {
                 panic!("{payload} did not prepare");
             };
             assert_eq!(job.key(), "order-7");
             assert_eq!(job.hash.as_str(), canonical_hash(&value), "{payload}");
         }
         // A canonical payload that is not the message is undecodable, as through the tree.
-        let Err((_, verdict)) = prepare::<Order>(&by_hash, incoming(r#"{"id":7}"#)) else {
+        let Err((_, verdict)) = prepare::<Order>(&by_hash, incoming(r#"{"id":7}"#), |_| 0) else {
             panic!("a payload without items prepared");
         };
         assert_eq!(

@@ -30,9 +30,7 @@ mod settle;
 mod tests;
 mod turn;
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
 use futures::{FutureExt, StreamExt};
@@ -49,7 +47,7 @@ use self::settle::{settle_all, Settled};
 use crate::delivery::{DeadLetterReason, Incoming, Transport};
 use crate::fault::point::FaultPoint;
 use crate::handler::Handler;
-use crate::inbox::{AttemptItem, Backend, Inbox};
+use crate::inbox::{AttemptItem, Backend, IdMap, Inbox};
 use crate::log_marks::Freshness;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::Error;
@@ -259,32 +257,30 @@ fn crashed_at(point: FaultPoint) -> Error {
     unreachable!("no fault point fires without fault injection ({point:?})")
 }
 
-/// The keys of a batch's jobs so far, to find a key that comes twice without copying each
-/// key: a hash of the key, and the job (its index in the batch's jobs) that has it.
+/// The keys of a batch's jobs so far, to find a key that comes twice without copying or
+/// hashing each key again: by the key's in-process lock id (see [`Job::lock_id`]), and the job
+/// (its index in the batch's jobs) that has it.
 struct RepeatedKeys {
-    first: HashMap<u64, usize>,
-    hasher: RandomState,
+    first: IdMap<usize>,
 }
 
 impl RepeatedKeys {
     /// For a batch of `jobs` jobs: the table is sized once, not grown as they come.
     fn for_batch(jobs: usize) -> Self {
         RepeatedKeys {
-            first: HashMap::with_capacity(jobs),
-            hasher: RandomState::new(),
+            first: IdMap::with_capacity_and_hasher(jobs, Default::default()),
         }
     }
 
     /// Whether `job`'s key is one of `jobs`' (the jobs pushed so far, `job` to be pushed next);
     /// if not, it is remembered as the key of the next job.
     fn repeated<M>(&mut self, jobs: &[Job<M>], job: &Job<M>) -> bool {
-        let hash = self.hasher.hash_one(job.key());
-        match self.first.get(&hash) {
+        match self.first.get(&job.lock_id) {
             Some(&i) if jobs.get(i).is_some_and(|j| j.key() == job.key()) => true,
-            // Another key with the same hash (rare): compare with every job.
+            // Another key with the same id (rare): compare with every job.
             Some(_) => jobs.iter().any(|j| j.key() == job.key()),
             None => {
-                self.first.insert(hash, jobs.len());
+                self.first.insert(job.lock_id, jobs.len());
                 false
             }
         }
@@ -360,26 +356,24 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         // counted as received) after the batch, and is then seen as a duplicate.
         let mut repeats = Vec::new();
         let mut seen = (batch.len() > 1).then(|| RepeatedKeys::for_batch(batch.len()));
+        let locks = |key: &str| self.inbox.local_lock_id(&self.name, key);
         for incoming in batch {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
-            match job::prepare::<H::Message>(&self.settings, incoming) {
-                Err((incoming, verdict)) => {
-                    self.stats.received.bump();
-                    settled.push(Settled {
-                        acker: incoming.acker,
-                        verdict,
-                    });
-                }
+            match job::prepare::<H::Message>(&self.settings, incoming, locks) {
+                Err((incoming, verdict)) => settled.push(Settled {
+                    acker: incoming.acker,
+                    verdict,
+                }),
                 Ok(job) if seen.as_mut().is_some_and(|s| s.repeated(&jobs, &job)) => {
                     repeats.push(job)
                 }
-                Ok(job) => {
-                    self.stats.received.bump();
-                    jobs.push(job);
-                }
+                Ok(job) => jobs.push(job),
             }
         }
+        // Counted once for the batch: what settles here (a repeat is counted when it goes
+        // through again).
+        self.stats.received.add((settled.len() + jobs.len()) as u64);
         if let [job] = jobs.as_slice() {
             tracing::Span::current().record("key", job.key());
         }
@@ -417,13 +411,14 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         for key in &fault_keys {
             self.fault(FaultPoint::AfterCommit, key)?;
         }
-        for (outcome, result) in settle_all(settled).await {
-            self.count(outcome);
+        let results = settle_all(settled).await;
+        for (_, result) in &results {
             if let Err(e) = result {
                 self.stats.settle_errors.bump();
                 tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
             }
         }
+        self.count_all(results.into_iter().map(|(outcome, _)| outcome));
         for key in &fault_keys {
             self.fault(FaultPoint::AfterAck, key)?;
         }
@@ -449,8 +444,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             .take(!fresh && jobs.iter().any(|j| j.delivery.redelivered))
             .await;
         let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
+        let ids = jobs.iter().map(|j| j.lock_id).collect();
         // Only counted jobs take the keys' database locks (see `locking` below).
-        let mut lease = match self.inbox.lease_many(&self.name, &keys, !fresh).await {
+        let mut lease = match self.inbox.lease_ids(&self.name, &keys, ids, !fresh).await {
             Ok(l) => l,
             Err(e) => {
                 self.retry_all_after_db_error(&e, jobs, settled, alone);

@@ -20,8 +20,6 @@ use crate::{HandlerError, TransportError};
 /// How one job's attempt in a transaction ended.
 #[derive(Debug)]
 pub(super) enum Attempted {
-    /// The handler's writes and the key's claim or completion committed.
-    Committed,
     /// The handler failed (or its writes were refused at the commit): rolled back; a
     /// failed attempt.
     Failed(HandlerError),
@@ -265,8 +263,24 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         Settled { acker, verdict }
     }
 
-    /// The verdict on an attempt that ran (or tried to) in a transaction, on the lease's
-    /// connection `conn`.
+    /// Settles `jobs`, whose writes and claims (or completions) committed together: each
+    /// is acked as completed, and the counters move once for the group.
+    pub(super) fn committed(&self, jobs: Vec<Job<H::Message>>, settled: &mut Vec<Settled>) {
+        if let [job] = jobs.as_slice() {
+            // A field of the per-delivery span (a batch's span has none).
+            tracing::Span::current().record("attempt", job.attempt);
+        }
+        let fresh = jobs.iter().filter(|j| j.fresh).count();
+        if fresh > 0 {
+            self.stats.fresh_completed.add(fresh as u64);
+        }
+        for job in jobs {
+            settled.push(self.settled(job, Verdict::ack(Outcome::Completed)));
+        }
+    }
+
+    /// The verdict on an attempt that ran (or tried to) in a transaction that did not commit,
+    /// on the lease's connection `conn` (a committed one: [`Inner::committed`]).
     pub(super) async fn conclude(
         &self,
         conn: &mut DB::Connection,
@@ -276,12 +290,6 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         // A field of the per-delivery span (a batch's span has none).
         tracing::Span::current().record("attempt", job.attempt);
         match attempted {
-            Attempted::Committed => {
-                if job.fresh {
-                    self.stats.fresh_completed.bump();
-                }
-                Verdict::ack(Outcome::Completed)
-            }
             Attempted::Failed(failure) => {
                 if job.fresh {
                     // The fresh claim rolled back with the failure: count the attempt now.
@@ -444,19 +452,33 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         }
     }
 
-    /// Counts an outcome.
-    pub(super) fn count(&self, outcome: Outcome) {
+    /// Counts the outcomes of a batch: each counter moves once for the batch, not once a
+    /// delivery (a dead letter is counted as it comes, with its reason).
+    pub(super) fn count_all(&self, outcomes: impl IntoIterator<Item = Outcome>) {
         let stats = &self.stats;
-        match outcome {
-            Outcome::Completed => stats.completed.bump(),
-            Outcome::Duplicate => stats.duplicates.bump(),
-            Outcome::Superseded => stats.superseded.bump(),
-            Outcome::ConflictSkipped => {
-                stats.conflicts.bump();
-                stats.conflicts_skipped.bump();
+        let (mut completed, mut duplicates, mut superseded, mut skipped, mut retries) =
+            (0, 0, 0, 0, 0);
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Completed => completed += 1,
+                Outcome::Duplicate => duplicates += 1,
+                Outcome::Superseded => superseded += 1,
+                Outcome::ConflictSkipped => skipped += 1,
+                Outcome::Retry { .. } => retries += 1,
+                Outcome::DeadLettered(reason) => stats.dead_letter(reason),
             }
-            Outcome::Retry { .. } => stats.retries.bump(),
-            Outcome::DeadLettered(reason) => stats.dead_letter(reason),
+        }
+        for (count, n) in [
+            (&stats.completed, completed),
+            (&stats.duplicates, duplicates),
+            (&stats.superseded, superseded),
+            (&stats.conflicts, skipped),
+            (&stats.conflicts_skipped, skipped),
+            (&stats.retries, retries),
+        ] {
+            if n > 0 {
+                count.add(n);
+            }
         }
     }
 }
