@@ -143,29 +143,27 @@ impl<'a> Reader<'a> {
 /// Where the string text at the start of `rest` ends (its closing quote), and whether it is
 /// all ASCII; `None` at an escape or a control character, or without a closing quote.
 ///
-/// Eight bytes are looked at a time while none of them is special; the word that holds one
-/// is read again byte by byte.
+/// A block of [`BLOCK`] bytes is looked at at once while none of them is special: each test
+/// is made of every byte without a branch, which the compiler turns into vector compares.
+/// The block that holds a special byte, and the rest after the last whole block, are read
+/// again byte by byte.
 fn string_end(rest: &[u8]) -> Option<(usize, bool)> {
-    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
-    const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
-    /// Bytes below `n` (at most 0x80) have their high bit set in the result; none does if
-    /// no byte of `w` is below `n`.
-    fn below(w: u64, n: u8) -> u64 {
-        w.wrapping_sub(ONES * u64::from(n)) & !w & HIGH
-    }
-    let mut ascii = true;
+    // The blocks' words or-ed together: a byte's high bit set tells of non-ASCII text.
+    let mut high = 0u64;
     let mut at = 0;
-    while let Some(chunk) = rest.get(at..at + 8) {
-        let w = u64::from_ne_bytes(chunk.try_into().ok()?);
-        // A byte equal to `"` or `\` is zero once xored with it: below 1.
-        let quote = below(w ^ (ONES * u64::from(b'"')), 1);
-        let backslash = below(w ^ (ONES * u64::from(b'\\')), 1);
-        if quote | backslash | below(w, 0x20) != 0 {
+    while let Some(block) = rest.get(at..at + BLOCK) {
+        let special = block.iter().fold(0u8, |special, &b| {
+            special | u8::from(b == b'"') | u8::from(b == b'\\') | u8::from(b < 0x20)
+        });
+        if special != 0 {
             break;
         }
-        ascii &= w & HIGH == 0;
-        at += 8;
+        for word in block.chunks_exact(8) {
+            high |= u64::from_ne_bytes(word.try_into().ok()?);
+        }
+        at += BLOCK;
     }
+    let mut ascii = high & u64::from_ne_bytes([0x80; 8]) == 0;
     for (i, &b) in rest.get(at..)?.iter().enumerate() {
         match b {
             b'"' => return Some((at + i, ascii)),
@@ -175,6 +173,9 @@ fn string_end(rest: &[u8]) -> Option<(usize, bool)> {
     }
     None
 }
+
+/// The bytes [`string_end`] looks at at once.
+const BLOCK: usize = 16;
 
 #[cfg(test)]
 mod tests {
@@ -191,8 +192,8 @@ mod tests {
     #[test]
     fn strings_end_where_a_byte_at_a_time_reading_ends_them() {
         // Each special byte, and a non-ASCII one, at every place of strings of up to three
-        // words, with and without a closing quote after.
-        for len in 0..24 {
+        // blocks, with and without a closing quote after.
+        for len in 0..3 * super::BLOCK {
             for at in 0..=len {
                 for special in [b'"', b'\\', 0x00, 0x1f, 0x20, 0x7f, 0x80, 0xc3, 0xff] {
                     let mut text = vec![b'x'; len];

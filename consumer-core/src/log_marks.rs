@@ -42,10 +42,11 @@ pub(crate) enum Check {
     },
 }
 
-/// The windows of the logs one worker reads.
+/// The windows of the logs one worker reads, by log name (looked up for every delivery from a
+/// log, so hashed with foldhash rather than SipHash; the names come from configuration).
 #[derive(Debug, Default)]
 pub(crate) struct LogWindows {
-    windows: HashMap<Arc<str>, Window>,
+    windows: HashMap<Arc<str>, Window, foldhash::fast::RandomState>,
 }
 
 impl LogWindows {

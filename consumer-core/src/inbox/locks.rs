@@ -9,7 +9,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
@@ -19,9 +19,10 @@ use tokio::sync::oneshot;
 #[derive(Debug, Default)]
 pub(crate) struct KeyLocks {
     map: LockMap,
-    /// Seeds the local ids: they name keys in this process only, so a fast keyed hash does,
+    /// Seeds the local ids: they name keys in this process only, so a fast randomly seeded
+    /// hash does (foldhash, tuned for quality: the table uses an id's bits as they are),
     /// where the database lock ids ([`lock_id`]) must be the same in every worker.
-    ids: RandomState,
+    ids: foldhash::quality::RandomState,
 }
 
 type Table = IdMap<VecDeque<oneshot::Sender<()>>>;

@@ -18,7 +18,6 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::hash::RandomState;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -107,7 +106,7 @@ impl KafkaConsumer {
             observer: KafkaObserver::default(),
             stop: AtomicBool::new(false),
             closed: closed_tx,
-            key_seed: RandomState::new(),
+            key_seed: foldhash::quality::RandomState::default(),
             revocations: AtomicU64::new(0),
         });
         let consumer: BaseConsumer<ConsumerCtx> = config

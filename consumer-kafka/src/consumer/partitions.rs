@@ -3,7 +3,6 @@
 //! deferral does to its partition.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::hash::RandomState;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
@@ -89,8 +88,9 @@ pub(super) struct Shared {
     pub(super) observer: KafkaObserver,
     pub(super) stop: AtomicBool,
     pub(super) closed: watch::Sender<bool>,
-    /// Seeds the hash of record keys into [`KeyId`](crate::tracker::KeyId)s.
-    pub(super) key_seed: RandomState,
+    /// Seeds the hash of record keys into [`KeyId`](crate::tracker::KeyId)s (foldhash, tuned
+    /// for quality: the key map folds an id's words without hashing them again).
+    pub(super) key_seed: foldhash::quality::RandomState,
     /// Counts the revokes begun (incremented under the state lock as the partitions are
     /// marked revoking): the stream checks it before handing out what it took earlier.
     pub(super) revocations: AtomicU64,

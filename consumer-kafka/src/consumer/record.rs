@@ -1,7 +1,7 @@
 //! One fetched record: what librdkafka gave, what the transport read from its headers,
 //! and the envelope handed to the worker.
 
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -259,7 +259,7 @@ impl Weigh for Handout {
 }
 
 /// The record's ordering key, hashed with this consumer's random seed (see [`KeyId`]).
-pub(super) fn key_id(seed: &RandomState, key: Option<&[u8]>) -> KeyId {
+pub(super) fn key_id(seed: &foldhash::quality::RandomState, key: Option<&[u8]>) -> KeyId {
     key.map(|k| seed.hash_one(k))
 }
 

@@ -10,7 +10,7 @@ pub(crate) type KeyId = Option<u64>;
 
 /// Hashes a [`KeyId`] for the tracker's key map by folding its words, not by hashing them
 /// again: a key id is already a randomly seeded hash of the key (so producers cannot aim at
-/// one bucket), and a second SipHash on every push and settlement is measurable.
+/// one bucket), and hashing it again on every push and settlement is measurable.
 #[derive(Debug, Default)]
 pub(crate) struct KeyIdHasher(u64);
 
