@@ -7,12 +7,14 @@
 //! slow one never moves it. Offsets need not be contiguous numbers (compaction, transaction
 //! markers), so "contiguous" means contiguous in the sequence of fetched records.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::ProcessingOrder;
+use heads::Heads;
 use keys::KeyMap;
 
+mod heads;
 mod keys;
 
 pub(crate) use keys::KeyId;
@@ -69,7 +71,7 @@ pub(crate) struct PartitionTracker<T> {
     /// record has settled are dropped when the map outgrows the buffer.
     keys: KeyMap,
     /// The waiting records that no earlier unsettled record of their key holds back.
-    heads: BTreeSet<i64>,
+    heads: Heads,
     /// The summed [`Weigh::weight`] of `entries`.
     bytes: usize,
 }
@@ -80,7 +82,7 @@ impl<T> Default for PartitionTracker<T> {
             entries: VecDeque::new(),
             next_offset: None,
             keys: KeyMap::default(),
-            heads: BTreeSet::new(),
+            heads: Heads::default(),
             bytes: 0,
         }
     }
@@ -153,12 +155,12 @@ impl<T: Weigh> PartitionTracker<T> {
                 .filter(|&i| is_due(&self.entries[i].status, now))?,
             ProcessingOrder::Key => {
                 // A record may go if no earlier unsettled record has its key: the heads.
-                let offset = if self.heads.first().is_some_and(|&o| self.due_at(o, now)) {
+                let offset = if self.heads.first().is_some_and(|o| self.due_at(o, now)) {
                     self.heads.pop_first()?
                 } else {
                     // Some head waits for its due time (a retry copy): the first one due.
-                    let o = self.heads.iter().copied().find(|&o| self.due_at(o, now))?;
-                    self.heads.remove(&o);
+                    let o = self.heads.iter().find(|&o| self.due_at(o, now))?;
+                    self.heads.remove(o);
                     o
                 };
                 self.index_of(offset)?
@@ -166,7 +168,7 @@ impl<T: Weigh> PartitionTracker<T> {
         };
         let e = &mut self.entries[index];
         // Under partition order the record may be a head too; it is not waiting any more.
-        self.heads.remove(&e.offset);
+        self.heads.remove(e.offset);
         e.status = Status::InFlight;
         Some((e.offset, e.item.as_ref()?))
     }
@@ -309,7 +311,7 @@ impl<T: Weigh> PartitionTracker<T> {
     /// Whether some waiting record is due and not held back by an earlier record of its key
     /// (it may be handed out unless partition order holds it).
     pub(crate) fn has_due_waiting(&self, now: Instant) -> bool {
-        self.heads.iter().any(|&o| self.due_at(o, now))
+        self.heads.iter().any(|o| self.due_at(o, now))
     }
 }
 
