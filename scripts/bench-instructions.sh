@@ -9,7 +9,8 @@
 #
 # Valgrind's CPU has no SHA extensions, so SHA-256 (the payload hash) runs its software rounds
 # there, many times the instructions it takes on a CPU that has them: the second figure leaves
-# those rounds out.
+# those rounds out. With BENCH_CALLGRIND_OUT=FILE the profile is kept there, for
+# callgrind_annotate FILE (instructions by function).
 set -euo pipefail
 bench=$1
 arm=$2
@@ -35,6 +36,9 @@ wait "$pid" || {
   cat "$dir/log" >&2
   exit 1
 }
+if [ -n "${BENCH_CALLGRIND_OUT:-}" ]; then
+  cp "$dir/out" "$BENCH_CALLGRIND_OUT"
+fi
 report=$(callgrind_annotate "$dir/out")
 total=$(awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}' <<< "$report")
 sha=$(awk '/sha2::sha256::compress256/ {gsub(",", "", $1); print $1; exit}' <<< "$report")
