@@ -25,13 +25,19 @@ mkfifo "$dir/ctl"
 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$dir/out" \
   "$bench" --messages "$n" --reps 1 --arms "$arm" --perf-ctl "$dir/ctl" > "$dir/log" 2>&1 &
 pid=$!
-# The bench writes "enable" when the arm's clock starts and "disable" when it stops.
-while read -r command; do
-  case $command in
-    enable) callgrind_control -i on "$pid" > /dev/null 2>&1 || true ;;
-    disable) callgrind_control -i off "$pid" > /dev/null 2>&1 || true ;;
-  esac
-done < "$dir/ctl"
+# The bench writes "enable" when the arm's clock starts and "disable" when it stops. The FIFO
+# is opened for reading and writing, which does not wait for the bench to open it: a bench
+# that fails before it does ends this loop instead of leaving it waiting.
+exec 3<> "$dir/ctl"
+while kill -0 "$pid" 2> /dev/null; do
+  if read -r -t 1 command <&3; then
+    case $command in
+      enable) callgrind_control -i on "$pid" > /dev/null 2>&1 || true ;;
+      disable) callgrind_control -i off "$pid" > /dev/null 2>&1 || true ;;
+    esac
+  fi
+done
+exec 3<&-
 wait "$pid" || {
   cat "$dir/log" >&2
   exit 1

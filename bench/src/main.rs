@@ -331,16 +331,19 @@ fn threads_cpu() -> Vec<ThreadTime> {
         .collect()
 }
 
-/// With `--thread-cpu`, reads every thread's CPU time into the running arm's `start` or `end`.
-fn read_threads_cpu(into: fn(&mut ThreadTimes) -> &mut Vec<ThreadTime>) {
-    if let Some(times) = THREAD_CPU
+/// With `--thread-cpu`, `f` applied to the running arm's readings; `None` without the flag.
+fn with_thread_times<R>(f: impl FnOnce(&mut ThreadTimes) -> R) -> Option<R> {
+    THREAD_CPU
         .lock()
         .ok()
         .as_deref_mut()
         .and_then(Option::as_mut)
-    {
-        *into(times) = threads_cpu();
-    }
+        .map(f)
+}
+
+/// With `--thread-cpu`, reads every thread's CPU time into the running arm's `start` or `end`.
+fn read_threads_cpu(into: fn(&mut ThreadTimes) -> &mut Vec<ThreadTime>) {
+    with_thread_times(|times| *into(times) = threads_cpu());
 }
 
 /// This process's CPU time since `cpu0`, read when an arm's clock stops; with
@@ -355,13 +358,7 @@ fn cpu_since(cpu0: Duration) -> Duration {
 /// from its clock's start to the reading of its CPU time; threads that ended meanwhile are
 /// not seen (the arm's `CPU µs` holds them).
 fn print_threads_cpu(n: usize) {
-    let Some(times) = THREAD_CPU
-        .lock()
-        .ok()
-        .as_deref_mut()
-        .and_then(Option::as_mut)
-        .map(std::mem::take)
-    else {
+    let Some(times) = with_thread_times(std::mem::take) else {
         return;
     };
     let mut by_name: BTreeMap<String, (usize, u64)> = BTreeMap::new();

@@ -21,29 +21,27 @@ impl<DB: Backend> Inbox<DB> {
             .iter()
             .map(|k| self.local_lock_id(handler, k.as_ref()))
             .collect();
-        self.lease_ids(handler, keys, ids, db_locks).await
+        let db_keys = if db_locks { keys } else { &[] };
+        self.lease_ids(handler, ids, db_keys).await
     }
 
-    /// [`Inbox::lease_many`] for keys whose in-process lock ids (`local_ids`, in the keys'
-    /// order or any other) were computed before.
+    /// [`Inbox::lease_many`] for keys whose in-process lock ids (`local_ids`, in any order)
+    /// were computed before; the lease carries the database lock ids of `db_keys` (none if
+    /// it is empty).
     pub(crate) async fn lease_ids(
         &self,
         handler: &str,
-        keys: &[impl AsRef<str>],
         local_ids: Vec<i64>,
-        db_locks: bool,
+        db_keys: &[impl AsRef<str>],
     ) -> Result<Lease<DB>, sqlx::Error> {
         let local_ids = sorted(local_ids);
-        let lock_ids = if db_locks {
-            let namespace = &self.names.lock_namespace;
-            sorted(
-                keys.iter()
-                    .map(|k| lock_id(namespace, handler, k.as_ref()))
-                    .collect(),
-            )
-        } else {
-            Vec::new()
-        };
+        let namespace = &self.names.lock_namespace;
+        let lock_ids = sorted(
+            db_keys
+                .iter()
+                .map(|k| lock_id(namespace, handler, k.as_ref()))
+                .collect(),
+        );
         let local = self.locks.lock_many(&local_ids).await;
         let conn = self.pool.acquire().await?;
         Ok(Lease {

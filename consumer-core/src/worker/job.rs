@@ -174,12 +174,11 @@ fn untemplated_key(s: &Settings, delivery: &Delivery, hash: &PayloadHash) -> Res
     Err("the message has no message id, the handler has no key template, and payload hashing is not allowed".to_owned())
 }
 
-/// Decodes the payload and derives the key. `Err` gives the delivery back with the verdict
-/// of a message that cannot run (too large, undecodable, no key, a key the inbox cannot
-/// hold).
+/// Decodes the payload and derives the key, and its in-process lock id through `lock_id`.
+/// `Err` gives the delivery back with the verdict of a message that cannot run (too large,
+/// undecodable, no key, a key the inbox cannot hold).
 // The `Err` is a settlement, not an error: moved once, on a cold path.
 #[allow(clippy::result_large_err)]
-/// `lock_id` gives a key's in-process lock id.
 pub(super) fn prepare<M: serde::de::DeserializeOwned>(
     s: &Settings,
     incoming: Incoming,

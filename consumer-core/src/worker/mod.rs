@@ -356,11 +356,11 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         // counted as received) after the batch, and is then seen as a duplicate.
         let mut repeats = Vec::new();
         let mut seen = (batch.len() > 1).then(|| RepeatedKeys::for_batch(batch.len()));
-        let locks = |key: &str| self.inbox.local_lock_id(&self.name, key);
+        let lock_id = |key: &str| self.inbox.local_lock_id(&self.name, key);
         for incoming in batch {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
-            match job::prepare::<H::Message>(&self.settings, incoming, locks) {
+            match job::prepare::<H::Message>(&self.settings, incoming, lock_id) {
                 Err((incoming, verdict)) => settled.push(Settled {
                     acker: incoming.acker,
                     verdict,
@@ -443,10 +443,14 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let _turn = (self.turns)
             .take(!fresh && jobs.iter().any(|j| j.delivery.redelivered))
             .await;
-        let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
         let ids = jobs.iter().map(|j| j.lock_id).collect();
         // Only counted jobs take the keys' database locks (see `locking` below).
-        let mut lease = match self.inbox.lease_ids(&self.name, &keys, ids, !fresh).await {
+        let db_keys: Vec<&str> = if fresh {
+            Vec::new()
+        } else {
+            jobs.iter().map(|j| j.key()).collect()
+        };
+        let mut lease = match self.inbox.lease_ids(&self.name, ids, &db_keys).await {
             Ok(l) => l,
             Err(e) => {
                 self.retry_all_after_db_error(&e, jobs, settled, alone);

@@ -148,11 +148,16 @@ impl<T: Weigh> PartitionTracker<T> {
     pub(crate) fn take_next(&mut self, order: ProcessingOrder, now: Instant) -> Option<(i64, &T)> {
         let index = match order {
             // The front is the first unsettled record: settled ones are popped off it.
-            ProcessingOrder::Partition => self
-                .entries
-                .iter()
-                .position(|e| !matches!(e.status, Status::Settled))
-                .filter(|&i| is_due(&self.entries[i].status, now))?,
+            ProcessingOrder::Partition => {
+                let i = self
+                    .entries
+                    .iter()
+                    .position(|e| !matches!(e.status, Status::Settled))
+                    .filter(|&i| is_due(&self.entries[i].status, now))?;
+                // The record may be a head too; it is not waiting any more.
+                self.heads.remove(self.entries[i].offset);
+                i
+            }
             ProcessingOrder::Key => {
                 // A record may go if no earlier unsettled record has its key: the heads.
                 let offset = if self.heads.first().is_some_and(|o| self.due_at(o, now)) {
@@ -167,8 +172,6 @@ impl<T: Weigh> PartitionTracker<T> {
             }
         };
         let e = &mut self.entries[index];
-        // Under partition order the record may be a head too; it is not waiting any more.
-        self.heads.remove(e.offset);
         e.status = Status::InFlight;
         Some((e.offset, e.item.as_ref()?))
     }

@@ -52,6 +52,20 @@ fn partition_order_hands_out_one_at_a_time() {
 }
 
 #[test]
+fn a_record_taken_in_partition_order_is_no_longer_a_head() {
+    let mut t = tracker(&[(0, Some(1)), (1, Some(2)), (2, Some(3))]);
+    for expect in [0, 1, 2] {
+        assert_eq!(take(&mut t, ProcessingOrder::Partition), Some(expect));
+        assert!(t.settle(expect));
+    }
+    assert_eq!(
+        t.heads.first(),
+        None,
+        "no waiting record is left, nor any head"
+    );
+}
+
+#[test]
 fn commit_point_never_passes_an_unsettled_record() {
     // The slow record at offset 10 is followed by fast ones with other keys.
     let mut t = tracker(&[(10, Some(1)), (11, Some(2)), (13, Some(3)), (14, Some(4))]);
