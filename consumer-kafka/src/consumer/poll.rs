@@ -132,9 +132,15 @@ impl Shared {
             origin,
         } = &topics[index];
         let (partition, offset) = (m.partition(), m.offset());
-        let (text_headers, raw_headers, header_bytes) = read_headers(m.headers(), blocks);
-        let header = |name: &str| text_headers.get(name);
-        let group = header(headers::RETRY_GROUP);
+        // The transport's own headers, picked out as the headers are read.
+        let wanted = [
+            headers::RETRY_GROUP,
+            headers::ATTEMPT,
+            headers::DUE_AT,
+            &s.message_id_header,
+        ];
+        let read = read_headers(m.headers(), blocks, wanted);
+        let [group, attempt, due_at, id] = std::array::from_fn(|i| read.wanted(i, wanted[i]));
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
         if origin.is_some() && group.is_some_and(|g| g != s.group_id) {
             return Fetched::Foreign {
@@ -148,20 +154,20 @@ impl Shared {
         // as our copy: its due time does not hold the partition back, its origin headers
         // are not trusted.
         let own_copy = origin.is_some() && group == Some(s.group_id.as_str());
-        let attempt = header(headers::ATTEMPT)
+        let attempt = attempt
             .and_then(|a| a.parse::<u32>().ok())
             .filter(|&a| a >= 1)
             .unwrap_or(1);
         // Only our own copies on a retry topic wait for their due time.
         let not_before = own_copy
-            .then(|| header(headers::DUE_AT))
+            .then_some(due_at)
             .flatten()
             .and_then(|d| d.parse::<i64>().ok())
             .and_then(|due| {
                 let wait = due.saturating_sub(unix_millis());
                 (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
             });
-        let message_id = if header(&s.message_id_header).is_some_and(|v| !v.is_empty()) {
+        let message_id = if id.is_some_and(|v| !v.is_empty()) {
             MessageId::Header
         } else if s.offset_message_ids {
             MessageId::Position
@@ -170,7 +176,7 @@ impl Shared {
         };
         let payload = m.payload().unwrap_or_default();
         let key_len = m.key().map_or(0, <[u8]>::len);
-        let bytes = payload.len() + key_len + header_bytes;
+        let bytes = payload.len() + key_len + read.bytes;
         // The key and the payload copied together, into a block shared with other records
         // (beside its headers).
         let mut copied = blocks.copy(&[m.key().unwrap_or_default(), payload]);
@@ -186,8 +192,8 @@ impl Shared {
             key: record_key,
             payload: copied,
             null_payload: m.payload().is_none(),
-            headers: text_headers,
-            raw_headers,
+            headers: read.text,
+            raw_headers: read.raw,
             message_id,
             attempt,
             own_copy,

@@ -189,21 +189,55 @@ const SHORT_HEADERS: usize = 8;
 /// A record's headers as librdkafka gives them: names, and values that may be null.
 pub(super) type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
 
-/// A record's headers as text (a null value reads as empty, invalid UTF-8 is replaced, the
-/// last of a repeated name wins), the headers as they were when that text says less than
-/// they did (a null or non-UTF-8 value, a repeated name, names out of order), and their
-/// size in bytes. Most records need only the text, which is then written straight from
-/// librdkafka's headers into `blocks`, beside the record's other bytes.
-pub(super) fn read_headers<H: rdkafka::message::Headers>(
-    hs: Option<&H>,
+/// A record's headers as [`read_headers`] reads them.
+pub(super) struct ReadHeaders<'m, const W: usize> {
+    /// The headers as text (a null value reads as empty, invalid UTF-8 is replaced, the last
+    /// of a repeated name wins).
+    pub(super) text: Headers,
+    /// The headers as they were, when `text` says less than they did (a null or non-UTF-8
+    /// value, a repeated name, names out of order).
+    pub(super) raw: Option<RawHeaders>,
+    /// Their size in bytes.
+    pub(super) bytes: usize,
+    /// The values of the wanted headers, picked out as the headers are read; `None` when
+    /// `raw` is kept (then only `text` says what a wanted header reads as).
+    picked: Option<[Option<&'m str>; W]>,
+}
+
+impl<'m, const W: usize> ReadHeaders<'m, W> {
+    /// The value of the `i`-th wanted header, `name`, as `text.get(name)` gives it.
+    pub(super) fn wanted<'s>(&'s self, i: usize, name: &str) -> Option<&'s str>
+    where
+        'm: 's,
+    {
+        match &self.picked {
+            Some(picked) => picked.get(i).copied().flatten(),
+            None => self.text.get(name),
+        }
+    }
+}
+
+/// Reads a record's headers (see [`ReadHeaders`]), and picks out the values of those named
+/// `wanted` on the way, so that the transport's own headers are not looked up again. Most
+/// records need only the text, which is then written straight from librdkafka's headers into
+/// `blocks`, beside the record's other bytes.
+pub(super) fn read_headers<'m, H: rdkafka::message::Headers, const W: usize>(
+    hs: Option<&'m H>,
     blocks: &mut Blocks,
-) -> (Headers, Option<RawHeaders>, usize) {
+    wanted: [&str; W],
+) -> ReadHeaders<'m, W> {
     let Some(hs) = hs else {
-        return (Headers::new(), None, 0);
+        return ReadHeaders {
+            text: Headers::new(),
+            raw: None,
+            bytes: 0,
+            picked: Some([None; W]),
+        };
     };
     // Read once: the names and values as text, checked as they are read, held here for
     // the few headers a record usually has.
     let mut text = [("", ""); SHORT_HEADERS];
+    let mut picked = [None; W];
     let mut count = 0;
     let mut bytes = 0;
     let mut exact = true;
@@ -213,21 +247,38 @@ pub(super) fn read_headers<H: rdkafka::message::Headers>(
         let value = h.value.and_then(|v| std::str::from_utf8(v).ok());
         exact &= last.is_none_or(|l| l < h.key) && value.is_some();
         last = Some(h.key);
-        if let (true, Some(value), Some(slot)) = (exact, value, text.get_mut(count)) {
-            *slot = (h.key, value);
+        if exact {
+            for (slot, &w) in picked.iter_mut().zip(&wanted) {
+                if w == h.key {
+                    *slot = value;
+                }
+            }
+            if let (Some(value), Some(slot)) = (value, text.get_mut(count)) {
+                *slot = (h.key, value);
+            }
         }
         count += 1;
     }
     if exact && count <= SHORT_HEADERS {
         let text = text[..count].iter().copied();
-        return (Headers::from_pairs_in(text, blocks), None, bytes);
+        return ReadHeaders {
+            text: Headers::from_pairs_in(text, blocks),
+            raw: None,
+            bytes,
+            picked: Some(picked),
+        };
     }
     if exact {
         let text = (0..hs.count()).filter_map(|i| {
             let h = hs.get(i);
             Some((h.key, std::str::from_utf8(h.value?).ok()?))
         });
-        return (Headers::from_pairs_in(text, blocks), None, bytes);
+        return ReadHeaders {
+            text: Headers::from_pairs_in(text, blocks),
+            raw: None,
+            bytes,
+            picked: Some(picked),
+        };
     }
     let lossy: Vec<(&str, String)> = hs
         .iter()
@@ -241,7 +292,12 @@ pub(super) fn read_headers<H: rdkafka::message::Headers>(
         .iter()
         .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
         .collect();
-    (text, Some(raw), bytes)
+    ReadHeaders {
+        text,
+        raw: Some(raw),
+        bytes,
+        picked: None,
+    }
 }
 
 /// A record as the tracker holds it: the record and the attempt its next hand-out carries.
@@ -295,12 +351,16 @@ mod tests {
     #[test]
     fn headers_the_text_map_holds_exactly_are_kept_once() {
         let hs = headers(&[("a", Some(b"1")), ("message-id", Some(b"m-7"))]);
-        let (map, raw, bytes) = read_headers(Some(&hs), &mut Blocks::new());
-        assert_eq!(map.to_map(), text(&[("a", "1"), ("message-id", "m-7")]));
-        assert_eq!(raw, None);
-        assert_eq!(bytes, 1 + 1 + 10 + 3);
-        let (map, raw, bytes) = read_headers::<OwnedHeaders>(None, &mut Blocks::new());
-        assert!(map.is_empty() && raw.is_none() && bytes == 0);
+        let read = read_headers(Some(&hs), &mut Blocks::new(), []);
+        assert_eq!(
+            read.text.to_map(),
+            text(&[("a", "1"), ("message-id", "m-7")])
+        );
+        assert_eq!(read.raw, None);
+        assert_eq!(read.bytes, 1 + 1 + 10 + 3);
+        let read = read_headers::<OwnedHeaders, 1>(None, &mut Blocks::new(), ["a"]);
+        assert!(read.text.is_empty() && read.raw.is_none() && read.bytes == 0);
+        assert_eq!(read.wanted(0, "a"), None);
     }
 
     #[test]
@@ -316,16 +376,22 @@ mod tests {
                 .iter()
                 .map(|k| (k.as_str(), Some(k.as_bytes())))
                 .collect();
-            let (map, raw, bytes) = read_headers(Some(&headers(&pairs)), &mut Blocks::new());
+            let hs = headers(&pairs);
+            let read = read_headers(Some(&hs), &mut Blocks::new(), []);
             let expected: Vec<(&str, &str)> = names.iter().map(|k| (&**k, &**k)).collect();
-            assert_eq!(map.to_map(), text(&expected), "{n} headers");
-            assert_eq!(raw, None, "{n} headers");
-            assert_eq!(bytes, 2 * names.iter().map(String::len).sum::<usize>());
+            assert_eq!(read.text.to_map(), text(&expected), "{n} headers");
+            assert_eq!(read.raw, None, "{n} headers");
+            assert_eq!(read.bytes, 2 * names.iter().map(String::len).sum::<usize>());
             // One out of order among many: kept as it was.
             let mut swapped = pairs.clone();
             swapped.swap(0, n - 1);
-            let (_, raw, _) = read_headers(Some(&headers(&swapped)), &mut Blocks::new());
-            assert_eq!(raw.map(|r| r.len()), Some(n), "{n} headers, out of order");
+            let hs = headers(&swapped);
+            let read = read_headers(Some(&hs), &mut Blocks::new(), []);
+            assert_eq!(
+                read.raw.map(|r| r.len()),
+                Some(n),
+                "{n} headers, out of order"
+            );
         }
     }
 
@@ -338,7 +404,9 @@ mod tests {
             &[("b", Some(b"1")), ("a", Some(b"2"))],
         ];
         for pairs in cases {
-            let (map, raw, _) = read_headers(Some(&headers(pairs)), &mut Blocks::new());
+            let hs = headers(pairs);
+            let read = read_headers(Some(&hs), &mut Blocks::new(), []);
+            let (map, raw) = (read.text, read.raw);
             let expected: RawHeaders = pairs
                 .iter()
                 .map(|&(k, v)| (k.to_owned(), v.map(<[u8]>::to_vec)))
@@ -351,6 +419,43 @@ mod tests {
                 assert_eq!(v, String::from_utf8_lossy(value.unwrap_or_default()));
             }
         }
+    }
+
+    #[test]
+    fn wanted_headers_read_as_the_text_map_gives_them() {
+        let cases: [Pairs<'_>; 8] = [
+            &[],
+            &[("a", Some(b"1"))],
+            &[("a", Some(b"1")), ("b", Some(b"")), ("c", Some(b"3"))],
+            &[("a", None), ("c", Some(b"3"))],
+            &[("a", Some(b"\xff")), ("b", Some(b"2"))],
+            &[("a", Some(b"1")), ("a", Some(b"2"))],
+            &[("c", Some(b"3")), ("a", Some(b"1"))],
+            &[("a", Some(b"1")), ("c", Some(b"3")), ("c", Some(b"4"))],
+        ];
+        // A name wanted twice reads the same in both places.
+        let wanted = ["c", "a", "missing", "a"];
+        for pairs in cases {
+            let hs = headers(pairs);
+            let read = read_headers(Some(&hs), &mut Blocks::new(), wanted);
+            for (i, name) in wanted.into_iter().enumerate() {
+                assert_eq!(
+                    read.wanted(i, name),
+                    read.text.get(name),
+                    "{pairs:?} {name}"
+                );
+            }
+        }
+        // Many headers, past the few read in one pass: still picked out.
+        let names: Vec<String> = (0..3 * SHORT_HEADERS).map(|i| format!("h{i:02}")).collect();
+        let pairs: Vec<(&str, Option<&[u8]>)> = names
+            .iter()
+            .map(|k| (k.as_str(), Some(k.as_bytes())))
+            .collect();
+        let hs = headers(&pairs);
+        let read = read_headers(Some(&hs), &mut Blocks::new(), ["h00", "h23"]);
+        assert_eq!(read.wanted(0, "h00"), Some("h00"));
+        assert_eq!(read.wanted(1, "h23"), Some("h23"));
     }
 
     fn record(message_id: MessageId) -> Record {
