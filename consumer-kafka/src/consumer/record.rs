@@ -205,14 +205,15 @@ pub(super) struct ReadHeaders<'m, const W: usize> {
 }
 
 impl<'m, const W: usize> ReadHeaders<'m, W> {
-    /// The value of the `i`-th wanted header, `name`, as `text.get(name)` gives it.
-    pub(super) fn wanted<'s>(&'s self, i: usize, name: &str) -> Option<&'s str>
+    /// The values of the headers `wanted` (the names they were read with), as `text.get`
+    /// gives them.
+    pub(super) fn values<'s>(&'s self, wanted: [&str; W]) -> [Option<&'s str>; W]
     where
         'm: 's,
     {
-        match &self.picked {
-            Some(picked) => picked.get(i).copied().flatten(),
-            None => self.text.get(name),
+        match self.picked {
+            Some(picked) => picked,
+            None => wanted.map(|name| self.text.get(name)),
         }
     }
 }
@@ -360,7 +361,7 @@ mod tests {
         assert_eq!(read.bytes, 1 + 1 + 10 + 3);
         let read = read_headers::<OwnedHeaders, 1>(None, &mut Blocks::new(), ["a"]);
         assert!(read.text.is_empty() && read.raw.is_none() && read.bytes == 0);
-        assert_eq!(read.wanted(0, "a"), None);
+        assert_eq!(read.values(["a"]), [None]);
     }
 
     #[test]
@@ -438,13 +439,8 @@ mod tests {
         for pairs in cases {
             let hs = headers(pairs);
             let read = read_headers(Some(&hs), &mut Blocks::new(), wanted);
-            for (i, name) in wanted.into_iter().enumerate() {
-                assert_eq!(
-                    read.wanted(i, name),
-                    read.text.get(name),
-                    "{pairs:?} {name}"
-                );
-            }
+            let expected = wanted.map(|name| read.text.get(name));
+            assert_eq!(read.values(wanted), expected, "{pairs:?}");
         }
         // Many headers, past the few read in one pass: still picked out.
         let names: Vec<String> = (0..3 * SHORT_HEADERS).map(|i| format!("h{i:02}")).collect();
@@ -453,9 +449,9 @@ mod tests {
             .map(|k| (k.as_str(), Some(k.as_bytes())))
             .collect();
         let hs = headers(&pairs);
-        let read = read_headers(Some(&hs), &mut Blocks::new(), ["h00", "h23"]);
-        assert_eq!(read.wanted(0, "h00"), Some("h00"));
-        assert_eq!(read.wanted(1, "h23"), Some("h23"));
+        let wanted = ["h00", "h23"];
+        let read = read_headers(Some(&hs), &mut Blocks::new(), wanted);
+        assert_eq!(read.values(wanted), [Some("h00"), Some("h23")]);
     }
 
     fn record(message_id: MessageId) -> Record {
