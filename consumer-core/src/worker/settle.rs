@@ -76,8 +76,8 @@ pub(super) async fn settle_all(
 ) -> Vec<(Outcome, Result<(), TransportError>)> {
     let mut done = Vec::with_capacity(settled.len());
     // The acked deliveries: where each one's result goes, and its acknowledger.
-    let mut acked = Vec::new();
-    let mut ackers: Vec<Box<dyn Acknowledger>> = Vec::new();
+    let mut acked = Vec::with_capacity(settled.len());
+    let mut ackers: Vec<Box<dyn Acknowledger>> = Vec::with_capacity(settled.len());
     let mut alone = Vec::new();
     for (i, Settled { acker, verdict }) in settled.into_iter().enumerate() {
         done.push((verdict.outcome, Ok(())));
@@ -102,8 +102,9 @@ pub(super) async fn settle_all(
             None
         }
         _ => {
-            let others = ackers.split_off(1);
-            ackers.pop().map(|first| first.ack_with(others))
+            // The others stay in the vector they are in (no second one), in their order.
+            let first = ackers.remove(0);
+            Some(first.ack_with(ackers))
         }
     };
     let mut waiting = Vec::new();
