@@ -7,27 +7,11 @@ use super::handle::Inbox;
 use super::locks::{self, lock_id};
 
 impl<DB: Backend> Inbox<DB> {
-    /// Takes the in-process locks of several keys, always in ascending id order so that two
-    /// batches sharing keys cannot deadlock, and a connection. With `db_locks`, the lease
-    /// also carries the keys' database lock ids (sorted), which the first statement on it
-    /// takes ([`Lease::locking`]); without, it takes none and computes none.
-    pub(crate) async fn lease_many(
-        &self,
-        handler: &str,
-        keys: &[impl AsRef<str>],
-        db_locks: bool,
-    ) -> Result<Lease<DB>, sqlx::Error> {
-        let ids = keys
-            .iter()
-            .map(|k| self.local_lock_id(handler, k.as_ref()))
-            .collect();
-        let db_keys = if db_locks { keys } else { &[] };
-        self.lease_ids(handler, ids, db_keys).await
-    }
-
-    /// [`Inbox::lease_many`] for keys whose in-process lock ids (`local_ids`, in any order)
-    /// were computed before; the lease carries the database lock ids of `db_keys` (none if
-    /// it is empty).
+    /// Takes the in-process locks `local_ids` (the keys' ids from [`Inbox::local_lock_id`],
+    /// in any order) always in ascending order, so that two batches sharing keys cannot
+    /// deadlock, and a connection. The lease also carries the database lock ids of `db_keys`
+    /// (sorted), which the first statement on it takes ([`Lease::locking`]); with none, it
+    /// takes none and computes none.
     pub(crate) async fn lease_ids(
         &self,
         handler: &str,

@@ -140,7 +140,7 @@ impl Shared {
             &s.message_id_header,
         ];
         let read = read_headers(m.headers(), blocks, wanted);
-        let [group, attempt, due_at, id] = read.values(wanted);
+        let [group, attempt, due_at, id] = read.values();
         // Another group's retry copy (groups share a topic's retry topic): not ours to run.
         if origin.is_some() && group.is_some_and(|g| g != s.group_id) {
             return Fetched::Foreign {

@@ -199,21 +199,22 @@ pub(super) struct ReadHeaders<'m, const W: usize> {
     pub(super) raw: Option<RawHeaders>,
     /// Their size in bytes.
     pub(super) bytes: usize,
-    /// The values of the wanted headers, picked out as the headers are read; `None` when
-    /// `raw` is kept (then only `text` says what a wanted header reads as).
+    /// The names of the headers wanted.
+    wanted: [&'m str; W],
+    /// Their values, picked out as the headers are read; `None` when `raw` is kept (then
+    /// only `text` says what a wanted header reads as).
     picked: Option<[Option<&'m str>; W]>,
 }
 
 impl<'m, const W: usize> ReadHeaders<'m, W> {
-    /// The values of the headers `wanted` (the names they were read with), as `text.get`
-    /// gives them.
-    pub(super) fn values<'s>(&'s self, wanted: [&str; W]) -> [Option<&'s str>; W]
+    /// The values of the headers wanted, in their order, as `text.get` gives them.
+    pub(super) fn values<'s>(&'s self) -> [Option<&'s str>; W]
     where
         'm: 's,
     {
         match self.picked {
             Some(picked) => picked,
-            None => wanted.map(|name| self.text.get(name)),
+            None => self.wanted.map(|name| self.text.get(name)),
         }
     }
 }
@@ -225,13 +226,14 @@ impl<'m, const W: usize> ReadHeaders<'m, W> {
 pub(super) fn read_headers<'m, H: rdkafka::message::Headers, const W: usize>(
     hs: Option<&'m H>,
     blocks: &mut Blocks,
-    wanted: [&str; W],
+    wanted: [&'m str; W],
 ) -> ReadHeaders<'m, W> {
     let Some(hs) = hs else {
         return ReadHeaders {
             text: Headers::new(),
             raw: None,
             bytes: 0,
+            wanted,
             picked: Some([None; W]),
         };
     };
@@ -260,24 +262,21 @@ pub(super) fn read_headers<'m, H: rdkafka::message::Headers, const W: usize>(
         }
         count += 1;
     }
-    if exact && count <= SHORT_HEADERS {
-        let text = text[..count].iter().copied();
-        return ReadHeaders {
-            text: Headers::from_pairs_in(text, blocks),
-            raw: None,
-            bytes,
-            picked: Some(picked),
-        };
-    }
     if exact {
-        let text = (0..hs.count()).filter_map(|i| {
-            let h = hs.get(i);
-            Some((h.key, std::str::from_utf8(h.value?).ok()?))
-        });
+        let text = if count <= SHORT_HEADERS {
+            Headers::from_pairs_in(text[..count].iter().copied(), blocks)
+        } else {
+            let all = (0..hs.count()).filter_map(|i| {
+                let h = hs.get(i);
+                Some((h.key, std::str::from_utf8(h.value?).ok()?))
+            });
+            Headers::from_pairs_in(all, blocks)
+        };
         return ReadHeaders {
-            text: Headers::from_pairs_in(text, blocks),
+            text,
             raw: None,
             bytes,
+            wanted,
             picked: Some(picked),
         };
     }
@@ -297,6 +296,7 @@ pub(super) fn read_headers<'m, H: rdkafka::message::Headers, const W: usize>(
         text,
         raw: Some(raw),
         bytes,
+        wanted,
         picked: None,
     }
 }
@@ -361,7 +361,7 @@ mod tests {
         assert_eq!(read.bytes, 1 + 1 + 10 + 3);
         let read = read_headers::<OwnedHeaders, 1>(None, &mut Blocks::new(), ["a"]);
         assert!(read.text.is_empty() && read.raw.is_none() && read.bytes == 0);
-        assert_eq!(read.values(["a"]), [None]);
+        assert_eq!(read.values(), [None]);
     }
 
     #[test]
@@ -440,7 +440,7 @@ mod tests {
             let hs = headers(pairs);
             let read = read_headers(Some(&hs), &mut Blocks::new(), wanted);
             let expected = wanted.map(|name| read.text.get(name));
-            assert_eq!(read.values(wanted), expected, "{pairs:?}");
+            assert_eq!(read.values(), expected, "{pairs:?}");
         }
         // Many headers, past the few read in one pass: still picked out.
         let names: Vec<String> = (0..3 * SHORT_HEADERS).map(|i| format!("h{i:02}")).collect();
@@ -451,7 +451,7 @@ mod tests {
         let hs = headers(&pairs);
         let wanted = ["h00", "h23"];
         let read = read_headers(Some(&hs), &mut Blocks::new(), wanted);
-        assert_eq!(read.values(wanted), [Some("h00"), Some("h23")]);
+        assert_eq!(read.values(), [Some("h00"), Some("h23")]);
     }
 
     fn record(message_id: MessageId) -> Record {
