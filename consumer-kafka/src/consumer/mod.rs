@@ -34,7 +34,7 @@ use crate::observer::KafkaObserver;
 use crate::producer;
 use crate::{Error, KafkaPublisher};
 use acker::KafkaAcker;
-use partitions::{Settings, Shared, State};
+use partitions::{OwnLines, Settings, Shared, State};
 use rebalance::ConsumerCtx;
 
 mod acker;
@@ -82,7 +82,7 @@ impl KafkaConsumer {
             .map(|t| (config.retry_topic(t), Arc::<str>::from(t.as_str())))
             .collect();
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            state: OwnLines(Mutex::new(State::default())),
             settled: Condvar::new(),
             revoke_waiting: AtomicBool::new(false),
             settings: Settings {

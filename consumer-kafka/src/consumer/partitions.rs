@@ -77,7 +77,10 @@ pub(super) struct Settings {
 /// The state, settings and clients shared by the poll thread (and the rebalance callbacks
 /// it runs), the stream and the acknowledgers.
 pub(super) struct Shared {
-    pub(super) state: Mutex<State>,
+    /// On cache lines of its own (see [`OwnLines`]): the three threads that take the lock
+    /// for every chunk, hand-out and settlement would otherwise also move the lines of
+    /// what they only read, and of the `Arc`'s counts, which every acknowledger moves.
+    pub(super) state: OwnLines<Mutex<State>>,
     /// Signalled when a record settles while a revoke waits for in-flight records.
     pub(super) settled: Condvar,
     /// A revoke is waiting on `settled` (set and cleared under the state lock), so a
@@ -94,6 +97,22 @@ pub(super) struct Shared {
     /// Counts the revokes begun (incremented under the state lock as the partitions are
     /// marked revoking): the stream checks it before handing out what it took earlier.
     pub(super) revocations: AtomicU64,
+}
+
+/// Holds a value on cache lines of its own: it starts a 128-byte boundary and takes whole
+/// 128-byte spans, so nothing else shares a line with it (128 bytes, not 64: x86 CPUs fetch
+/// lines in adjacent pairs). For a lock that several threads take in turn, in a structure
+/// whose other fields they read meanwhile: a write to a line takes it from every core that
+/// holds it, so sharing one with the lock makes each read a miss.
+#[repr(align(128))]
+pub(super) struct OwnLines<T>(pub(super) T);
+
+impl<T> std::ops::Deref for OwnLines<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 impl Shared {
@@ -273,5 +292,41 @@ impl Shared {
             .partitions
             .get(tp)
             .is_some_and(|p| p.generation == generation)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::OwnLines;
+
+    #[test]
+    fn a_value_on_its_own_lines_shares_none_with_its_neighbours_or_the_arc_counts() {
+        struct Neighbours {
+            before: u8,
+            own: OwnLines<u64>,
+            after: u8,
+        }
+        let shared = Arc::new(Neighbours {
+            before: 1,
+            own: OwnLines(2),
+            after: 3,
+        });
+        let line = |p: *const u8| p as usize / 128;
+        let own = std::ptr::from_ref(&shared.own).cast::<u8>();
+        let own_end = own.wrapping_add(std::mem::size_of::<OwnLines<u64>>() - 1);
+        for other in [
+            std::ptr::from_ref(&shared.before),
+            std::ptr::from_ref(&shared.after),
+            // The last byte before the shared value: the Arc's counts lie before it.
+            Arc::as_ptr(&shared).cast::<u8>().wrapping_sub(1),
+        ] {
+            assert!(
+                line(other) < line(own) || line(other) > line(own_end),
+                "a neighbour shares a line with the value"
+            );
+        }
+        assert_eq!((shared.before, *shared.own, shared.after), (1, 2, 3));
     }
 }
