@@ -99,7 +99,7 @@ pub(super) struct Shared {
     pub(super) revocations: AtomicU64,
 }
 
-/// Holds a value on cache lines of its own: it starts a 128-byte boundary and takes whole
+/// Holds a value on cache lines of its own: it starts on a 128-byte boundary and takes whole
 /// 128-byte spans, so nothing else shares a line with it (128 bytes, not 64: x86 CPUs fetch
 /// lines in adjacent pairs). For a lock that several threads take in turn, in a structure
 /// whose other fields they read meanwhile: a write to a line takes it from every core that
