@@ -25,6 +25,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use consumer_core::{Incoming, LogPosition, TransportError};
+use crossbeam_utils::CachePadded;
 use futures::Stream;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use tokio::sync::watch;
@@ -34,7 +35,7 @@ use crate::observer::KafkaObserver;
 use crate::producer;
 use crate::{Error, KafkaPublisher};
 use acker::KafkaAcker;
-use partitions::{OwnLines, Settings, Shared, State};
+use partitions::{Settings, Shared, State};
 use rebalance::ConsumerCtx;
 
 mod acker;
@@ -82,7 +83,7 @@ impl KafkaConsumer {
             .map(|t| (config.retry_topic(t), Arc::<str>::from(t.as_str())))
             .collect();
         let shared = Arc::new(Shared {
-            state: OwnLines(Mutex::new(State::default())),
+            state: CachePadded::new(Mutex::new(State::default())),
             settled: Condvar::new(),
             revoke_waiting: AtomicBool::new(false),
             settings: Settings {

@@ -9,6 +9,7 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use consumer_core::TransportError;
+use crossbeam_utils::CachePadded;
 use tokio::sync::watch;
 
 use super::record::{Handout, Record, Tp};
@@ -77,10 +78,12 @@ pub(super) struct Settings {
 /// The state, settings and clients shared by the poll thread (and the rebalance callbacks
 /// it runs), the stream and the acknowledgers.
 pub(super) struct Shared {
-    /// On cache lines of its own (see [`OwnLines`]): the three threads that take the lock
-    /// for every chunk, hand-out and settlement would otherwise also move the lines of
-    /// what they only read, and of the `Arc`'s counts, which every acknowledger moves.
-    pub(super) state: OwnLines<Mutex<State>>,
+    /// On cache lines of its own ([`CachePadded`]: aligned and padded to the span the
+    /// target's cores fetch together). The three threads that take the lock for every
+    /// chunk, hand-out and settlement would otherwise also move the lines of what they only
+    /// read, and of the `Arc`'s counts, which every acknowledger moves: a write to a line
+    /// takes it from every other core that holds it.
+    pub(super) state: CachePadded<Mutex<State>>,
     /// Signalled when a record settles while a revoke waits for in-flight records.
     pub(super) settled: Condvar,
     /// A revoke is waiting on `settled` (set and cleared under the state lock), so a
@@ -97,22 +100,6 @@ pub(super) struct Shared {
     /// Counts the revokes begun (incremented under the state lock as the partitions are
     /// marked revoking): the stream checks it before handing out what it took earlier.
     pub(super) revocations: AtomicU64,
-}
-
-/// Holds a value on cache lines of its own: it starts on a 128-byte boundary and takes whole
-/// 128-byte spans, so nothing else shares a line with it (128 bytes, not 64: x86 CPUs fetch
-/// lines in adjacent pairs). For a lock that several threads take in turn, in a structure
-/// whose other fields they read meanwhile: a write to a line takes it from every core that
-/// holds it, so sharing one with the lock makes each read a miss.
-#[repr(align(128))]
-pub(super) struct OwnLines<T>(pub(super) T);
-
-impl<T> std::ops::Deref for OwnLines<T> {
-    type Target = T;
-
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 impl Shared {
@@ -299,23 +286,28 @@ impl Shared {
 mod tests {
     use std::sync::Arc;
 
-    use super::OwnLines;
+    use crossbeam_utils::CachePadded;
 
     #[test]
-    fn a_value_on_its_own_lines_shares_none_with_its_neighbours_or_the_arc_counts() {
+    fn a_padded_value_shares_no_line_with_its_neighbours_or_the_arc_counts() {
         struct Neighbours {
             before: u8,
-            own: OwnLines<u64>,
+            own: CachePadded<u64>,
             after: u8,
         }
         let shared = Arc::new(Neighbours {
             before: 1,
-            own: OwnLines(2),
+            own: CachePadded::new(2),
             after: 3,
         });
-        let line = |p: *const u8| p as usize / 128;
+        // The span the padding keeps to itself: on x86-64 two 64-byte lines, the layout the
+        // bench measured.
+        let span = std::mem::align_of::<CachePadded<u64>>();
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(span, 128);
+        let line = |p: *const u8| p as usize / span;
         let own = std::ptr::from_ref(&shared.own).cast::<u8>();
-        let own_end = own.wrapping_add(std::mem::size_of::<OwnLines<u64>>() - 1);
+        let own_end = own.wrapping_add(std::mem::size_of::<CachePadded<u64>>() - 1);
         for other in [
             std::ptr::from_ref(&shared.before),
             std::ptr::from_ref(&shared.after),
