@@ -17,7 +17,7 @@
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
-//! retention purge and the inbox gauges beside the pipeline.
+//! retention purge and the inbox gauges beside the pipeline; [`spare`] keeps batch buffers.
 
 mod attempt;
 mod background;
@@ -26,6 +26,7 @@ mod config;
 mod execute;
 mod job;
 mod settle;
+mod spare;
 #[cfg(test)]
 mod tests;
 mod turn;
@@ -44,6 +45,7 @@ use self::claim::Decision;
 use self::config::Settings;
 use self::job::{Job, Verdict};
 use self::settle::{settle_all, Settled};
+use self::spare::SpareBatches;
 use crate::delivery::{DeadLetterReason, Incoming, Transport};
 use crate::fault::point::FaultPoint;
 use crate::handler::Handler;
@@ -82,6 +84,8 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     turns: turn::Turns,
     /// How batches claim their fresh keys.
     claims: execute::Claims,
+    /// Emptied batch buffers, for the intake to fill again.
+    spare_batches: SpareBatches,
     #[cfg(feature = "fault-injection")]
     faults: Option<Arc<dyn crate::fault::FaultInjector>>,
     #[cfg(feature = "fault-injection")]
@@ -120,6 +124,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 stats,
                 turns: turn::Turns::default(),
                 claims: execute::Claims::default(),
+                spare_batches: SpareBatches::new(config.concurrency),
                 #[cfg(feature = "fault-injection")]
                 faults: config.faults,
                 #[cfg(feature = "fault-injection")]
@@ -191,7 +196,8 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 }
                 Some(Ok(incoming)) => {
                     let batching = self.inner.batch.as_ref();
-                    let mut batch = Vec::with_capacity(batching.map_or(1, |b| b.max_messages));
+                    let room = batching.map_or(1, |b| b.max_messages);
+                    let mut batch = self.inner.spare_batches.take(room);
                     batch.push(incoming);
                     if let Some(b) = batching {
                         ended = gather(&mut transport, &mut batch, b).await;
@@ -349,7 +355,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         self.stages(batch).instrument(span).await
     }
 
-    async fn stages(&self, batch: Vec<Incoming>) -> Result<(), Crash> {
+    async fn stages(&self, mut batch: Vec<Incoming>) -> Result<(), Crash> {
         let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
         let mut jobs: Vec<Job<H::Message>> = Vec::with_capacity(batch.len());
         // A key twice in one batch: the second copy goes through the pipeline (and is
@@ -357,7 +363,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let mut repeats = Vec::new();
         let mut seen = (batch.len() > 1).then(|| RepeatedKeys::for_batch(batch.len()));
         let lock_id = |key: &str| self.inbox.local_lock_id(&self.name, key);
-        for incoming in batch {
+        for incoming in batch.drain(..) {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
             match job::prepare::<H::Message>(&self.settings, incoming, lock_id) {
@@ -371,6 +377,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 Ok(job) => jobs.push(job),
             }
         }
+        self.spare_batches.give_back(batch);
         // Counted once for the batch: what settles here (a repeat is counted when it goes
         // through again).
         self.stats.received.add((settled.len() + jobs.len()) as u64);
