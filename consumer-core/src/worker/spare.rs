@@ -46,6 +46,13 @@ impl SpareBatches {
             buffers.push(buffer);
         }
     }
+
+    /// The capacities of the buffers kept now.
+    #[cfg(test)]
+    pub(super) fn capacities(&self) -> Vec<usize> {
+        let buffers = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        buffers.iter().map(Vec::capacity).collect()
+    }
 }
 
 #[cfg(test)]

@@ -227,6 +227,29 @@ async fn a_batch_of_one_runs_the_per_message_handler() {
 }
 
 #[tokio::test]
+async fn the_pipeline_gives_each_emptied_batch_buffer_back_to_the_intake() {
+    let (inbox, _dir) = inbox().await;
+    let handler = Recorder::default();
+    let ids: Vec<String> = (0..40).map(|i| format!("j{i:02}")).collect();
+    let jobs: Vec<(&str, serde_json::Value)> = ids
+        .iter()
+        .map(|id| (id.as_str(), json!({ "id": id })))
+        .collect();
+    let broker = published(&jobs);
+    let worker = Worker::with_config(inbox.clone(), handler, config(Some(BATCH))).unwrap();
+    drain(&worker, &broker).await;
+    assert_eq!(worker.snapshot().completed, 40);
+    // Five batches or more ran, two at most at once: the buffers came back (none dropped
+    // with its batch), no more than two are kept, and each still has a batch's room.
+    let kept = worker.inner.spare_batches.capacities();
+    assert!(
+        (1..=2).contains(&kept.len()),
+        "buffers kept after the run: {kept:?}"
+    );
+    assert!(kept.iter().all(|&c| c >= BATCH.max_messages), "{kept:?}");
+}
+
+#[tokio::test]
 async fn a_retried_job_runs_as_the_next_attempt_each_time() {
     for batch in [None, Some(BATCH)] {
         let (inbox, _dir) = inbox().await;
