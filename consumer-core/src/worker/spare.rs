@@ -1,6 +1,6 @@
 //! The batch buffers the intake fills and the pipeline empties, kept for reuse.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::delivery::Incoming;
 
@@ -26,9 +26,14 @@ impl SpareBatches {
         }
     }
 
+    /// The kept buffers (a panic while they were held left nothing half done).
+    fn buffers(&self) -> MutexGuard<'_, Vec<Vec<Incoming>>> {
+        self.buffers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// An empty buffer with room for at least `capacity` deliveries.
     pub(super) fn take(&self, capacity: usize) -> Vec<Incoming> {
-        let spare = self.buffers.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let spare = self.buffers().pop();
         match spare {
             Some(mut buffer) => {
                 buffer.reserve(capacity);
@@ -41,7 +46,7 @@ impl SpareBatches {
     /// Keeps `buffer`, emptied, for a later batch (or drops it, if enough are kept).
     pub(super) fn give_back(&self, mut buffer: Vec<Incoming>) {
         buffer.clear();
-        let mut buffers = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut buffers = self.buffers();
         if buffers.len() < self.keep {
             buffers.push(buffer);
         }
@@ -50,8 +55,7 @@ impl SpareBatches {
     /// The capacities of the buffers kept now.
     #[cfg(test)]
     pub(super) fn capacities(&self) -> Vec<usize> {
-        let buffers = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
-        buffers.iter().map(Vec::capacity).collect()
+        self.buffers().iter().map(Vec::capacity).collect()
     }
 }
 
