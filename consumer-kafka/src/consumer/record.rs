@@ -50,6 +50,10 @@ pub(super) struct Record {
 
 /// Settled records that nothing else holds any more, kept by the poll thread to hold the
 /// next fetched ones: a record then costs no allocation (and no free) of its own.
+///
+/// A spare holds none of its bytes: its payload, key and headers are let go when it is
+/// kept, so that spares never hold memory the partitions' byte limit no longer counts
+/// (a payload's [`Blocks`] block, or its own block if it is large).
 #[derive(Debug, Default)]
 pub(super) struct Spares {
     records: Vec<Arc<Record>>,
@@ -59,10 +63,15 @@ impl Spares {
     /// At most this many are kept.
     const MAX: usize = 512;
 
-    /// Takes `retired` (emptied): keeps those it may reuse, frees the others.
+    /// Takes `retired` (emptied): keeps those it may reuse, emptied of their bytes, and
+    /// frees the others.
     pub(super) fn keep(&mut self, retired: &mut Vec<Arc<Record>>) {
         for mut record in retired.drain(..) {
-            if self.records.len() < Self::MAX && Arc::get_mut(&mut record).is_some() {
+            if self.records.len() >= Self::MAX {
+                continue;
+            }
+            if let Some(spare) = Arc::get_mut(&mut record) {
+                spare.let_go_of_bytes();
                 self.records.push(record);
             }
         }
@@ -93,6 +102,14 @@ pub(super) enum MessageId {
 }
 
 impl Record {
+    /// Drops what it holds of the message's bytes (a spare's, see [`Spares`]).
+    fn let_go_of_bytes(&mut self) {
+        self.key = None;
+        self.payload = Bytes::new();
+        self.headers = Headers::new();
+        self.raw_headers = None;
+    }
+
     /// Its topic.
     pub(super) fn topic(&self) -> &Arc<str> {
         &self.tp.0
@@ -469,6 +486,49 @@ mod tests {
             own_copy: false,
             bytes: 2,
         }
+    }
+
+    #[test]
+    fn a_kept_spare_holds_none_of_the_bytes_of_its_record() {
+        /// Bytes whose owner holds `alive` (below): its count tells how many are left.
+        struct Owned(#[allow(dead_code)] Arc<()>, &'static [u8]);
+        impl AsRef<[u8]> for Owned {
+            fn as_ref(&self) -> &[u8] {
+                self.1
+            }
+        }
+        let alive = Arc::new(());
+        let owned = || Bytes::from_owner(Owned(alive.clone(), b"{}"));
+        let mut retired: Vec<Arc<Record>> = (0..3)
+            .map(|_| {
+                let mut r = record(MessageId::Header);
+                r.payload = owned();
+                r.key = Some(owned());
+                r.raw_headers = Some(vec![("a".to_owned(), None)]);
+                Arc::new(r)
+            })
+            .collect();
+        // One is still held elsewhere: not kept.
+        let held = retired[2].clone();
+        let mut spares = Spares::default();
+        spares.keep(&mut retired);
+        assert!(retired.is_empty());
+        assert_eq!(spares.records.len(), 2);
+        // The held record's payload and key are all the bytes still alive.
+        assert_eq!(Arc::strong_count(&alive), 1 + 2);
+        drop(held);
+        assert_eq!(Arc::strong_count(&alive), 1);
+        for spare in &spares.records {
+            assert!(spare.payload.is_empty() && spare.key.is_none());
+            assert!(spare.headers.is_empty() && spare.raw_headers.is_none());
+        }
+        // A spare takes the next record's place whole.
+        let next = spares.make(record(MessageId::Header));
+        assert_eq!(
+            (&next.payload[..], next.headers.get("message_id")),
+            (&b"{}"[..], Some("m-1"))
+        );
+        assert_eq!(spares.records.len(), 1);
     }
 
     #[test]
