@@ -17,13 +17,15 @@
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
-//! retention purge and the inbox gauges beside the pipeline; [`spare`] keeps batch buffers.
+//! retention purge and the inbox gauges beside the pipeline; [`gather`] fills a batch from
+//! the transport within its window; [`spare`] keeps batch buffers.
 
 mod attempt;
 mod background;
 mod claim;
 mod config;
 mod execute;
+mod gather;
 mod job;
 mod settle;
 mod spare;
@@ -200,7 +202,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     let mut batch = self.inner.spare_batches.take(room);
                     batch.push(incoming);
                     if let Some(b) = batching {
-                        ended = gather(&mut transport, &mut batch, b).await;
+                        ended = gather::gather(&mut transport, &mut batch, b).await;
                         #[allow(clippy::cast_precision_loss)] // at most max_messages
                         self.inner.stats.batch_size.record(batch.len() as f64);
                     }
@@ -291,29 +293,6 @@ impl RepeatedKeys {
             }
         }
     }
-}
-
-/// Adds what arrives within the batch window to `batch`; `true` if the transport ended.
-async fn gather<T: Transport>(
-    transport: &mut T,
-    batch: &mut Vec<Incoming>,
-    config: &BatchConfig,
-) -> bool {
-    let deadline = tokio::time::Instant::now() + config.max_wait;
-    while batch.len() < config.max_messages {
-        // What is ready now is taken without arming the window's timer.
-        let next = match transport.next().now_or_never() {
-            Some(next) => Ok(next),
-            None => tokio::time::timeout_at(deadline, transport.next()).await,
-        };
-        match next {
-            Ok(Some(Ok(incoming))) => batch.push(incoming),
-            Ok(Some(Err(e))) => tracing::warn!(error = %e, "transport error while receiving"),
-            Ok(None) => return true,
-            Err(_) => break,
-        }
-    }
-    false
 }
 
 impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
