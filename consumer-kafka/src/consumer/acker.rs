@@ -1,5 +1,6 @@
-//! The acknowledger of one record: an ack marks its offset settled, a retry writes a copy
-//! or defers the record in place, a dead letter writes its copy first.
+//! How the acknowledger of one record ([`KafkaAcker`]) settles it: an ack marks its offset
+//! settled, a retry writes a copy or defers the record in place, a dead letter writes its
+//! copy first.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,69 +11,13 @@ use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
 
 use super::copies::{dead_letter_copy, reference_letter, retry_copy};
-use super::partitions::Shared;
-use super::record::{Record, Tp};
+use super::partitions::KafkaAcker;
 use crate::config::RetryMode;
 use crate::producer;
 use crate::Error;
 
 /// A dead-letter or retry copy that could not be written is tried again after this long.
 const REWRITE_DELAY: Duration = Duration::from_secs(1);
-
-/// Settles one Kafka record.
-pub(super) struct KafkaAcker {
-    shared: Arc<Shared>,
-    generation: u64,
-    record: Arc<Record>,
-    done: bool,
-}
-
-impl KafkaAcker {
-    /// The acknowledger of `record`, handed out from its partition in assignment
-    /// `generation`.
-    pub(super) fn new(shared: Arc<Shared>, generation: u64, record: Arc<Record>) -> Self {
-        KafkaAcker {
-            shared,
-            generation,
-            record,
-            done: false,
-        }
-    }
-
-    /// The record it settles.
-    pub(super) fn record(&self) -> &Record {
-        &self.record
-    }
-
-    /// Its record's partition, assignment and offset.
-    pub(super) fn place(&self) -> (&Tp, u64, i64) {
-        (&self.record.tp, self.generation, self.record.offset)
-    }
-
-    /// Its record was put back in its partition, unsettled and not in flight: dropping the
-    /// acknowledger leaves it there.
-    pub(super) fn forget(&mut self) {
-        self.done = true;
-    }
-}
-
-impl Drop for KafkaAcker {
-    fn drop(&mut self) {
-        if !self.done {
-            // Dropped unsettled (the worker stopped or crashed): never committed past, and a
-            // revoke does not wait for it.
-            let offset = self.record.offset;
-            // It holds its key back for good, so nothing new can go: the stream is not woken.
-            let _ = self
-                .shared
-                .with_partition(&self.record.tp, self.generation, |p, _, _| {
-                    p.tracker.abandon(offset);
-                    false
-                });
-            self.shared.signal_revoke();
-        }
-    }
-}
 
 impl Acknowledger for KafkaAcker {
     fn settle(
@@ -103,13 +48,9 @@ impl Acknowledger for KafkaAcker {
         others: Vec<Box<dyn Acknowledger>>,
     ) -> BoxFuture<'static, AckResults> {
         let same_consumer = |a: &KafkaAcker, b: &KafkaAcker| Arc::ptr_eq(&a.shared, &b.shared);
-        consumer_core::ack_together(self, others, same_consumer, |mut run| {
+        consumer_core::ack_together(self, others, same_consumer, |run| {
             let shared = run[0].shared.clone();
-            let results = shared.mark_all_settled(run.iter().map(|a| (a.generation, &a.record)));
-            for acker in &mut run {
-                acker.done = true;
-            }
-            Box::pin(std::future::ready(results))
+            Box::pin(std::future::ready(shared.mark_all_settled(run)))
         })
     }
 

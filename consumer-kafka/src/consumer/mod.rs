@@ -12,9 +12,9 @@
 //!   later settlements for them are dropped.
 //!
 //! This module holds [`KafkaConsumer`] and its stream; `record` is a fetched record and its
-//! headers, `partitions` the shared table of owned partitions, `rebalance` the rebalance
-//! callbacks and the commits, `poll` the poll thread, `acker` a record's settlement, and
-//! `copies` what its retry and dead-letter copies carry.
+//! headers, `partitions` the shared table of owned partitions and a record's acknowledger,
+//! `rebalance` the rebalance callbacks and the commits, `poll` the poll thread, `acker` a
+//! record's settlement, and `copies` what its retry and dead-letter copies carry.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -34,8 +34,7 @@ use crate::config::KafkaConfig;
 use crate::observer::KafkaObserver;
 use crate::producer;
 use crate::{Error, KafkaPublisher};
-use acker::KafkaAcker;
-use partitions::{Settings, Shared, State};
+use partitions::{KafkaAcker, Settings, Shared, State};
 use rebalance::ConsumerCtx;
 
 mod acker;
@@ -44,6 +43,8 @@ mod partitions;
 mod poll;
 mod rebalance;
 mod record;
+#[cfg(test)]
+mod tests;
 
 /// A Kafka consumer as a [`consumer_core::Transport`]: give it to
 /// [`consumer_core::Worker::run`].
@@ -77,39 +78,7 @@ impl KafkaConsumer {
         config.validate()?;
         let producer = producer::create(&config.producer_client_config(), config.produce_timeout)?;
         let (closed_tx, closed_rx) = watch::channel(false);
-        let retry_sources = config
-            .topics
-            .iter()
-            .map(|t| (config.retry_topic(t), Arc::<str>::from(t.as_str())))
-            .collect();
-        let shared = Arc::new(Shared {
-            state: CachePadded::new(Mutex::new(State::default())),
-            settled: Condvar::new(),
-            revoke_waiting: AtomicBool::new(false),
-            settings: Settings {
-                order: config.order,
-                retry: config.retry,
-                commit: config.commit,
-                commit_interval: config.commit_interval,
-                max_buffered: config.max_buffered_per_partition,
-                max_buffered_bytes: config.max_buffered_bytes_per_partition,
-                revoke_timeout: config.revoke_timeout,
-                produce_timeout: config.produce_timeout,
-                message_id_header: config.message_id_header.clone(),
-                offset_message_ids: config.offset_message_ids,
-                retry_sources,
-                retry_suffix: config.retry_topic_suffix.clone(),
-                dead_letter_suffix: config.dead_letter_topic_suffix.clone(),
-                group_id: config.group_id.clone(),
-                copy_scope: format!("kafka:{}:{}", config.group_id, config.retry_topic_suffix),
-            },
-            producer,
-            observer: KafkaObserver::default(),
-            stop: AtomicBool::new(false),
-            closed: closed_tx,
-            key_seed: foldhash::quality::RandomState::default(),
-            revocations: AtomicU64::new(0),
-        });
+        let shared = Arc::new(Shared::new(&config, producer, closed_tx));
         let consumer: BaseConsumer<ConsumerCtx> = config
             .consumer_client_config()
             .create_with_context(ConsumerCtx {
@@ -160,9 +129,62 @@ impl KafkaConsumer {
     }
 }
 
+impl Shared {
+    /// The state of a consumer of `config` (validated), with its producer, before any
+    /// partition is assigned; `closed` is sent `true` when the poll thread is done.
+    fn new(
+        config: &KafkaConfig,
+        producer: producer::Producer,
+        closed: watch::Sender<bool>,
+    ) -> Self {
+        let retry_sources = config
+            .topics
+            .iter()
+            .map(|t| (config.retry_topic(t), Arc::<str>::from(t.as_str())))
+            .collect();
+        Shared {
+            state: CachePadded::new(Mutex::new(State::default())),
+            settled: Condvar::new(),
+            revoke_waiting: AtomicBool::new(false),
+            settings: Settings {
+                order: config.order,
+                retry: config.retry,
+                commit: config.commit,
+                commit_interval: config.commit_interval,
+                max_buffered: config.max_buffered_per_partition,
+                max_buffered_bytes: config.max_buffered_bytes_per_partition,
+                revoke_timeout: config.revoke_timeout,
+                produce_timeout: config.produce_timeout,
+                message_id_header: config.message_id_header.clone(),
+                offset_message_ids: config.offset_message_ids,
+                retry_sources,
+                retry_suffix: config.retry_topic_suffix.clone(),
+                dead_letter_suffix: config.dead_letter_topic_suffix.clone(),
+                group_id: config.group_id.clone(),
+                copy_scope: format!("kafka:{}:{}", config.group_id, config.retry_topic_suffix),
+            },
+            producer,
+            observer: KafkaObserver::default(),
+            stop: AtomicBool::new(false),
+            closed,
+            key_seed: foldhash::quality::RandomState::default(),
+            revocations: AtomicU64::new(0),
+            blank: Arc::new(record::Record::blank()),
+        }
+    }
+}
+
 impl Drop for KafkaConsumer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        // The kept acknowledgers hold `shared`: let them go (outside the lock), and keep no
+        // more, so that nothing holds it once the poll thread and the hand-outs are done.
+        let kept = {
+            let mut state = self.shared.lock();
+            state.stream_gone = true;
+            std::mem::take(&mut state.ackers)
+        };
+        drop(kept);
     }
 }
 
@@ -174,7 +196,7 @@ const TAKE_AT_ONCE: usize = 64;
 /// A record taken from its partition, to be handed out: its acknowledger, the attempt and
 /// redelivered flag it carries, and its position.
 struct Taken {
-    acker: KafkaAcker,
+    acker: Box<KafkaAcker>,
     attempt: u32,
     redelivered: bool,
     position: LogPosition,
@@ -189,7 +211,7 @@ impl Taken {
                 .delivery(self.attempt, self.redelivered, self.position, id_header);
         Incoming {
             delivery,
-            acker: Box::new(self.acker),
+            acker: self.acker,
         }
     }
 }
@@ -254,13 +276,19 @@ impl Stream for KafkaConsumer {
             return Poll::Ready(Some(Err(e)));
         }
         let now = Instant::now();
-        let n = state.partitions.len();
+        let State {
+            partitions,
+            cursor,
+            ackers,
+            ..
+        } = &mut *state;
+        let n = partitions.len();
         // Round robin over the partitions, one record of each in turn.
         let mut dry = 0;
         while this.taken.len() < TAKE_AT_ONCE && dry < n {
-            let index = state.cursor % n;
-            state.cursor = index + 1;
-            let Some(p) = state.partitions.values_mut().nth(index) else {
+            let index = *cursor % n;
+            *cursor = index + 1;
+            let Some(p) = partitions.values_mut().nth(index) else {
                 break;
             };
             let next = if p.revoking {
@@ -278,7 +306,18 @@ impl Stream for KafkaConsumer {
                 epoch: p.generation,
                 offset: h.record.offset,
             };
-            let acker = KafkaAcker::new(shared.clone(), p.generation, h.record.clone());
+            // A kept acknowledger if there is one (see `State::ackers`).
+            let acker = match ackers.pop() {
+                Some(mut kept) => {
+                    kept.reuse(p.generation, h.record.clone());
+                    kept
+                }
+                None => Box::new(KafkaAcker::new(
+                    shared.clone(),
+                    p.generation,
+                    h.record.clone(),
+                )),
+            };
             this.taken.push_back(Taken {
                 acker,
                 attempt: h.attempt,

@@ -1,6 +1,7 @@
 //! The partitions this member owns, each with its offset tracker, in one table shared by
-//! the poll thread, the stream and the acknowledgers; and what a record's settlement or
-//! deferral does to its partition.
+//! the poll thread, the stream and the acknowledgers; what a record's settlement or
+//! deferral does to its partition; and the acknowledger of a record ([`KafkaAcker`], kept
+//! for reuse once settled), whose settlements the `acker` module carries out.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -8,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use consumer_core::TransportError;
+use consumer_core::{AckResults, TransportError};
 use crossbeam_utils::CachePadded;
 use tokio::sync::watch;
 
@@ -50,6 +51,18 @@ pub(super) struct State {
     /// poll thread allocates the next ones from that arena, each side on the slow path. A
     /// settled record's last handle usually is the one here.
     pub(super) retired: Vec<Arc<Record>>,
+    /// Settled acknowledgers, for the stream's next hand-outs, each holding
+    /// [`Shared::blank`] in its record's place: a hand-out then allocates no box, and the
+    /// worker thread that settles one does not free it (as with `retired`). Each holds the
+    /// `Shared` that holds them, so they are kept only while the stream lives: dropping it
+    /// empties this and sets `stream_gone`.
+    #[allow(
+        clippy::vec_box,
+        reason = "the boxes are what is kept, to be handed out again"
+    )]
+    pub(super) ackers: Vec<Box<KafkaAcker>>,
+    /// The stream was dropped: settled acknowledgers are no longer kept.
+    pub(super) stream_gone: bool,
     pub(super) next_generation: u64,
 }
 
@@ -100,6 +113,8 @@ pub(super) struct Shared {
     /// Counts the revokes begun (incremented under the state lock as the partitions are
     /// marked revoking): the stream checks it before handing out what it took earlier.
     pub(super) revocations: AtomicU64,
+    /// The record of no message that a kept acknowledger holds ([`State::ackers`]).
+    pub(super) blank: Arc<Record>,
 }
 
 impl Shared {
@@ -177,67 +192,6 @@ impl Shared {
         self.changed(settled, record)
     }
 
-    /// [`Shared::mark_settled`] for the records of several acknowledgers (their assignment
-    /// and record), under one hold of the lock: one result each, in their order.
-    /// The stream is woken at most once, and a waiting revoke signalled once.
-    pub(super) fn mark_all_settled<'a>(
-        &self,
-        records: impl ExactSizeIterator<Item = (u64, &'a Arc<Record>)>,
-    ) -> consumer_core::AckResults {
-        let order = self.settings.order;
-        let now = Instant::now();
-        let mut settled = Vec::with_capacity(records.len());
-        let (waker, any) = {
-            let mut state = self.lock();
-            let State {
-                partitions,
-                waker,
-                retired,
-                ..
-            } = &mut *state;
-            let waiting = waker.is_some();
-            let mut wake = false;
-            // The partition of the records before, found once for a run of its records.
-            let mut current: Option<(&Tp, u64, Option<&mut Partition>)> = None;
-            for (generation, record) in records {
-                let tp = &record.tp;
-                let same = current
-                    .as_ref()
-                    .is_some_and(|(t, g, _)| *g == generation && *t == tp);
-                if !same {
-                    if let Some((_, _, Some(p))) = current.take() {
-                        wake |= waiting && p.tracker.has_next(order, now);
-                    }
-                    let found = partitions
-                        .get_mut(tp)
-                        .filter(|p| p.generation == generation);
-                    current = Some((tp, generation, found));
-                }
-                match &mut current {
-                    Some((_, _, Some(p))) => {
-                        p.tracker.settle(record.offset);
-                        retired.push(record.clone());
-                        settled.push(Ok(record));
-                    }
-                    _ => settled.push(Err(record)),
-                }
-            }
-            if let Some((_, _, Some(p))) = current {
-                wake |= waiting && p.tracker.has_next(order, now);
-            }
-            let any = settled.iter().any(Result::is_ok);
-            (if wake { waker.take() } else { None }, any)
-        };
-        if any {
-            self.signal_revoke();
-            Shared::wake(waker);
-        }
-        settled
-            .into_iter()
-            .map(|s| s.map(drop).map_err(|record| self.revoked_error(record)))
-            .collect()
-    }
-
     /// After a record's settlement or deferral ([`Shared::with_partition`]'s result): wakes a
     /// waiting revoke and the stream, or reports the partition revoked.
     pub(super) fn changed(
@@ -279,6 +233,168 @@ impl Shared {
             .partitions
             .get(tp)
             .is_some_and(|p| p.generation == generation)
+    }
+}
+
+/// Settles one Kafka record (see the `acker` module for how).
+pub(super) struct KafkaAcker {
+    pub(super) shared: Arc<Shared>,
+    pub(super) generation: u64,
+    pub(super) record: Arc<Record>,
+    /// Settled, given back or kept: dropping it does nothing to its record.
+    pub(super) done: bool,
+}
+
+impl KafkaAcker {
+    /// The acknowledger of `record`, handed out from its partition in assignment
+    /// `generation`.
+    pub(super) fn new(shared: Arc<Shared>, generation: u64, record: Arc<Record>) -> Self {
+        KafkaAcker {
+            shared,
+            generation,
+            record,
+            done: false,
+        }
+    }
+
+    /// The record it settles.
+    pub(super) fn record(&self) -> &Record {
+        &self.record
+    }
+
+    /// Its record's partition, assignment and offset.
+    pub(super) fn place(&self) -> (&Tp, u64, i64) {
+        (&self.record.tp, self.generation, self.record.offset)
+    }
+
+    /// Its record was put back in its partition, unsettled and not in flight: dropping the
+    /// acknowledger leaves it there.
+    pub(super) fn forget(&mut self) {
+        self.done = true;
+    }
+
+    /// A kept acknowledger (see [`State::ackers`]) made the acknowledger of `record`, handed
+    /// out from its partition in assignment `generation`.
+    pub(super) fn reuse(&mut self, generation: u64, record: Arc<Record>) {
+        self.generation = generation;
+        self.record = record;
+        self.done = false;
+    }
+
+    /// Done with its record, which it hands over, holding `blank` in its place: it may be
+    /// kept for a later record, and holds no record meanwhile.
+    fn retire(&mut self, blank: &Arc<Record>) -> Arc<Record> {
+        self.done = true;
+        std::mem::replace(&mut self.record, blank.clone())
+    }
+}
+
+impl Drop for KafkaAcker {
+    fn drop(&mut self) {
+        if !self.done {
+            // Dropped unsettled (the worker stopped or crashed): never committed past, and a
+            // revoke does not wait for it.
+            let offset = self.record.offset;
+            // It holds its key back for good, so nothing new can go: the stream is not woken.
+            let _ = self
+                .shared
+                .with_partition(&self.record.tp, self.generation, |p, _, _| {
+                    p.tracker.abandon(offset);
+                    false
+                });
+            self.shared.signal_revoke();
+        }
+    }
+}
+
+/// At most this many settled acknowledgers are kept for the stream's next hand-outs (a
+/// box of 32 bytes each): as many as a few workers' batches settle at once.
+const KEPT_ACKERS: usize = 1024;
+
+impl Shared {
+    /// [`Shared::mark_settled`] for the records of several acknowledgers, all of this
+    /// consumer, under one hold of the lock: one result each, in their order. The stream is
+    /// woken at most once, and a waiting revoke signalled once.
+    ///
+    /// The acknowledgers whose records settled are kept for the stream's next hand-outs
+    /// (see [`State::ackers`]) while it lives, so a hand-out costs no allocation, and its
+    /// box is not freed by the worker thread that settles it (see [`State::retired`]).
+    #[allow(
+        clippy::vec_box,
+        reason = "the boxes are the acknowledgers' own, as `ack_together` hands them over"
+    )]
+    pub(super) fn mark_all_settled(&self, mut run: Vec<Box<KafkaAcker>>) -> AckResults {
+        let order = self.settings.order;
+        let now = Instant::now();
+        let mut settled = Vec::with_capacity(run.len());
+        // One each, in order: settled, or the acknowledger of a revoked partition's record.
+        let mut results = Vec::with_capacity(run.len());
+        let mut freed = Vec::new();
+        let (waker, any) = {
+            let mut state = self.lock();
+            let State {
+                partitions,
+                waker,
+                retired,
+                ackers,
+                stream_gone,
+                ..
+            } = &mut *state;
+            let waiting = waker.is_some();
+            let mut wake = false;
+            // The partition of the records before, found once for a run of its records.
+            let mut current: Option<(&Tp, u64, Option<&mut Partition>)> = None;
+            for acker in &run {
+                let (tp, generation) = (&acker.record.tp, acker.generation);
+                let same = current
+                    .as_ref()
+                    .is_some_and(|(t, g, _)| *g == generation && *t == tp);
+                if !same {
+                    if let Some((_, _, Some(p))) = current.take() {
+                        wake |= waiting && p.tracker.has_next(order, now);
+                    }
+                    let found = partitions
+                        .get_mut(tp)
+                        .filter(|p| p.generation == generation);
+                    current = Some((tp, generation, found));
+                }
+                match &mut current {
+                    Some((_, _, Some(p))) => {
+                        p.tracker.settle(acker.record.offset);
+                        settled.push(true);
+                    }
+                    _ => settled.push(false),
+                }
+            }
+            if let Some((_, _, Some(p))) = current {
+                wake |= waiting && p.tracker.has_next(order, now);
+            }
+            for (mut acker, &ok) in run.drain(..).zip(&settled) {
+                if !ok {
+                    acker.done = true;
+                    results.push(Err(acker));
+                    continue;
+                }
+                results.push(Ok(()));
+                retired.push(acker.retire(&self.blank));
+                if !*stream_gone && ackers.len() < KEPT_ACKERS {
+                    ackers.push(acker);
+                } else {
+                    freed.push(acker);
+                }
+            }
+            let any = settled.contains(&true);
+            (if wake { waker.take() } else { None }, any)
+        };
+        drop(freed);
+        if any {
+            self.signal_revoke();
+            Shared::wake(waker);
+        }
+        results
+            .into_iter()
+            .map(|r| r.map_err(|acker| self.revoked_error(&acker.record)))
+            .collect()
     }
 }
 

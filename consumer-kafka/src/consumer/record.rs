@@ -102,6 +102,25 @@ pub(super) enum MessageId {
 }
 
 impl Record {
+    /// A record of no message: what a kept acknowledger holds in its record's place (see
+    /// [`State::ackers`](super::partitions::State::ackers)), so that it holds no record.
+    pub(super) fn blank() -> Self {
+        Record {
+            tp: (Arc::from(""), -1),
+            offset: -1,
+            retried: None,
+            key: None,
+            payload: Bytes::new(),
+            null_payload: true,
+            headers: Headers::new(),
+            raw_headers: None,
+            message_id: MessageId::None,
+            attempt: 1,
+            own_copy: false,
+            bytes: 0,
+        }
+    }
+
     /// Drops what it holds of the message's bytes (a spare's, see [`Spares`]).
     fn let_go_of_bytes(&mut self) {
         self.key = None;

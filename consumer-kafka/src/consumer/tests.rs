@@ -1,0 +1,150 @@
+//! The stream and its acknowledgers over a partition table filled by hand: no broker, no
+//! poll thread.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use consumer_core::Incoming;
+use futures::{FutureExt as _, StreamExt as _};
+use tokio::sync::watch;
+
+use super::partitions::{Partition, Shared};
+use super::record::{Handout, Record, Tp};
+use super::KafkaConsumer;
+use crate::config::{KafkaConfig, ProcessingOrder};
+use crate::tracker::PartitionTracker;
+
+/// The partition the tests' records are in.
+fn tp() -> Tp {
+    (Arc::from("kept"), 0)
+}
+
+/// A stream over partition `kept/0` (assignment 1) holding records at offsets `0..n` (see
+/// [`add`]), ordered by key. Nothing listens on the brokers' address: the producer is never
+/// used.
+fn stream(n: i64) -> KafkaConsumer {
+    let mut config = KafkaConfig::new("127.0.0.1:9", "kept-ackers", ["kept"]);
+    config.order = ProcessingOrder::Key;
+    let producer =
+        crate::producer::create(&config.producer_client_config(), Duration::from_secs(1))
+            .expect("a producer needs no broker to be created");
+    let (closed, closed_rx) = watch::channel(false);
+    let shared = Arc::new(Shared::new(&config, producer, closed));
+    let partition = Partition {
+        generation: 1,
+        log: Arc::from("kept-ackers/kept/0"),
+        tracker: PartitionTracker::default(),
+        revoking: false,
+        paused: false,
+        committed: None,
+        full: false,
+    };
+    shared.lock().partitions.insert(tp(), partition);
+    for offset in 0..n {
+        add(&shared, offset);
+    }
+    KafkaConsumer {
+        shared,
+        closed: closed_rx,
+        taken: VecDeque::new(),
+        taken_at: 0,
+    }
+}
+
+/// Adds the record at `offset` to the partition, of a key of its own, as the poll thread
+/// would.
+fn add(shared: &Shared, offset: i64) {
+    let record = Record {
+        tp: tp(),
+        offset,
+        ..Record::blank()
+    };
+    let handout = Handout {
+        record: Arc::new(record),
+        attempt: 1,
+        redelivered: false,
+    };
+    let mut state = shared.lock();
+    let p = state.partitions.get_mut(&tp()).expect("the partition");
+    assert!(p.tracker.push(offset, Some(offset as u64), None, handout));
+}
+
+/// The next delivery, which must be ready.
+fn next(stream: &mut KafkaConsumer) -> Incoming {
+    stream
+        .next()
+        .now_or_never()
+        .expect("ready")
+        .expect("not ended")
+        .expect("not an error")
+}
+
+/// Acks `first` and `others` together, as the worker does a batch.
+fn ack(first: Incoming, others: Vec<Incoming>) -> Vec<bool> {
+    let others = others.into_iter().map(|i| i.acker).collect();
+    first
+        .acker
+        .ack_with(others)
+        .now_or_never()
+        .expect("a Kafka ack needs no waiting")
+        .iter()
+        .map(Result::is_ok)
+        .collect()
+}
+
+#[test]
+fn a_settled_acknowledger_is_kept_and_handed_out_again() {
+    let mut stream = stream(2);
+    let shared = stream.shared.clone();
+    let (a, b) = (next(&mut stream), next(&mut stream));
+    assert_eq!(ack(a, vec![b]), [true, true]);
+    {
+        let state = shared.lock();
+        // Both kept, holding the blank record; their records handed to the poll thread.
+        assert_eq!(state.ackers.len(), 2);
+        assert!(state
+            .ackers
+            .iter()
+            .all(|k| std::ptr::eq(k.record(), &*shared.blank)));
+        let offsets: Vec<i64> = state.retired.iter().map(|r| r.offset).collect();
+        assert_eq!(offsets, [0, 1]);
+    }
+    // The next record's delivery takes one of them, and settles its own record.
+    add(&shared, 2);
+    let c = next(&mut stream);
+    assert_eq!(c.delivery.source.location.to_string(), "kept/0@2");
+    assert_eq!(shared.lock().ackers.len(), 1);
+    assert_eq!(ack(c, Vec::new()), [true]);
+    let state = shared.lock();
+    assert_eq!(state.ackers.len(), 2);
+    let p = state.partitions.values().next().expect("the partition");
+    assert_eq!(p.tracker.commit_point(), Some(3));
+}
+
+#[test]
+fn the_acknowledger_of_a_revoked_partition_reports_it_and_is_not_kept() {
+    let mut stream = stream(2);
+    let shared = stream.shared.clone();
+    let (a, b) = (next(&mut stream), next(&mut stream));
+    shared.lock().partitions.clear();
+    assert_eq!(ack(a, vec![b]), [false, false]);
+    let state = shared.lock();
+    assert!(state.ackers.is_empty() && state.retired.is_empty());
+}
+
+#[test]
+fn dropping_the_stream_lets_go_of_the_kept_acknowledgers() {
+    let mut stream = stream(3);
+    let shared = stream.shared.clone();
+    let (a, b, c) = (next(&mut stream), next(&mut stream), next(&mut stream));
+    assert_eq!(ack(a, vec![b]), [true, true]);
+    assert_eq!(shared.lock().ackers.len(), 2);
+    drop(stream);
+    assert!(shared.lock().ackers.is_empty());
+    // One settled after the stream is gone is not kept either: once it is, nothing but
+    // this test holds the shared state (the kept ones held it, and it holds them).
+    assert_eq!(ack(c, Vec::new()), [true]);
+    assert!(shared.lock().ackers.is_empty());
+    assert_eq!(Arc::strong_count(&shared), 1);
+}
