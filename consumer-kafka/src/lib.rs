@@ -62,8 +62,9 @@
 //! `config` (the configuration; `validate` checks it, `env` reads `KAFKA_*` variables,
 //! `properties` holds the pass-through client properties, `client` builds librdkafka's
 //! configurations from it), `consumer` (the transport: `record` for a fetched record and
-//! its headers, `partitions` for the table of owned partitions, `rebalance` for the
-//! rebalance callbacks and commits, `poll` for the poll thread, `acker` for settlement,
+//! its headers, `partitions` for the table of owned partitions and a record's acknowledger
+//! (kept for the next hand-out once settled), `rebalance` for the rebalance callbacks and
+//! commits, `poll` for the poll thread, `acker` for settlement,
 //! `copies` for retry and dead-letter copies), `tracker` (one partition's records: which
 //! may be handed out, how far to commit; `keys` for ordering keys), `producer` (the
 //! framework's writes, the publisher, topic creation), `observer`, `headers`, `error`.
