@@ -177,13 +177,10 @@ impl Shared {
 impl Drop for KafkaConsumer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // The kept acknowledgers hold `shared`: let them go (outside the lock), and keep no
-        // more, so that nothing holds it once the poll thread and the hand-outs are done.
-        let kept = {
-            let mut state = self.shared.lock();
-            state.stream_gone = true;
-            std::mem::take(&mut state.ackers)
-        };
+        // The kept acknowledgers hold `shared`: let them go (outside the lock). With `stop`
+        // set no more are kept, so nothing holds it once the poll thread and the hand-outs
+        // are done.
+        let kept = std::mem::take(&mut self.shared.lock().ackers);
         drop(kept);
     }
 }

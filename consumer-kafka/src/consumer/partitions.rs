@@ -55,14 +55,12 @@ pub(super) struct State {
     /// [`Shared::blank`] in its record's place: a hand-out then allocates no box, and the
     /// worker thread that settles one does not free it (as with `retired`). Each holds the
     /// `Shared` that holds them, so they are kept only while the stream lives: dropping it
-    /// empties this and sets `stream_gone`.
+    /// sets [`Shared::stop`] and then empties this, and none is kept once `stop` is set.
     #[allow(
         clippy::vec_box,
         reason = "the boxes are what is kept, to be handed out again"
     )]
     pub(super) ackers: Vec<Box<KafkaAcker>>,
-    /// The stream was dropped: settled acknowledgers are no longer kept.
-    pub(super) stream_gone: bool,
     pub(super) next_generation: u64,
 }
 
@@ -337,9 +335,10 @@ impl Shared {
                 waker,
                 retired,
                 ackers,
-                stream_gone,
                 ..
             } = &mut *state;
+            // Read under the lock: the stream's drop sets it before it empties `ackers`.
+            let keep = !self.stop.load(Ordering::SeqCst);
             let waiting = waker.is_some();
             let mut wake = false;
             // The partition of the records before, found once for a run of its records.
@@ -377,7 +376,7 @@ impl Shared {
                 }
                 results.push(Ok(()));
                 retired.push(acker.retire(&self.blank));
-                if !*stream_gone && ackers.len() < KEPT_ACKERS {
+                if keep && ackers.len() < KEPT_ACKERS {
                     ackers.push(acker);
                 } else {
                     freed.push(acker);

@@ -494,16 +494,12 @@ mod tests {
         Record {
             tp: (Arc::from("jobs"), 3),
             offset: 41,
-            retried: None,
-            key: None,
             payload: Bytes::from_static(b"{}"),
             null_payload: false,
             headers: Headers::from(&text(&[("message_id", "m-1")])),
-            raw_headers: None,
             message_id,
-            attempt: 1,
-            own_copy: false,
             bytes: 2,
+            ..Record::blank()
         }
     }
 
