@@ -267,17 +267,17 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     config.prefetch = o.prefetch;
     let consumer = AmqpConsumer::connect(config).await?;
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
-    let (acks, settled_all) = Acks::new(o.messages);
+    let acks = Acks::new(o.messages);
     let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
     let a2 = acks.clone();
-    let stream = consumer.map(move |r| r.map(|i| timed(i, &a2)));
-    worker
-        .run(stream, async {
-            let _ = settled_all.await;
-        })
-        .await?;
+    // The stream ends with the arm's last message: the worker then settles what it has in
+    // flight and returns, as the hand-written arms end with their stream.
+    let stream = consumer
+        .take(o.messages)
+        .map(move |r| r.map(|i| timed(i, &a2)));
+    worker.run(stream, std::future::pending()).await?;
     let end = End::after(fw.relay, o.messages, start).await?;
     let cpu = cpu_since(cpu0);
     framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)

@@ -230,20 +230,18 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     let consumer = KafkaConsumer::new(c)?;
     let closed = consumer.closed();
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
-    let (acks, settled_all) = Acks::new(o.messages);
+    let acks = Acks::new(o.messages);
     let started: Arc<OnceLock<(Instant, Duration, Rss)>> = Arc::new(OnceLock::new());
     let (a2, started2) = (acks.clone(), started.clone());
-    let stream = consumer.map(move |r| {
+    // The stream ends with the arm's last record: the worker then settles what it has in
+    // flight and returns, as the hand-written arm ends with its stream.
+    let stream = consumer.take(o.messages).map(move |r| {
         r.map(|i| {
             started2.get_or_init(|| (Instant::now(), cpu_time(), Rss::start()));
             timed(i, &a2)
         })
     });
-    worker
-        .run(stream, async {
-            let _ = settled_all.await;
-        })
-        .await?;
+    worker.run(stream, std::future::pending()).await?;
     let (start, cpu0, rss) = *started.get().context("no record arrived")?;
     let end = End::after(fw.relay, o.messages, start).await?;
     let cpu = cpu_since(cpu0);

@@ -80,23 +80,24 @@ mod kafka;
 mod outbox;
 mod outbox_latency;
 mod report;
+mod timing;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
-    handler, Acknowledger, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox,
-    InboxConfig, Incoming, Settlement, TransportError, Worker, WorkerConfig,
+    handler, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox, InboxConfig,
+    Settlement, Worker, WorkerConfig,
 };
-use futures::future::BoxFuture;
 use futures::StreamExt;
 use outbox::OutboxArm;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres};
+use timing::{timed, Acks, RECORD_LATENCY};
 
 #[derive(Debug, Deserialize)]
 struct Job {
@@ -467,10 +468,6 @@ fn processes_cpu_time(names: &[&str]) -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-/// Whether the framework arms record each delivery's latency (8 bytes a message: off for the
-/// long RSS runs, where that vector would be the growth seen).
-static RECORD_LATENCY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
 /// The server CPU time when the running arm's clock started, in microseconds.
 static SERVER_CPU0_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// The broker CPU time when the running arm's clock started, in microseconds.
@@ -484,154 +481,6 @@ fn since_per_msg(now: Duration, start_us: &std::sync::atomic::AtomicU64, n: usiz
     .as_secs_f64()
         * 1e6
         / n as f64
-}
-
-/// What a framework arm's acknowledgers record, shared by all of them: each delivery's
-/// latency, and how many have settled; the `n`th settlement sends `done`. A settlement takes
-/// a slot by its number, so recording one takes no lock.
-struct Acks {
-    /// A slot a settlement (none if latencies are not recorded).
-    latencies: Vec<std::sync::atomic::AtomicU64>,
-    settled: std::sync::atomic::AtomicUsize,
-    n: usize,
-    done: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
-}
-
-impl Acks {
-    /// The record of an arm of `n` messages, and what resolves when `n` have settled.
-    fn new(n: usize) -> (Arc<Acks>, tokio::sync::oneshot::Receiver<()>) {
-        let (done, settled_all) = tokio::sync::oneshot::channel();
-        let slots = if RECORD_LATENCY.load(std::sync::atomic::Ordering::Relaxed) {
-            n
-        } else {
-            0
-        };
-        let acks = Acks {
-            latencies: (0..slots)
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
-            settled: std::sync::atomic::AtomicUsize::new(0),
-            n,
-            done: Mutex::new(Some(done)),
-        };
-        (Arc::new(acks), settled_all)
-    }
-
-    /// A delivery handed out at `delivered` has settled.
-    fn settled(&self, delivered: Instant) {
-        self.all_settled(&[delivered]);
-    }
-
-    /// Deliveries handed out at `delivered` have settled together: one count and one
-    /// clock read for them all, as the hand-written arms time a whole batch.
-    fn all_settled(&self, delivered: &[Instant]) {
-        let first = self
-            .settled
-            .fetch_add(delivered.len(), std::sync::atomic::Ordering::Relaxed);
-        if !self.latencies.is_empty() {
-            let now = Instant::now();
-            for (slot, at) in self.latencies[first.min(self.latencies.len())..]
-                .iter()
-                .zip(delivered)
-            {
-                let latency = now.saturating_duration_since(*at).as_micros();
-                slot.store(
-                    u64::try_from(latency).unwrap_or(u64::MAX),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-            }
-        }
-        // The settlement that brings the count to `n` sends `done`.
-        if first < self.n && self.n <= first + delivered.len() {
-            if let Some(done) = self.done.lock().ok().and_then(|mut d| d.take()) {
-                let _ = done.send(());
-            }
-        }
-    }
-
-    /// The latencies recorded (an arm reads them once, when it is over).
-    fn latencies(&self) -> Vec<u64> {
-        let settled = self.settled.load(std::sync::atomic::Ordering::Acquire);
-        self.latencies
-            .iter()
-            .take(settled)
-            .map(|l| l.load(std::sync::atomic::Ordering::Relaxed))
-            .collect()
-    }
-}
-
-/// Records delivery-to-ack latency around any acknowledger. A settlement its acknowledger
-/// applies at once (a Kafka ack) is recorded at once, with nothing boxed, so the framework
-/// arms pay about what the hand-written arms pay for their own timing: one allocation a
-/// message (this acknowledger), where the hand-written arms time whole batches. A batch
-/// settled together is counted and timed together (one clock read).
-struct Timed {
-    inner: Box<dyn Acknowledger>,
-    delivered: Instant,
-    acks: Arc<Acks>,
-}
-
-impl Acknowledger for Timed {
-    fn settle(self: Box<Self>, s: Settlement) -> BoxFuture<'static, Result<(), TransportError>> {
-        use futures::FutureExt as _;
-        let Timed {
-            inner,
-            delivered,
-            acks,
-        } = *self;
-        let mut settling = inner.settle(s);
-        match (&mut settling).now_or_never() {
-            Some(result) => {
-                acks.settled(delivered);
-                match result {
-                    Ok(()) => consumer_core::settled_now(),
-                    Err(e) => Box::pin(std::future::ready(Err(e))),
-                }
-            }
-            None => Box::pin(async move {
-                let result = settling.await;
-                acks.settled(delivered);
-                result
-            }),
-        }
-    }
-
-    /// Passes the batch on to the acknowledgers it wraps, so that their transport acks them
-    /// together as it would unwrapped, and records each one's latency when that is done.
-    fn ack_with(
-        self: Box<Self>,
-        others: Vec<Box<dyn Acknowledger>>,
-    ) -> BoxFuture<'static, consumer_core::AckResults> {
-        use futures::FutureExt as _;
-        let Timed {
-            inner,
-            delivered,
-            acks,
-        } = *self;
-        let mut times = Vec::with_capacity(1 + others.len());
-        times.push(delivered);
-        let inners = others
-            .into_iter()
-            .map(
-                |other| match consumer_core::downcast_acker::<Timed>(other) {
-                    Ok(timed) => {
-                        times.push(timed.delivered);
-                        timed.inner
-                    }
-                    Err(untimed) => untimed,
-                },
-            )
-            .collect();
-        let mut acking = inner.ack_with(inners);
-        let timed = move |results: consumer_core::AckResults| {
-            acks.all_settled(&times);
-            results
-        };
-        match (&mut acking).now_or_never() {
-            Some(results) => Box::pin(std::future::ready(timed(results))),
-            None => Box::pin(acking.map(timed)),
-        }
-    }
 }
 
 /// Whether the arm named `arm` is one `--arms` asked for with `want`: a name containing it,
@@ -672,18 +521,6 @@ fn ensure_completed(o: &Options, s: &consumer_core::StatsSnapshot) -> anyhow::Re
         o.messages
     );
     Ok(())
-}
-
-/// Wraps a delivery as it is handed to the consumer.
-fn timed(incoming: Incoming, acks: &Arc<Acks>) -> Incoming {
-    Incoming {
-        delivery: incoming.delivery,
-        acker: Box::new(Timed {
-            inner: incoming.acker,
-            delivered: Instant::now(),
-            acks: acks.clone(),
-        }),
-    }
 }
 
 /// The `--perf-ctl` FIFO, opened once at start.
@@ -852,7 +689,7 @@ async fn hand_batch(pool: &PgPool, batch: Vec<(String, Job)>) -> anyhow::Result<
 async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<Figures> {
     let broker = MemoryBroker::new();
     fill(&broker, "q", first, o);
-    let (acks, _) = Acks::new(o.messages);
+    let acks = Acks::new(o.messages);
     let rss = Rss::start();
     let cpu0 = cpu_time();
     let start = Instant::now();
@@ -939,7 +776,7 @@ async fn framework<H: Handler<Postgres>>(
 ) -> anyhow::Result<Figures> {
     let broker = MemoryBroker::new();
     fill(&broker, "q", first, o);
-    let (acks, _) = Acks::new(o.messages);
+    let acks = Acks::new(o.messages);
     let worker = bench_worker(inbox, handler, o, batch)?;
     let rss = Rss::start();
     let cpu0 = cpu_time();
