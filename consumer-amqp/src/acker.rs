@@ -12,8 +12,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
-    AckResults, Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
-    TransportError,
+    AckResults, Acknowledger, DeadLetter, Delivery, Incoming, Location, MessageId, Origin,
+    Settlement, Source, TransportError,
 };
 
 use crate::ack_book::{AckPlan, ACK_WAIT_FOR_OLDER};
@@ -79,8 +79,8 @@ pub(crate) fn incoming(
         message_id: properties
             .message_id()
             .as_ref()
-            .map(|id| id.to_string())
-            .filter(|id| !id.is_empty()),
+            .filter(|id| !id.as_str().is_empty())
+            .map(|id| MessageId::from(id.as_str())),
         payload: payload.clone(),
         headers: headers::to_headers(table, &properties),
         redelivered,

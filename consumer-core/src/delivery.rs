@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream};
 
-use crate::{Headers, TransportError};
+use crate::{Headers, MessageId, TransportError};
 
 /// The delivery header naming where a request's reply goes (a queue, a topic): RabbitMQ's
 /// `reply_to` property, a Kafka header of this name. See
@@ -87,8 +87,10 @@ impl From<&str> for Location {
 /// One message as received: the envelope every transport produces.
 #[derive(Debug, Clone)]
 pub struct Delivery {
-    /// The producer-assigned message id, if any (AMQP `message_id`, a Kafka header).
-    pub message_id: Option<String>,
+    /// The producer-assigned message id, if any (AMQP `message_id`, a Kafka header). It
+    /// reads as a `&str` (`delivery.message_id.as_deref()`); a transport may share it with
+    /// the block it read the message's headers into.
+    pub message_id: Option<MessageId>,
     /// The raw payload.
     pub payload: Bytes,
     /// Text headers (transport properties the runtime or handlers may read). Shared: a

@@ -63,13 +63,29 @@ impl Headers {
 
     /// The value of header `name`.
     pub fn get(&self, name: &str) -> Option<&str> {
-        // Names are compared as bytes and only the value found is checked as text; the
-        // entries are in name order, so the search stops at the first name past `name`.
+        std::str::from_utf8(self.raw(name)?).ok()
+    }
+
+    /// The value of header `name` as bytes of its own, for a value that outlives these
+    /// headers (a [`MessageId`](crate::MessageId), say). Headers a transport built in one
+    /// of its shared blocks hand out a slice of that block (no copy); others a copy.
+    pub fn get_bytes(&self, name: &str) -> Option<Bytes> {
+        let value = self.raw(name)?;
+        Some(match &self.block {
+            Some(Block::Shared(block)) => block.slice_ref(value),
+            _ => Bytes::copy_from_slice(value),
+        })
+    }
+
+    /// The bytes of header `name`'s value, in the block.
+    fn raw(&self, name: &str) -> Option<&[u8]> {
+        // Names are compared as bytes; the entries are in name order, so the search stops at
+        // the first name past `name`.
         let mut entries = self.iter();
         while let Some((n, value)) = entries.next_raw() {
             match n.cmp(name.as_bytes()) {
                 std::cmp::Ordering::Less => {}
-                std::cmp::Ordering::Equal => return std::str::from_utf8(value).ok(),
+                std::cmp::Ordering::Equal => return Some(value),
                 std::cmp::Ordering::Greater => return None,
             }
         }
@@ -302,6 +318,29 @@ mod tests {
         assert_eq!(h.get(""), Some("empty"));
         assert_eq!(h.len(), 3);
         assert_eq!(format!("{h:?}"), r#"{"": "empty", "a": "1", "b": "3"}"#);
+    }
+
+    /// A value read out as bytes of its own is a slice of the block when the headers sit in
+    /// a transport's shared block, and a copy of equal text when they have one of their own.
+    #[test]
+    fn a_value_read_as_bytes_shares_a_transports_block() {
+        let mut blocks = Blocks::default();
+        let shared = Headers::from_pairs_in([("a", "1"), ("id", "m-1")], &mut blocks);
+        let value = shared.get_bytes("id").expect("a value");
+        assert_eq!(&value[..], b"m-1");
+        assert_eq!(
+            value.as_ptr(),
+            shared.get("id").map(str::as_ptr).expect("a value")
+        );
+        assert_eq!(shared.get_bytes("b"), None);
+
+        let own = Headers::from_pairs([("a", "1"), ("id", "m-1")]);
+        let copy = own.get_bytes("id").expect("a value");
+        assert_eq!(&copy[..], b"m-1");
+        assert_ne!(
+            copy.as_ptr(),
+            own.get("id").map(str::as_ptr).expect("a value")
+        );
     }
 
     #[test]

@@ -29,7 +29,8 @@
 //!   the runtime hands it back ([`Acknowledger`], [`Settlement`]); `acks`: a batch's acks
 //!   handed back together ([`Acknowledger::ack_with`], [`ack_together`]); `headers`: a delivery's
 //!   text [`Headers`], one shared block per message; `blocks`: [`Blocks`], shared blocks a
-//!   transport copies many messages' bytes into.
+//!   transport copies many messages' bytes into; `message_id`: a delivery's [`MessageId`],
+//!   which can share such a block.
 //! - `worker`: the runtime, one pipeline in four stages: `worker::job` prepares (decode and
 //!   key once), `worker::claim` decides what a claim means, `worker::execute` runs a group
 //!   of jobs in one transaction (and alone after a failure), `worker::settle` records the
@@ -133,6 +134,7 @@ mod inbox;
 mod key;
 mod log_marks;
 pub mod memory;
+mod message_id;
 pub mod outbox;
 mod retry;
 mod stats;
@@ -155,6 +157,7 @@ pub use headers::{HeaderIter, Headers};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
+pub use message_id::MessageId;
 pub use outbox::{Outbox, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 pub use retry::{ExponentialBackoff, Jitter, NoJitter};
 pub use stats::{Stats, StatsSnapshot};

@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use crate::delivery::{
     Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
 };
-use crate::{Headers, TransportError};
+use crate::{Headers, MessageId, TransportError};
 
 /// The header carrying the attempt number of a retried copy.
 pub const ATTEMPT_HEADER: &str = "x-attempt";
@@ -73,7 +73,7 @@ impl QueueDepth {
 
 /// A message as a queue holds it: its headers in the form deliveries share.
 struct Stored {
-    id: Option<String>,
+    id: Option<MessageId>,
     payload: Bytes,
     headers: Headers,
     redelivered: bool,
@@ -165,7 +165,7 @@ impl MemoryBroker {
             queue,
             Stored {
                 headers: Headers::from(&message.headers),
-                id: message.id,
+                id: message.id.map(MessageId::from),
                 payload: message.payload,
                 redelivered: false,
                 attempt: 1,
@@ -391,7 +391,7 @@ impl Acknowledger for MemoryAcker {
                     Settlement::DeadLetter(dead_letter) => {
                         q.dead.push(DeadLettered {
                             message: Message {
-                                id: stored.id,
+                                id: stored.id.map(String::from),
                                 payload: stored.payload,
                                 headers: stored.headers.to_map(),
                             },

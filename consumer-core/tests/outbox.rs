@@ -283,7 +283,7 @@ async fn a_duplicate_request_is_answered_with_the_same_reply() {
             let incoming = consumer.next().await.unwrap().unwrap();
             let d = &incoming.delivery;
             out.push(Message {
-                id: d.message_id.clone(),
+                id: d.message_id.clone().map(String::from),
                 payload: d.payload.clone(),
                 headers: d.headers.to_map(),
             });

@@ -157,16 +157,17 @@ pub(crate) async fn run_log_until_drained<DB: Backend, H: Handler<DB>>(
         item.map(|mut incoming| {
             let d = &mut incoming.delivery;
             d.redelivered = false;
-            d.origin = d.message_id.as_ref().and_then(|id| offsets.get(id)).map_or(
-                Origin::Unknown,
-                |&offset| {
+            d.origin = d
+                .message_id
+                .as_deref()
+                .and_then(|id| offsets.get(id))
+                .map_or(Origin::Unknown, |&offset| {
                     Origin::Log(LogPosition {
                         log: name.clone(),
                         epoch: 1,
                         offset,
                     })
-                },
-            );
+                });
             incoming
         })
     });

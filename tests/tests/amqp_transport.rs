@@ -22,7 +22,12 @@ async fn ack_redelivered(consumer: &mut AmqpConsumer, ids: &[&str]) -> usize {
     while !pending.is_empty() {
         let (incoming, errors) = next_delivery(consumer).await;
         losses += errors;
-        let id = incoming.delivery.message_id.clone().unwrap_or_default();
+        let id = incoming
+            .delivery
+            .message_id
+            .as_deref()
+            .unwrap_or_default()
+            .to_owned();
         assert!(pending.contains(&id), "unexpected delivery {id:?}");
         assert!(incoming.delivery.redelivered, "{id} is flagged redelivered");
         assert_eq!(incoming.delivery.attempt, 1);

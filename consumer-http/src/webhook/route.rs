@@ -153,7 +153,7 @@ fn delivery(s: &Settings, parts: &Parts, event_id: String, body: Bytes, t: i64) 
         .chain(std::iter::once((WEBHOOK_TIMESTAMP, timestamp.as_str())))
         .collect();
     Delivery {
-        message_id: Some(event_id),
+        message_id: Some(event_id.into()),
         payload: body,
         headers,
         redelivered: false,

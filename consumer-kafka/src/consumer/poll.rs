@@ -13,7 +13,7 @@ use rdkafka::TopicPartitionList;
 
 use super::partitions::{Settings, Shared};
 use super::rebalance::ConsumerCtx;
-use super::record::{key_id, read_headers, unix_millis, Handout, MessageId, Record, Spares};
+use super::record::{key_id, read_headers, unix_millis, Handout, IdSource, Record, Spares};
 use crate::headers;
 use crate::tracker::KeyId;
 
@@ -168,11 +168,11 @@ impl Shared {
                 (wait > 0).then(|| Instant::now() + Duration::from_millis(wait.unsigned_abs()))
             });
         let message_id = if id.is_some_and(|v| !v.is_empty()) {
-            MessageId::Header
+            IdSource::Header
         } else if s.offset_message_ids {
-            MessageId::Position
+            IdSource::Position
         } else {
-            MessageId::None
+            IdSource::None
         };
         let payload = m.payload().unwrap_or_default();
         let key_len = m.key().map_or(0, <[u8]>::len);

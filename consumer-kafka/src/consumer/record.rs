@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use consumer_core::{Blocks, Delivery, Headers, Location, LogPosition, Origin, Source};
+use consumer_core::{Blocks, Delivery, Headers, Location, LogPosition, MessageId, Origin, Source};
 
 use crate::headers;
 use crate::tracker::{KeyId, Weigh};
@@ -38,7 +38,7 @@ pub(super) struct Record {
     pub(super) raw_headers: Option<RawHeaders>,
     /// Where its message id comes from: read when a delivery or a copy needs it, so the
     /// record does not hold a second copy of a header.
-    pub(super) message_id: MessageId,
+    pub(super) message_id: IdSource,
     /// From the `x-attempt` header (1 without one).
     pub(super) attempt: u32,
     /// A retry copy this group wrote (on a retry topic, with this group's
@@ -91,7 +91,7 @@ impl Spares {
 
 /// Where a record's message id comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum MessageId {
+pub(super) enum IdSource {
     /// The message id header (configured by name), not empty.
     Header,
     /// The record's position, `topic/partition@offset` (offset message ids are on and the
@@ -114,7 +114,7 @@ impl Record {
             null_payload: true,
             headers: Headers::new(),
             raw_headers: None,
-            message_id: MessageId::None,
+            message_id: IdSource::None,
             attempt: 1,
             own_copy: false,
             bytes: 0,
@@ -164,12 +164,16 @@ impl Record {
         s
     }
 
-    /// Its message id: the header named `header`, or its position (see [`MessageId`]).
-    pub(super) fn message_id(&self, header: &str) -> Option<String> {
+    /// Its message id: the header named `header` (sharing the record's block of headers),
+    /// or its position (see [`IdSource`]).
+    pub(super) fn message_id(&self, header: &str) -> Option<MessageId> {
         match self.message_id {
-            MessageId::Header => self.headers.get(header).map(str::to_owned),
-            MessageId::Position => Some(self.location()),
-            MessageId::None => None,
+            IdSource::Header => self
+                .headers
+                .get_bytes(header)
+                .and_then(MessageId::from_shared),
+            IdSource::Position => Some(self.location().into()),
+            IdSource::None => None,
         }
     }
 
@@ -490,7 +494,7 @@ mod tests {
         assert_eq!(read.values(), [Some("h00"), Some("h23")]);
     }
 
-    fn record(message_id: MessageId) -> Record {
+    fn record(message_id: IdSource) -> Record {
         Record {
             tp: (Arc::from("jobs"), 3),
             offset: 41,
@@ -516,7 +520,7 @@ mod tests {
         let owned = || Bytes::from_owner(Owned(alive.clone(), b"{}"));
         let mut retired: Vec<Arc<Record>> = (0..3)
             .map(|_| {
-                let mut r = record(MessageId::Header);
+                let mut r = record(IdSource::Header);
                 r.payload = owned();
                 r.key = Some(owned());
                 r.raw_headers = Some(vec![("a".to_owned(), None)]);
@@ -538,7 +542,7 @@ mod tests {
             assert!(spare.headers.is_empty() && spare.raw_headers.is_none());
         }
         // A spare takes the next record's place whole.
-        let next = spares.make(record(MessageId::Header));
+        let next = spares.make(record(IdSource::Header));
         assert_eq!(
             (&next.payload[..], next.headers.get("message_id")),
             (&b"{}"[..], Some("m-1"))
@@ -554,9 +558,9 @@ mod tests {
             offset: 41,
         };
         let cases = [
-            (MessageId::Header, Some("m-1")),
-            (MessageId::Position, Some("jobs/3@41")),
-            (MessageId::None, None),
+            (IdSource::Header, Some("m-1")),
+            (IdSource::Position, Some("jobs/3@41")),
+            (IdSource::None, None),
         ];
         for (source, expected) in cases {
             let r = record(source);
@@ -569,5 +573,27 @@ mod tests {
             assert_eq!(d.message_id.as_deref(), expected, "{source:?}");
             assert_eq!(d.source.location.to_string(), "jobs/3@41");
         }
+    }
+
+    /// A record's headers sit in the poll thread's shared blocks; the id header handed out
+    /// is a slice of that block, not a copy (which the worker thread would free: an
+    /// allocation a record across threads).
+    #[test]
+    fn the_message_id_handed_out_shares_the_records_headers() {
+        let mut blocks = Blocks::new();
+        let mut r = record(IdSource::Header);
+        r.headers = Headers::from_pairs_in([("message_id", "m-1")], &mut blocks);
+        let position = LogPosition {
+            log: Arc::from("g/jobs/3"),
+            epoch: 1,
+            offset: 41,
+        };
+        let d = r.delivery(1, false, position, "message_id");
+        let id = d.message_id.expect("an id");
+        assert_eq!(id, "m-1");
+        assert_eq!(
+            id.as_ptr(),
+            r.headers.get("message_id").expect("the header").as_ptr()
+        );
     }
 }
