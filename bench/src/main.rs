@@ -51,7 +51,8 @@
 //!
 //! Options (`--help` lists them with their defaults): `--messages N --reps N --size BYTES
 //! --batch N --concurrency N --prefetch N`; `--arms a,b` runs
-//! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`),
+//! only the arms whose names contain one of the given strings (e.g. `--arms 'memory: fw'`; a
+//! comma followed by a space is part of a name, as in `db floor, 1/tx`),
 //! or end in one given with a trailing `$` (`--arms 'kafka: fw batched$'`, that arm alone,
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
@@ -74,6 +75,7 @@
 #![allow(clippy::print_stdout)]
 
 mod amqp;
+mod arms;
 mod compare;
 mod http;
 mod kafka;
@@ -87,6 +89,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use arms::ArmFilter;
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
     handler, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox, InboxConfig,
@@ -218,8 +221,9 @@ struct Options {
     /// Only the arms whose name contains one of these strings (e.g. `--arms 'memory: fw'`),
     /// or, for one ending in `$`, ends in the rest (`--arms 'kafka: fw batched$'`); every
     /// arm if not given.
-    #[arg(long, value_name = "NAME[,NAME...]", value_delimiter = ',')]
-    arms: Vec<String>,
+    /// A comma followed by a space is part of a name (`--arms 'db floor, 1/tx$,memory: fw'`).
+    #[arg(long, value_name = "NAME[,NAME...]", value_parser = ArmFilter::parse)]
+    arms: Option<ArmFilter>,
     /// Print this process's RSS to stderr every this many milliseconds (0: never).
     #[arg(long, value_name = "MS", default_value_t = 0)]
     rss_every_ms: u64,
@@ -481,15 +485,6 @@ fn since_per_msg(now: Duration, start_us: &std::sync::atomic::AtomicU64, n: usiz
     .as_secs_f64()
         * 1e6
         / n as f64
-}
-
-/// Whether the arm named `arm` is one `--arms` asked for with `want`: a name containing it,
-/// or, for a `want` ending in `$`, a name ending in the rest.
-fn arm_matches(arm: &str, want: &str) -> bool {
-    match want.strip_suffix('$') {
-        Some(end) => arm.ends_with(end),
-        None => arm.contains(want),
-    }
 }
 
 /// A framework arm's figures once its clock has stopped at `end`, after `cpu` of this
@@ -926,8 +921,8 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     } else {
         eprintln!("KAFKA_BROKERS is not set: skipping the Kafka arms");
     }
-    if !o.arms.is_empty() {
-        arms.retain(|arm| o.arms.iter().any(|want| arm_matches(arm, want)));
+    if let Some(filter) = &o.arms {
+        arms.retain(|arm| filter.keeps(arm));
     }
     if o.rss_every_ms > 0 {
         // A flat line here over a long run is the "RSS stays flat" check.

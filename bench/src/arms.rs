@@ -1,0 +1,81 @@
+//! `--arms`: which arms a run keeps.
+//!
+//! The names are separated by commas, but some arm names hold a comma themselves, always
+//! followed by a space (`db floor, 1/tx`, `memory: fw batched, 1 stmt/msg`): a comma
+//! followed by a space is part of a name, so `--arms 'db floor, 1/tx$,kafka: fw batched$'`
+//! keeps those two arms.
+
+/// The arms a run keeps, by `--arms`' names (at least one).
+#[derive(Debug, Clone)]
+pub(crate) struct ArmFilter(Vec<String>);
+
+impl ArmFilter {
+    /// Parses `--arms`' value: the names between the commas that are not followed by a space.
+    pub(crate) fn parse(value: &str) -> Result<Self, String> {
+        let mut names = Vec::new();
+        let mut start = 0;
+        let mut chars = value.char_indices().peekable();
+        while let Some((i, c)) = chars.next() {
+            if c == ',' && chars.peek().is_none_or(|&(_, next)| next != ' ') {
+                names.push(&value[start..i]);
+                start = i + 1;
+            }
+        }
+        names.push(&value[start..]);
+        let names: Vec<String> = names
+            .into_iter()
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if names.is_empty() {
+            return Err("no arm named".into());
+        }
+        Ok(ArmFilter(names))
+    }
+
+    /// Whether the run keeps the arm named `arm`: one of the names is in it, or, for a name
+    /// ending in `$`, `arm` ends in the rest.
+    pub(crate) fn keeps(&self, arm: &str) -> bool {
+        self.0.iter().any(|want| match want.strip_suffix('$') {
+            Some(end) => arm.ends_with(end),
+            None => arm.contains(want.as_str()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ArmFilter;
+
+    const ARMS: [&str; 5] = [
+        "db floor, 1/tx",
+        "db floor, N/tx",
+        "db floor, N/tx, 1 stmt/msg",
+        "memory: fw 1/tx",
+        "kafka: fw batched",
+    ];
+
+    fn kept(value: &str) -> Vec<&'static str> {
+        let filter = ArmFilter::parse(value).unwrap();
+        ARMS.into_iter().filter(|a| filter.keeps(a)).collect()
+    }
+
+    #[test]
+    fn a_comma_followed_by_a_space_is_part_of_a_name() {
+        assert_eq!(
+            kept("db floor, 1/tx$,kafka: fw batched$"),
+            ["db floor, 1/tx", "kafka: fw batched"]
+        );
+        assert_eq!(
+            kept("floor, N/tx"),
+            ["db floor, N/tx", "db floor, N/tx, 1 stmt/msg"]
+        );
+    }
+
+    #[test]
+    fn names_without_an_end_mark_are_parts_of_arms_names() {
+        assert_eq!(kept("fw,"), ["memory: fw 1/tx", "kafka: fw batched"]);
+        assert_eq!(kept("1/tx$"), ["db floor, 1/tx", "memory: fw 1/tx"]);
+        assert!(ArmFilter::parse(",").is_err());
+    }
+}
