@@ -10,23 +10,20 @@
 pub(crate) struct ArmFilter(Vec<String>);
 
 impl ArmFilter {
-    /// Parses `--arms`' value: the names between the commas that are not followed by a space.
+    /// Parses `--arms`' value: split at every comma, a piece that starts with a space is
+    /// the rest of the name before it.
     pub(crate) fn parse(value: &str) -> Result<Self, String> {
-        let mut names = Vec::new();
-        let mut start = 0;
-        let mut chars = value.char_indices().peekable();
-        while let Some((i, c)) = chars.next() {
-            if c == ',' && chars.peek().is_none_or(|&(_, next)| next != ' ') {
-                names.push(&value[start..i]);
-                start = i + 1;
+        let mut names: Vec<String> = Vec::new();
+        for piece in value.split(',') {
+            match names.last_mut() {
+                Some(name) if piece.starts_with(' ') => {
+                    name.push(',');
+                    name.push_str(piece);
+                }
+                _ => names.push(piece.to_owned()),
             }
         }
-        names.push(&value[start..]);
-        let names: Vec<String> = names
-            .into_iter()
-            .filter(|n| !n.is_empty())
-            .map(str::to_owned)
-            .collect();
+        names.retain(|n| !n.is_empty());
         if names.is_empty() {
             return Err("no arm named".into());
         }
