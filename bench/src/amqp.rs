@@ -18,8 +18,8 @@ use sqlx::{PgPool, Postgres};
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_since, cpu_time, figures, framework_figures, hand_batch, payload, timed,
-    Acks, Figures, Fw, Job, Options, Rss,
+    bench_worker, framework_figures, hand_batch, payload, timed, Acks, Clock, Figures, Fw, Job,
+    Options,
 };
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
@@ -99,9 +99,7 @@ pub(crate) async fn raw(
     each: bool,
 ) -> anyhow::Result<Figures> {
     let (conn, _ch, mut consumer) = consume(url, queue, "raw", o).await?;
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let mut latencies = Vec::with_capacity(o.messages);
     let mut pending: Vec<Instant> = Vec::with_capacity(64);
     let mut seen = 0;
@@ -119,13 +117,7 @@ pub(crate) async fn raw(
             }
         }
     }
-    let f = figures(
-        o.messages,
-        start.elapsed(),
-        cpu_since(cpu0),
-        &mut latencies,
-        rss,
-    );
+    let f = clock.figures(o.messages, &mut latencies);
     conn.close(200, "done".into()).await?;
     Ok(f)
 }
@@ -140,9 +132,7 @@ pub(crate) async fn hand_written(
 ) -> anyhow::Result<Figures> {
     let (conn, _ch, consumer) = consume(url, queue, "hand", o).await?;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(o.messages)));
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let work = consumer.take(o.messages).map(|delivery| {
         let pool = pool.clone();
         let latencies = latencies.clone();
@@ -183,11 +173,10 @@ pub(crate) async fn hand_written(
     });
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
-    let wall = start.elapsed();
-    let cpu = cpu_since(cpu0);
+    let stopped = clock.stop();
     let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
     conn.close(200, "done".into()).await?;
-    Ok(figures(o.messages, wall, cpu, &mut l, rss))
+    Ok(stopped.figures(o.messages, &mut l))
 }
 
 /// Hand-written lapin + sqlx, batched as a good hand-written consumer would: the deliveries
@@ -203,9 +192,7 @@ pub(crate) async fn hand_batched(
 ) -> anyhow::Result<Figures> {
     let (conn, _ch, consumer) = consume(url, queue, "hand-batched", o).await?;
     let mut latencies = Vec::with_capacity(o.messages);
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let chunks = tokio_stream::StreamExt::chunks_timeout(
         consumer.take(o.messages),
         o.batch,
@@ -244,13 +231,7 @@ pub(crate) async fn hand_batched(
         let us = at.elapsed().as_micros() as u64;
         latencies.extend(std::iter::repeat_n(us, n));
     }
-    let f = figures(
-        o.messages,
-        start.elapsed(),
-        cpu_since(cpu0),
-        &mut latencies,
-        rss,
-    );
+    let f = clock.figures(o.messages, &mut latencies);
     conn.close(200, "done".into()).await?;
     Ok(f)
 }
@@ -268,9 +249,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     let consumer = AmqpConsumer::connect(config).await?;
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
     let acks = Acks::new(o.messages);
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let a2 = acks.clone();
     // The stream ends with the arm's last message: the worker then settles what it has in
     // flight and returns, as the hand-written arms end with their stream.
@@ -278,9 +257,9 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
         .take(o.messages)
         .map(move |r| r.map(|i| timed(i, &a2)));
     worker.run(stream, std::future::pending()).await?;
-    let end = End::after(fw.relay, o.messages, start).await?;
-    let cpu = cpu_since(cpu0);
-    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)
+    let end = End::after(fw.relay, o.messages, clock.start).await?;
+    let cpu = clock.cpu();
+    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.rss)
 }
 
 /// A durable queue `name` holding nothing: deleted (with what it held) and declared again.

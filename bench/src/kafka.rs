@@ -19,8 +19,8 @@ use sqlx::Postgres;
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, cpu_since, cpu_time, figures, framework_figures, hand_batch, payload, timed,
-    Acks, Figures, Fw, Job, Options, Rss,
+    bench_worker, framework_figures, hand_batch, payload, timed, Acks, Clock, Figures, Fw, Job,
+    Options,
 };
 
 const PARTITIONS: i32 = 4;
@@ -97,9 +97,7 @@ pub(crate) async fn raw(
     let mut stream = consumer.stream();
     let mut latencies = Vec::with_capacity(o.messages);
     let first = stream.next().await.context("consumer ended")??;
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     consumer.store_offset_from_message(&first)?;
     drop(first);
     for _ in 1..o.messages {
@@ -109,13 +107,7 @@ pub(crate) async fn raw(
         consumer.store_offset_from_message(&m)?;
         latencies.push(at.elapsed().as_micros() as u64);
     }
-    Ok(figures(
-        o.messages,
-        start.elapsed(),
-        cpu_since(cpu0),
-        &mut latencies,
-        rss,
-    ))
+    Ok(clock.figures(o.messages, &mut latencies))
 }
 
 /// Hand-written rdkafka + sqlx, batched: the records that arrive within the batch window (up
@@ -136,9 +128,7 @@ pub(crate) async fn hand_batched(
         .peek()
         .await
         .context("consumer ended")?;
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let mut latencies = Vec::with_capacity(o.messages);
     let chunks = tokio_stream::StreamExt::chunks_timeout(records, o.batch, crate::BATCH_WAIT);
     let batches = chunks
@@ -169,13 +159,7 @@ pub(crate) async fn hand_batched(
         let us = at.elapsed().as_micros() as u64;
         latencies.extend(std::iter::repeat_n(us, offsets.len()));
     }
-    Ok(figures(
-        o.messages,
-        start.elapsed(),
-        cpu_since(cpu0),
-        &mut latencies,
-        rss,
-    ))
+    Ok(clock.figures(o.messages, &mut latencies))
 }
 
 /// The framework's Kafka transport alone: every record acked as it arrives (up to 512 at
@@ -190,9 +174,7 @@ pub(crate) async fn transport_only(
     c.order = ProcessingOrder::Key;
     let mut consumer = KafkaConsumer::new(c)?;
     let first = consumer.next().await.context("consumer ended")??;
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     first.acker.settle(Settlement::Ack).await?;
     let acks: Vec<anyhow::Result<()>> = consumer
         .take(o.messages - 1)
@@ -206,13 +188,7 @@ pub(crate) async fn transport_only(
         .collect()
         .await;
     acks.into_iter().collect::<anyhow::Result<()>>()?;
-    Ok(figures(
-        o.messages,
-        start.elapsed(),
-        cpu_since(cpu0),
-        &mut [],
-        rss,
-    ))
+    Ok(clock.figures(o.messages, &mut []))
 }
 
 /// The framework on Kafka, records ordered per key (so a batch can hold several records of
@@ -231,22 +207,22 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     let closed = consumer.closed();
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
     let acks = Acks::new(o.messages);
-    let started: Arc<OnceLock<(Instant, Duration, Rss)>> = Arc::new(OnceLock::new());
+    let started: Arc<OnceLock<Clock>> = Arc::new(OnceLock::new());
     let (a2, started2) = (acks.clone(), started.clone());
     // The stream ends with the arm's last record: the worker then settles what it has in
     // flight and returns, as the hand-written arm ends with its stream.
     let stream = consumer.take(o.messages).map(move |r| {
         r.map(|i| {
-            started2.get_or_init(|| (Instant::now(), cpu_time(), Rss::start()));
+            started2.get_or_init(Clock::start);
             timed(i, &a2)
         })
     });
     worker.run(stream, std::future::pending()).await?;
-    let (start, cpu0, rss) = *started.get().context("no record arrived")?;
-    let end = End::after(fw.relay, o.messages, start).await?;
-    let cpu = cpu_since(cpu0);
+    let clock = *started.get().context("no record arrived")?;
+    let end = End::after(fw.relay, o.messages, clock.start).await?;
+    let cpu = clock.cpu();
     closed.await;
-    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, rss)
+    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.rss)
 }
 
 /// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.

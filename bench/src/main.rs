@@ -402,18 +402,72 @@ impl Rss {
             })
             .unwrap_or_default()
     }
+}
 
+/// An arm's clock: its wall time and this process's CPU time from the moment it starts, and
+/// the RSS it started at. Every arm starts one just before its first message is handled.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    start: Instant,
+    cpu0: Duration,
+    rss: Rss,
+}
+
+impl Clock {
+    /// Does the bench's own bookkeeping (the servers' and brokers' CPU baselines, read from
+    /// every process's /proc entry, a few ms; `--thread-cpu`'s readings; the RSS) and then
+    /// starts the clocks, so that none of it is counted in the arm's figures.
     fn start() -> Self {
-        perf_control("enable");
-        // Every arm calls this just before its clock starts: the server CPU baseline too.
         let us = u64::try_from(server_cpu_time().as_micros()).unwrap_or(u64::MAX);
         SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
         let us = u64::try_from(broker_cpu_time().as_micros()).unwrap_or(u64::MAX);
         BROKER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
         read_threads_cpu(|t| &mut t.start);
-        Rss {
-            start_kib: Self::now_kib(),
+        let rss = Rss {
+            start_kib: Rss::now_kib(),
+        };
+        perf_control("enable");
+        let cpu0 = cpu_time();
+        Clock {
+            start: Instant::now(),
+            cpu0,
+            rss,
         }
+    }
+
+    /// The arm's figures (see [`figures`]), with both clocks stopped now.
+    fn figures(&self, n: usize, latencies: &mut [u64]) -> Figures {
+        self.stop().figures(n, latencies)
+    }
+
+    /// Stops both clocks, for an arm with more to check before its figures.
+    fn stop(&self) -> Stopped {
+        let wall = self.start.elapsed();
+        Stopped {
+            wall,
+            cpu: self.cpu(),
+            rss: self.rss,
+        }
+    }
+
+    /// This process's CPU time since the clock started (see [`cpu_since`]).
+    fn cpu(&self) -> Duration {
+        cpu_since(self.cpu0)
+    }
+}
+
+/// An arm's clocks, stopped (see [`Clock::stop`]).
+#[derive(Debug, Clone, Copy)]
+struct Stopped {
+    wall: Duration,
+    cpu: Duration,
+    rss: Rss,
+}
+
+impl Stopped {
+    /// The arm's figures (see [`figures`]).
+    fn figures(self, n: usize, latencies: &mut [u64]) -> Figures {
+        figures(n, self.wall, self.cpu, latencies, self.rss)
     }
 }
 
@@ -595,9 +649,7 @@ async fn db_floor(
     per_tx: usize,
     effect_per_message: bool,
 ) -> anyhow::Result<Figures> {
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let ids: Vec<u64> = (first..first + o.messages as u64).collect();
     let body = "x".repeat(o.size);
     // The same concurrency as the framework arms, so neither side is starved of connections.
@@ -640,13 +692,7 @@ async fn db_floor(
     });
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
-    Ok(figures(
-        o.messages,
-        start.elapsed(),
-        cpu_since(cpu0),
-        &mut [],
-        rss,
-    ))
+    Ok(clock.figures(o.messages, &mut []))
 }
 
 /// A hand-written batched consumer's transaction: claims the batch's keys with one inbox
@@ -685,9 +731,7 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
     let broker = MemoryBroker::new();
     fill(&broker, "q", first, o);
     let acks = Acks::new(o.messages);
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let consumer = broker.consume("q").take(o.messages);
     let work = consumer.map(|incoming| {
         let pool = pool.clone();
@@ -719,9 +763,8 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
     });
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
-    let wall = start.elapsed();
-    let cpu = cpu_since(cpu0);
-    Ok(figures(o.messages, wall, cpu, &mut acks.latencies(), rss))
+    let stopped = clock.stop();
+    Ok(stopped.figures(o.messages, &mut acks.latencies()))
 }
 
 /// The framework's worker for the `record` handler, as every framework arm runs it: the
@@ -773,17 +816,13 @@ async fn framework<H: Handler<Postgres>>(
     fill(&broker, "q", first, o);
     let acks = Acks::new(o.messages);
     let worker = bench_worker(inbox, handler, o, batch)?;
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let a2 = acks.clone();
     let consumer = broker.consume("q").map(move |r| r.map(|i| timed(i, &a2)));
     worker.run(consumer, broker.drained("q")).await?;
-    let wall = start.elapsed();
-    let cpu = cpu_since(cpu0);
-    let s = worker.snapshot();
-    ensure_completed(o, &s)?;
-    Ok(figures(o.messages, wall, cpu, &mut acks.latencies(), rss))
+    let stopped = clock.stop();
+    ensure_completed(o, &worker.snapshot())?;
+    Ok(stopped.figures(o.messages, &mut acks.latencies()))
 }
 
 fn main() -> anyhow::Result<()> {

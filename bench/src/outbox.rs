@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::Postgres;
 use tokio::sync::{oneshot, watch};
 
-use crate::{cpu_since, cpu_time, figures, Figures, Fw, Job, Options, Rss};
+use crate::{figures, Clock, Figures, Fw, Job, Options};
 
 /// How long an arm (or a latency sample) waits for its relay before it fails.
 const RELAY_DEADLINE: Duration = Duration::from_secs(300);
@@ -148,14 +148,12 @@ async fn relay_alone(
         outbox.enqueue(&mut tx, &event).await?;
     }
     tx.commit().await?;
-    let rss = Rss::start();
-    let cpu0 = cpu_time();
-    let start = Instant::now();
+    let clock = Clock::start();
     let relay = Relaying::start(outbox, publisher, o.relay_config())?;
     let last = relay.confirmed(o.messages).await?;
-    let wall = last.saturating_duration_since(start);
+    let wall = last.saturating_duration_since(clock.start);
     Ok((
-        figures(o.messages, wall, cpu_since(cpu0), &mut [], rss),
+        figures(o.messages, wall, clock.cpu(), &mut [], clock.rss),
         relay,
     ))
 }
