@@ -259,7 +259,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     worker.run(stream, std::future::pending()).await?;
     let end = End::after(fw.relay, o.messages, clock.start).await?;
     let cpu = clock.cpu();
-    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.rss)
+    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.base)
 }
 
 /// A durable queue `name` holding nothing: deleted (with what it held) and declared again.

@@ -222,7 +222,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     let end = End::after(fw.relay, o.messages, clock.start).await?;
     let cpu = clock.cpu();
     closed.await;
-    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.rss)
+    framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.base)
 }
 
 /// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.

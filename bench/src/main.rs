@@ -385,53 +385,58 @@ fn print_threads_cpu(n: usize) {
     eprintln!("threads, CPU µs a message: {}", line.join(", "));
 }
 
-/// Resident set size of this process (VmRSS), to show memory stays bounded.
-#[derive(Debug, Clone, Copy)]
-struct Rss {
-    start_kib: u64,
+/// Resident set size of this process (VmRSS) in KiB, to show memory stays bounded.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or_default()
 }
 
-impl Rss {
-    fn now_kib() -> u64 {
-        std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            })
-            .unwrap_or_default()
+/// What an arm's figures other than its clocks are measured from, read when it starts and
+/// again when it stops: this process's RSS and the local servers' CPU time.
+#[derive(Debug, Clone, Copy)]
+struct Baseline {
+    rss_kib: u64,
+    servers: ServersCpu,
+}
+
+impl Baseline {
+    fn now() -> Self {
+        Baseline {
+            rss_kib: rss_kib(),
+            servers: ServersCpu::now(),
+        }
     }
 }
 
 /// An arm's clock: its wall time and this process's CPU time from the moment it starts, and
-/// the RSS it started at. Every arm starts one just before its first message is handled.
+/// the [`Baseline`] it started at. Every arm starts one just before its first message is
+/// handled.
 #[derive(Debug, Clone, Copy)]
 struct Clock {
     start: Instant,
     cpu0: Duration,
-    rss: Rss,
+    base: Baseline,
 }
 
 impl Clock {
-    /// Does the bench's own bookkeeping (the servers' and brokers' CPU baselines, read from
-    /// every process's /proc entry, a few ms; `--thread-cpu`'s readings; the RSS) and then
-    /// starts the clocks, so that none of it is counted in the arm's figures.
+    /// Does the bench's own bookkeeping (the [`Baseline`], whose servers' CPU time is read
+    /// from every process's /proc entry, a few ms; `--thread-cpu`'s readings) and then starts
+    /// the clocks, so that none of it is counted in the arm's figures.
     fn start() -> Self {
-        let us = u64::try_from(server_cpu_time().as_micros()).unwrap_or(u64::MAX);
-        SERVER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
-        let us = u64::try_from(broker_cpu_time().as_micros()).unwrap_or(u64::MAX);
-        BROKER_CPU0_US.store(us, std::sync::atomic::Ordering::Relaxed);
+        let base = Baseline::now();
         read_threads_cpu(|t| &mut t.start);
-        let rss = Rss {
-            start_kib: Rss::now_kib(),
-        };
         perf_control("enable");
         let cpu0 = cpu_time();
         Clock {
             start: Instant::now(),
             cpu0,
-            rss,
+            base,
         }
     }
 
@@ -446,7 +451,7 @@ impl Clock {
         Stopped {
             wall,
             cpu: self.cpu(),
-            rss: self.rss,
+            base: self.base,
         }
     }
 
@@ -461,13 +466,13 @@ impl Clock {
 struct Stopped {
     wall: Duration,
     cpu: Duration,
-    rss: Rss,
+    base: Baseline,
 }
 
 impl Stopped {
     /// The arm's figures (see [`figures`]).
     fn figures(self, n: usize, latencies: &mut [u64]) -> Figures {
-        figures(n, self.wall, self.cpu, latencies, self.rss)
+        figures(n, self.wall, self.cpu, latencies, self.base)
     }
 }
 
@@ -489,56 +494,52 @@ fn cpu_time() -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-/// User + system CPU time of every `postgres` process on this machine (the benchmark's
-/// database is local), from /proc; zero where not readable.
-fn server_cpu_time() -> Duration {
-    processes_cpu_time(&["postgres"])
+/// User + system CPU time of the local servers' processes, from /proc (zero where not
+/// readable): PostgreSQL's (the benchmark's database is local), and the brokers' (RabbitMQ
+/// runs in `beam.smp`; tansu), every such process on this machine, so another broker node
+/// running beside the bench is counted too.
+#[derive(Debug, Clone, Copy)]
+struct ServersCpu {
+    postgres: Duration,
+    brokers: Duration,
 }
 
-/// The same for the brokers (RabbitMQ runs in `beam.smp`; tansu): every such process on
-/// this machine, so another broker node running beside the bench is counted too.
-fn broker_cpu_time() -> Duration {
-    processes_cpu_time(&["beam.smp", "tansu"])
-}
-
-/// User + system CPU time of every process whose command name is one of `names`.
-fn processes_cpu_time(names: &[&str]) -> Duration {
-    let mut ticks = 0u64;
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for entry in dir.flatten() {
-            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-                continue;
-            };
-            let Some((head, tail)) = stat.rsplit_once(')') else {
-                continue;
-            };
-            let Some((_, comm)) = head.rsplit_once('(') else {
-                continue;
-            };
-            if !names.contains(&comm) {
-                continue;
+impl ServersCpu {
+    /// Reads every process's `stat` once.
+    fn now() -> Self {
+        let (mut postgres, mut brokers) = (0u64, 0u64);
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                    continue;
+                };
+                let Some((head, tail)) = stat.rsplit_once(')') else {
+                    continue;
+                };
+                let Some((_, comm)) = head.rsplit_once('(') else {
+                    continue;
+                };
+                let sum = match comm {
+                    "postgres" => &mut postgres,
+                    "beam.smp" | "tansu" => &mut brokers,
+                    _ => continue,
+                };
+                let f: Vec<&str> = tail.split_whitespace().collect();
+                let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                *sum += get(11) + get(12);
             }
-            let f: Vec<&str> = tail.split_whitespace().collect();
-            let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            ticks += get(11) + get(12);
+        }
+        // USER_HZ is 100 on Linux.
+        ServersCpu {
+            postgres: Duration::from_millis(postgres * 10),
+            brokers: Duration::from_millis(brokers * 10),
         }
     }
-    Duration::from_millis(ticks * 10)
 }
 
-/// The server CPU time when the running arm's clock started, in microseconds.
-static SERVER_CPU0_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// The broker CPU time when the running arm's clock started, in microseconds.
-static BROKER_CPU0_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// CPU time per message of a process group since `start_us` (a `*_CPU0_US` value).
-fn since_per_msg(now: Duration, start_us: &std::sync::atomic::AtomicU64, n: usize) -> f64 {
-    now.saturating_sub(Duration::from_micros(
-        start_us.load(std::sync::atomic::Ordering::Relaxed),
-    ))
-    .as_secs_f64()
-        * 1e6
-        / n as f64
+/// CPU time per message of `n` messages from `start` to `end`.
+fn per_msg(start: Duration, end: Duration, n: usize) -> f64 {
+    end.saturating_sub(start).as_secs_f64() * 1e6 / n as f64
 }
 
 /// A framework arm's figures once its clock has stopped at `end`, after `cpu` of this
@@ -549,7 +550,7 @@ fn framework_figures(
     end: &outbox::End,
     cpu: Duration,
     acks: &Acks,
-    rss: Rss,
+    base: Baseline,
 ) -> anyhow::Result<Figures> {
     ensure_completed(o, s)?;
     Ok(end.figures(figures(
@@ -557,7 +558,7 @@ fn framework_figures(
         end.wall,
         cpu,
         &mut acks.latencies(),
-        rss,
+        base,
     )))
 }
 
@@ -585,8 +586,15 @@ fn perf_control(command: &str) {
 }
 
 /// An arm's figures, taken when its clock stops (which also stops a `--perf-ctl` profile).
-fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: Rss) -> Figures {
+fn figures(
+    n: usize,
+    wall: Duration,
+    cpu: Duration,
+    latencies: &mut [u64],
+    base: Baseline,
+) -> Figures {
     perf_control("disable");
+    let now = Baseline::now();
     print_threads_cpu(n);
     latencies.sort_unstable();
     let pct = |p: f64| percentile_ms(latencies, p);
@@ -595,9 +603,9 @@ fn figures(n: usize, wall: Duration, cpu: Duration, latencies: &mut [u64], rss: 
         cpu_us_per_msg: cpu.as_secs_f64() * 1e6 / n as f64,
         p50_ms: pct(0.50),
         p99_ms: pct(0.99),
-        rss_mib: Rss::now_kib().saturating_sub(rss.start_kib) as f64 / 1024.0,
-        server_us_per_msg: since_per_msg(server_cpu_time(), &SERVER_CPU0_US, n),
-        broker_us_per_msg: since_per_msg(broker_cpu_time(), &BROKER_CPU0_US, n),
+        rss_mib: now.rss_kib.saturating_sub(base.rss_kib) as f64 / 1024.0,
+        server_us_per_msg: per_msg(base.servers.postgres, now.servers.postgres, n),
+        broker_us_per_msg: per_msg(base.servers.brokers, now.servers.brokers, n),
         measured_latency: !latencies.is_empty(),
         relay: None,
     }
@@ -973,7 +981,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                 eprintln!(
                     "rss t={:>7.1}s {:>8} KiB",
                     t0.elapsed().as_secs_f64(),
-                    Rss::now_kib()
+                    rss_kib()
                 );
             }
         });

@@ -153,7 +153,7 @@ async fn relay_alone(
     let last = relay.confirmed(o.messages).await?;
     let wall = last.saturating_duration_since(clock.start);
     Ok((
-        figures(o.messages, wall, clock.cpu(), &mut [], clock.rss),
+        figures(o.messages, wall, clock.cpu(), &mut [], clock.base),
         relay,
     ))
 }
