@@ -120,7 +120,8 @@ pub struct AmqpConfig {
     /// Binding keys of the queue on `exchange` (default: the queue's name).
     pub binding_keys: Vec<String>,
     /// Deliveries the broker sends ahead of acks (`basic.qos`), at least 1 (default 32).
-    /// Keep it at least the worker's concurrency, or workers sit idle.
+    /// Keep it above the worker's concurrency, or workers sit idle: a delivery whose ack is
+    /// on its way still counts here, but no longer holds one of the worker's slots.
     pub prefetch: u16,
     /// The consumer tag; empty (the default) lets the broker choose one.
     pub consumer_tag: String,

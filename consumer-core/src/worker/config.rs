@@ -32,7 +32,9 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct WorkerConfig {
-    /// Deliveries (or batches) processed at once (default 8).
+    /// Deliveries (or batches) worked on at once: prepared, run and committed (default 8). A
+    /// delivery whose outcome is committed and only waits for the broker to take its ack
+    /// does not count; the transport bounds those (RabbitMQ's prefetch, say).
     pub concurrency: usize,
     /// Overrides the handler's `max_attempts`.
     pub max_attempts: Option<u32>,

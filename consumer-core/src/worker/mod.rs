@@ -14,6 +14,7 @@
 //!    attempted before), one commit; if a handler fails in a group of several, each job
 //!    runs again alone.
 //! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers.
+//!    The batch's concurrency slot is free by then ([`slot`]): settling waits on the broker.
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
@@ -28,6 +29,7 @@ mod execute;
 mod gather;
 mod job;
 mod settle;
+mod slot;
 mod spare;
 #[cfg(test)]
 mod tests;
@@ -47,6 +49,7 @@ use self::claim::Decision;
 use self::config::Settings;
 use self::job::{Job, Verdict};
 use self::settle::{settle_all, Settled};
+use self::slot::Slot;
 use self::spare::SpareBatches;
 use crate::delivery::{DeadLetterReason, Incoming, Transport};
 use crate::fault::point::FaultPoint;
@@ -209,10 +212,10 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     let worker = self.clone();
                     let crash_tx = crash_tx.clone();
                     tasks.spawn(async move {
-                        if let Err(Crash(point)) = worker.inner.process(batch).await {
+                        let slot = Slot(Some(permit));
+                        if let Err(Crash(point)) = worker.inner.process(batch, slot).await {
                             let _ = crash_tx.send(Some(point));
                         }
-                        drop(permit);
                     });
                 }
             }
@@ -297,8 +300,9 @@ impl RepeatedKeys {
 
 impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// The pipeline over one batch (one delivery in the per-message mode): prepare, claim,
-    /// execute, settle. `Err` is a simulated crash: nothing of the batch was settled.
-    async fn process(&self, batch: Vec<Incoming>) -> Result<(), Crash> {
+    /// execute, settle. `Err` is a simulated crash: nothing of the batch was settled. The
+    /// batch holds its `slot` until its outcomes are durable (see [`Slot`]).
+    async fn process(&self, batch: Vec<Incoming>, slot: Slot) -> Result<(), Crash> {
         let span = if batch.len() == 1 {
             let delivery = &batch[0].delivery;
             let span = tracing::info_span!(
@@ -331,10 +335,10 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             crate::trace::link(&span, batch.iter().map(|i| &i.delivery));
             span
         };
-        self.stages(batch).instrument(span).await
+        self.stages(batch, slot).instrument(span).await
     }
 
-    async fn stages(&self, mut batch: Vec<Incoming>) -> Result<(), Crash> {
+    async fn stages(&self, mut batch: Vec<Incoming>, mut slot: Slot) -> Result<(), Crash> {
         let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
         let mut jobs: Vec<Job<H::Message>> = Vec::with_capacity(batch.len());
         // A key twice in one batch: the second copy goes through the pipeline (and is
@@ -397,6 +401,11 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         for key in &fault_keys {
             self.fault(FaultPoint::AfterCommit, key)?;
         }
+        // Settling is the broker's round trip, not the handler's work: the slot goes to the
+        // next batch, unless jobs of this one are still to run after it (a repeated key).
+        if repeats.is_empty() {
+            slot.give_back();
+        }
         let results = settle_all(settled).await;
         for (_, result) in &results {
             if let Err(e) = result {
@@ -409,8 +418,9 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             self.fault(FaultPoint::AfterAck, key)?;
         }
         for job in repeats {
-            Box::pin(self.stages(vec![job.into_incoming()])).await?;
+            Box::pin(self.stages(vec![job.into_incoming()], Slot::kept_by_caller())).await?;
         }
+        drop(slot);
         Ok(())
     }
 

@@ -13,8 +13,9 @@ use sqlx::Sqlite;
 
 use crate::memory::{MemoryBroker, Message};
 use crate::{
-    BatchConfig, BatchContext, Context, DeadLetterReason, Handler, HandlerError, HandlerOptions,
-    Inbox, StatsSnapshot, Worker, WorkerConfig,
+    Acknowledger, BatchConfig, BatchContext, Context, DeadLetterReason, Handler, HandlerError,
+    HandlerOptions, Inbox, Incoming, Settlement, StatsSnapshot, TransportError, Worker,
+    WorkerConfig,
 };
 
 /// A job: `fail` transient failures before it succeeds, or a permanent failure.
@@ -224,6 +225,71 @@ async fn a_batch_of_one_runs_the_per_message_handler() {
     assert_eq!(stats.completed, 1);
     assert_eq!(handler.batch_calls.load(Ordering::Relaxed), 0);
     assert_eq!(handler.runs_of("a"), [1]);
+}
+
+/// A broker slow to take settlements: each waits until the test opens `gate`, then goes to
+/// the in-memory broker's own acknowledger.
+struct Held {
+    inner: Box<dyn Acknowledger>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Acknowledger for Held {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            let _open = self.gate.acquire().await;
+            self.inner.settle(settlement).await
+        })
+    }
+}
+
+/// Waits until `done` holds, for at most 10 s.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "{what} within 10 s");
+}
+
+#[tokio::test]
+async fn a_delivery_waiting_for_its_settlement_leaves_its_slot_to_the_next() {
+    let (inbox, _dir) = inbox().await;
+    let handler = Recorder::default();
+    let broker = published(&[("a", json!({"id": "a"})), ("b", json!({"id": "b"}))]);
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let held = {
+        let gate = gate.clone();
+        futures::TryStreamExt::map_ok(broker.consume("q"), move |i: Incoming| Incoming {
+            delivery: i.delivery,
+            acker: Box::new(Held {
+                inner: i.acker,
+                gate: gate.clone(),
+            }),
+        })
+    };
+    let worker = Worker::with_config(
+        inbox.clone(),
+        handler.clone(),
+        config(None).with_concurrency(1),
+    )
+    .unwrap();
+    let running = tokio::spawn(async move { worker.run(held, broker.drained("q")).await });
+    // One slot: b runs while a, committed, still waits for the broker to take its ack.
+    until("b runs", || handler.runs_of("b") == [1]).await;
+    assert_eq!(handler.runs_of("a"), [1]);
+    gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(30), running)
+        .await
+        .expect("the worker ends in time")
+        .expect("the worker's task")
+        .expect("the worker runs");
+    assert_eq!(effects(&inbox).await, ["a", "b"]);
 }
 
 #[tokio::test]
