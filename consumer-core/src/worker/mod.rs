@@ -14,7 +14,8 @@
 //!    attempted before), one commit; if a handler fails in a group of several, each job
 //!    runs again alone.
 //! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers.
-//!    The batch's concurrency slot is free by then ([`slot`]): settling waits on the broker.
+//!    The batch's concurrency slot is free by then, unless a repeated key of it is still to
+//!    run ([`slot`]): settling waits on the broker.
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
@@ -212,7 +213,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     let worker = self.clone();
                     let crash_tx = crash_tx.clone();
                     tasks.spawn(async move {
-                        let slot = Slot(Some(permit));
+                        let slot = Slot::held(permit);
                         if let Err(Crash(point)) = worker.inner.process(batch, slot).await {
                             let _ = crash_tx.send(Some(point));
                         }
@@ -420,7 +421,6 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         for job in repeats {
             Box::pin(self.stages(vec![job.into_incoming()], Slot::kept_by_caller())).await?;
         }
-        drop(slot);
         Ok(())
     }
 

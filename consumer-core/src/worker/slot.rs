@@ -16,9 +16,14 @@ use tokio::sync::OwnedSemaphorePermit;
 ///
 /// A batch whose jobs still have to run after its settlement (the second copy of a key it
 /// held twice) keeps its slot until they ran: they run within it, one by one.
-pub(super) struct Slot(pub(super) Option<OwnedSemaphorePermit>);
+pub(super) struct Slot(Option<OwnedSemaphorePermit>);
 
 impl Slot {
+    /// The hold of a batch that took `permit`.
+    pub(super) fn held(permit: OwnedSemaphorePermit) -> Slot {
+        Slot(Some(permit))
+    }
+
     /// The hold of work that runs within its caller's slot: nothing to give back.
     pub(super) fn kept_by_caller() -> Slot {
         Slot(None)

@@ -227,10 +227,11 @@ async fn a_batch_of_one_runs_the_per_message_handler() {
     assert_eq!(handler.runs_of("a"), [1]);
 }
 
-/// A broker slow to take settlements: each waits until the test opens `gate`, then goes to
-/// the in-memory broker's own acknowledger.
+/// A broker slow to take settlements: each tells `arrived` it is there, waits until the test
+/// opens `gate`, then goes to the in-memory broker's own acknowledger.
 struct Held {
     inner: Box<dyn Acknowledger>,
+    arrived: Arc<tokio::sync::Semaphore>,
     gate: Arc<tokio::sync::Semaphore>,
 }
 
@@ -240,21 +241,11 @@ impl Acknowledger for Held {
         settlement: Settlement,
     ) -> BoxFuture<'static, Result<(), TransportError>> {
         Box::pin(async move {
+            self.arrived.add_permits(1);
             let _open = self.gate.acquire().await;
             self.inner.settle(settlement).await
         })
     }
-}
-
-/// Waits until `done` holds, for at most 10 s.
-async fn until(what: &str, done: impl Fn() -> bool) {
-    let waited = tokio::time::timeout(Duration::from_secs(10), async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "{what} within 10 s");
 }
 
 #[tokio::test]
@@ -262,13 +253,15 @@ async fn a_delivery_waiting_for_its_settlement_leaves_its_slot_to_the_next() {
     let (inbox, _dir) = inbox().await;
     let handler = Recorder::default();
     let broker = published(&[("a", json!({"id": "a"})), ("b", json!({"id": "b"}))]);
+    let arrived = Arc::new(tokio::sync::Semaphore::new(0));
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let held = {
-        let gate = gate.clone();
+        let (arrived, gate) = (arrived.clone(), gate.clone());
         futures::TryStreamExt::map_ok(broker.consume("q"), move |i: Incoming| Incoming {
             delivery: i.delivery,
             acker: Box::new(Held {
                 inner: i.acker,
+                arrived: arrived.clone(),
                 gate: gate.clone(),
             }),
         })
@@ -280,8 +273,11 @@ async fn a_delivery_waiting_for_its_settlement_leaves_its_slot_to_the_next() {
     )
     .unwrap();
     let running = tokio::spawn(async move { worker.run(held, broker.drained("q")).await });
-    // One slot: b runs while a, committed, still waits for the broker to take its ack.
-    until("b runs", || handler.runs_of("b") == [1]).await;
+    // One slot: b runs, and reaches its own settlement, while a, committed, still waits for
+    // the broker to take its ack.
+    let both = tokio::time::timeout(Duration::from_secs(10), arrived.acquire_many(2)).await;
+    assert!(both.is_ok(), "b settles while a's settlement is held");
+    assert_eq!(handler.runs_of("b"), [1]);
     assert_eq!(handler.runs_of("a"), [1]);
     gate.add_permits(1);
     tokio::time::timeout(Duration::from_secs(30), running)
