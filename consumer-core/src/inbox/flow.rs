@@ -268,7 +268,8 @@ pub(super) async fn handlers<DB: Execute>(
         .collect())
 }
 
-/// Deletes (or, with `dry_run`, counts) the rows of `status` not updated for `older_than`.
+/// Deletes (or, with `dry_run`, counts) the rows of `status` not updated for `older_than` or
+/// longer.
 pub(super) async fn purge_older<DB: Execute>(
     pool: &Pool<DB>,
     names: &TableNames,

@@ -208,11 +208,11 @@ impl Backend for Postgres {
             ),
             purge_older: names.render(
                 "DELETE FROM {inbox} WHERE status = $1 \
-                 AND updated_at < now() - $2 * interval '1 millisecond'",
+                 AND updated_at <= now() - $2 * interval '1 millisecond'",
             ),
             count_older: names.render(
                 "SELECT status, count(*), NULL::bigint FROM {inbox} WHERE status = $1 \
-                 AND updated_at < now() - $2 * interval '1 millisecond' GROUP BY status",
+                 AND updated_at <= now() - $2 * interval '1 millisecond' GROUP BY status",
             ),
             release_dead: names.render(RELEASE_DEAD),
             purge_expired: names.render(PURGE_EXPIRED),

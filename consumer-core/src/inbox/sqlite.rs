@@ -108,11 +108,11 @@ impl Backend for Sqlite {
                 "SELECT handler, count(*), NULL FROM {inbox} GROUP BY handler ORDER BY handler",
             ),
             purge_older: names.render(
-                "DELETE FROM {inbox} WHERE status = ?1 AND updated_at < ?2 - ?3",
+                "DELETE FROM {inbox} WHERE status = ?1 AND updated_at <= ?2 - ?3",
             ),
             count_older: names.render(
                 "SELECT status, count(*), NULL FROM {inbox} \
-                 WHERE status = ?1 AND updated_at < ?2 - ?3 GROUP BY status",
+                 WHERE status = ?1 AND updated_at <= ?2 - ?3 GROUP BY status",
             ),
             release_dead: names.render(
                 "DELETE FROM {inbox} WHERE handler = ?1 AND key = ?2 AND status = 'dead'",
