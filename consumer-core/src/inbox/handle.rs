@@ -122,8 +122,8 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Deletes the rows of `status` (completed or dead) that nothing has updated for
     /// `older_than` or longer (zero takes every one), whatever their retention, and returns
-    /// how many; with `dry_run` only counts them. Pending rows are refused: they belong to messages still on their way
-    /// (use [`Inbox::release`] for one dead key).
+    /// how many; with `dry_run` only counts them. Pending rows are refused: they belong to
+    /// messages still on their way (use [`Inbox::release`] for one dead key).
     pub async fn purge_older(
         &self,
         status: EntryStatus,
