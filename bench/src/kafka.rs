@@ -23,7 +23,8 @@ use crate::{
     Options,
 };
 
-const PARTITIONS: i32 = 4;
+/// Partitions of a relay's destination topic.
+const RELAY_PARTITIONS: i32 = 4;
 
 fn config(brokers: &str, group: &str, topic: &str) -> KafkaConfig {
     let mut c = KafkaConfig::new(brokers, group, [topic]);
@@ -31,14 +32,14 @@ fn config(brokers: &str, group: &str, topic: &str) -> KafkaConfig {
     c
 }
 
-/// A fresh topic of 4 partitions holding `o.messages` records (keyed by id).
+/// A fresh topic of `o.partitions` partitions holding `o.messages` records (keyed by id).
 pub(crate) async fn fill(
     brokers: &str,
     topic: &str,
     first: u64,
     o: &Options,
 ) -> anyhow::Result<()> {
-    consumer_kafka::create_topics(&config(brokers, "fill", topic), PARTITIONS, 1).await?;
+    consumer_kafka::create_topics(&config(brokers, "fill", topic), o.partitions, 1).await?;
     let publisher = KafkaPublisher::new(&config(brokers, "fill", topic))?;
     let sends = futures::stream::iter(first..first + o.messages as u64).map(|id| {
         let publisher = &publisher;
@@ -228,7 +229,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
 /// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.
 async fn relay_destination(brokers: &str, name: &str) -> anyhow::Result<KafkaPublisher> {
     let c = config(brokers, "relay", name);
-    consumer_kafka::create_topics(&c, PARTITIONS, 1).await?;
+    consumer_kafka::create_topics(&c, RELAY_PARTITIONS, 1).await?;
     Ok(KafkaPublisher::new(&c)?)
 }
 

@@ -212,6 +212,9 @@ struct Options {
     /// Messages per transaction in the batched arms (framework and hand-written).
     #[arg(long, default_value_t = 64)]
     batch: usize,
+    /// Partitions of the topic the Kafka arms consume (its records spread over them by key).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(i32).range(1..))]
+    partitions: i32,
     /// Handlers (or hand-written transactions) running at once.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,

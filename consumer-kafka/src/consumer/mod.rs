@@ -280,47 +280,53 @@ impl Stream for KafkaConsumer {
             ..
         } = &mut *state;
         let n = partitions.len();
-        // Round robin over the partitions, one record of each in turn.
+        // Round robin over the partitions, one record of each in turn, going on from where the
+        // last take stopped, until every partition in a row had none. The partitions are
+        // walked in passes over the table, not looked up one by one: a lookup by place steps
+        // through the table from its start, for every record.
         let mut dry = 0;
-        while this.taken.len() < TAKE_AT_ONCE && dry < n {
-            let index = *cursor % n;
-            *cursor = index + 1;
-            let Some(p) = partitions.values_mut().nth(index) else {
-                break;
-            };
-            let next = if p.revoking {
-                None
-            } else {
-                p.tracker.take_next(order, now)
-            };
-            let Some((_, h)) = next else {
-                dry += 1;
-                continue;
-            };
-            dry = 0;
-            let position = LogPosition {
-                log: p.log.clone(),
-                epoch: p.generation,
-                offset: h.record.offset,
-            };
-            // A kept acknowledger if there is one (see `State::ackers`).
-            let acker = match ackers.pop() {
-                Some(mut kept) => {
-                    kept.reuse(p.generation, h.record.clone());
-                    kept
+        let mut skip = cursor.checked_rem(n).unwrap_or(0);
+        'passes: while this.taken.len() < TAKE_AT_ONCE && dry < n {
+            for (index, p) in partitions.values_mut().enumerate().skip(skip) {
+                if this.taken.len() >= TAKE_AT_ONCE || dry >= n {
+                    break 'passes;
                 }
-                None => Box::new(KafkaAcker::new(
-                    shared.clone(),
-                    p.generation,
-                    h.record.clone(),
-                )),
-            };
-            this.taken.push_back(Taken {
-                acker,
-                attempt: h.attempt,
-                redelivered: h.redelivered,
-                position,
-            });
+                *cursor = index + 1;
+                let next = if p.revoking {
+                    None
+                } else {
+                    p.tracker.take_next(order, now)
+                };
+                let Some((_, h)) = next else {
+                    dry += 1;
+                    continue;
+                };
+                dry = 0;
+                let position = LogPosition {
+                    log: p.log.clone(),
+                    epoch: p.generation,
+                    offset: h.record.offset,
+                };
+                // A kept acknowledger if there is one (see `State::ackers`).
+                let acker = match ackers.pop() {
+                    Some(mut kept) => {
+                        kept.reuse(p.generation, h.record.clone());
+                        kept
+                    }
+                    None => Box::new(KafkaAcker::new(
+                        shared.clone(),
+                        p.generation,
+                        h.record.clone(),
+                    )),
+                };
+                this.taken.push_back(Taken {
+                    acker,
+                    attempt: h.attempt,
+                    redelivered: h.redelivered,
+                    position,
+                });
+            }
+            skip = 0;
         }
         if let Some(taken) = this.taken.pop_front() {
             // Built outside the lock: the poll thread and the settlements wait on it.

@@ -31,16 +31,7 @@ fn stream(n: i64) -> KafkaConsumer {
             .expect("a producer needs no broker to be created");
     let (closed, closed_rx) = watch::channel(false);
     let shared = Arc::new(Shared::new(&config, producer, closed));
-    let partition = Partition {
-        generation: 1,
-        log: Arc::from("kept-ackers/kept/0"),
-        tracker: PartitionTracker::default(),
-        revoking: false,
-        paused: false,
-        committed: None,
-        full: false,
-    };
-    shared.lock().partitions.insert(tp(), partition);
+    assign(&shared, &tp());
     for offset in 0..n {
         add(&shared, offset);
     }
@@ -52,11 +43,30 @@ fn stream(n: i64) -> KafkaConsumer {
     }
 }
 
+/// Adds partition `tp` (assignment 1, empty) to the table, as an assignment would.
+fn assign(shared: &Shared, tp: &Tp) {
+    let partition = Partition {
+        generation: 1,
+        log: Arc::from(format!("kept-ackers/{}/{}", tp.0, tp.1)),
+        tracker: PartitionTracker::default(),
+        revoking: false,
+        paused: false,
+        committed: None,
+        full: false,
+    };
+    shared.lock().partitions.insert(tp.clone(), partition);
+}
+
 /// Adds the record at `offset` to the partition, of a key of its own, as the poll thread
 /// would.
 fn add(shared: &Shared, offset: i64) {
+    add_to(shared, &tp(), offset);
+}
+
+/// Adds the record at `offset` to partition `tp`, of a key of its own.
+fn add_to(shared: &Shared, tp: &Tp, offset: i64) {
     let record = Record {
-        tp: tp(),
+        tp: tp.clone(),
         offset,
         ..Record::blank()
     };
@@ -66,7 +76,7 @@ fn add(shared: &Shared, offset: i64) {
         redelivered: false,
     };
     let mut state = shared.lock();
-    let p = state.partitions.get_mut(&tp()).expect("the partition");
+    let p = state.partitions.get_mut(tp).expect("the partition");
     assert!(p.tracker.push(offset, Some(offset as u64), None, handout));
 }
 
@@ -147,4 +157,40 @@ fn dropping_the_stream_lets_go_of_the_kept_acknowledgers() {
     assert_eq!(ack(c, Vec::new()), [true]);
     assert!(shared.lock().ackers.is_empty());
     assert_eq!(Arc::strong_count(&shared), 1);
+}
+
+/// Records of several partitions are handed out one of each in turn, a partition with none
+/// left is passed over, and the turn goes on where it stopped across the stream's takes
+/// from the table (up to [`super::TAKE_AT_ONCE`] at a time).
+#[test]
+fn partitions_take_turns_across_takes() {
+    let mut stream = stream(0);
+    let shared = stream.shared.clone();
+    let counts = [70, 70, 3];
+    for (partition, &count) in (0..).zip(&counts) {
+        let tp: Tp = (Arc::from("kept"), partition);
+        if partition != 0 {
+            assign(&shared, &tp);
+        }
+        for offset in 0..count {
+            add_to(&shared, &tp, offset);
+        }
+    }
+    // The turns as a model takes them: one of each partition that has any left.
+    let mut left = counts;
+    let mut expected = Vec::new();
+    while left.iter().any(|&l| l > 0) {
+        for (partition, l) in (0..).zip(left.iter_mut()) {
+            if *l > 0 {
+                expected.push(format!("kept/{partition}@{}", counts[partition] - *l));
+                *l -= 1;
+            }
+        }
+    }
+    assert!(expected.len() > 2 * super::TAKE_AT_ONCE);
+    let handed: Vec<String> = (0..expected.len())
+        .map(|_| next(&mut stream).delivery.source.location.to_string())
+        .collect();
+    assert_eq!(handed, expected);
+    assert!(stream.next().now_or_never().is_none(), "nothing left");
 }
