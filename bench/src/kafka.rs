@@ -226,15 +226,16 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     framework_figures(o, &worker.snapshot(), &end, cpu, &acks, clock.base)
 }
 
-/// A fresh topic `name` of 4 partitions, and a publisher (an idempotent producer) for the relay.
+/// A fresh topic `name` of [`RELAY_PARTITIONS`], and a publisher (an idempotent producer) for
+/// the relay.
 async fn relay_destination(brokers: &str, name: &str) -> anyhow::Result<KafkaPublisher> {
     let c = config(brokers, "relay", name);
     consumer_kafka::create_topics(&c, RELAY_PARTITIONS, 1).await?;
     Ok(KafkaPublisher::new(&c)?)
 }
 
-/// An outbox arm ([`OutboxArm`]): the events go to the topic `<topic>_events` (fresh, 4
-/// partitions) through a [`KafkaPublisher`]; the clock runs until the last one's delivery
+/// An outbox arm ([`OutboxArm`]): the events go to the topic `<topic>_events` (fresh, of
+/// [`RELAY_PARTITIONS`]) through a [`KafkaPublisher`]; the clock runs until the last one's delivery
 /// report. Then checks that the topic holds every event once, and deletes it.
 pub(crate) async fn outbox(
     brokers: &str,
