@@ -53,9 +53,11 @@
 //! |---|---|---|---|
 //! | `consumer_kafka_lag` | gauge | `topic`, `partition` | of each partition this consumer is assigned, the high watermark minus the group's committed position (before the first commit, the low watermark); 0 once it is no longer assigned |
 //! | `consumer_kafka_paused_partitions` | gauge | | assigned partitions paused (a full buffer, or a retry copy not due yet) |
+//! | `consumer_kafka_fetched_records_total` | counter | `topic`, `partition` | records librdkafka fetched of each partition; one fetched again counts again, so what it exceeds the records handed out by is the fetching a paused partition repeats (a pause drops what librdkafka had prefetched for it) |
 //!
-//! The lag comes from librdkafka's statistics, which the consumer asks for every 5 s
-//! (`statistics.interval.ms`; a consumer property overrides it, `0` turns the lag off).
+//! The lag and the fetched records come from librdkafka's statistics, which the consumer
+//! asks for every 5 s (`statistics.interval.ms`; a consumer property overrides it, `0` turns
+//! both off).
 //!
 //! # Layout
 //!

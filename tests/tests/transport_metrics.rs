@@ -1,6 +1,6 @@
 //! The transports' own metrics, read through a recorder installed for this test process:
-//! RabbitMQ's unacked deliveries, connection state and reconnections; Kafka's lag per
-//! partition. Each test's series are told apart by its unique queue or group label.
+//! RabbitMQ's unacked deliveries, connection state and reconnections; Kafka's lag and
+//! fetched records per partition. Each test's series are told apart by its unique queue or group label.
 
 use std::sync::OnceLock;
 
@@ -114,11 +114,23 @@ async fn next(consumer: &mut KafkaConsumer) -> consumer_core::Incoming {
         .expect("a record")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_reports_each_partitions_lag() {
+/// Takes the next record of `consumer` and acks it.
+async fn ack_next(consumer: &mut KafkaConsumer) {
+    next(consumer)
+        .await
+        .acker
+        .settle(Settlement::Ack)
+        .await
+        .expect("acked");
+}
+
+/// A fresh topic of `partitions` partitions holding `records` records, and a consumer of it
+/// whose statistics (which the lag and the fetched-record counts come from) arrive every
+/// 100 ms.
+async fn backlog(prefix: &str, partitions: i32, records: usize) -> (KafkaEnv, KafkaConsumer) {
     recorder();
-    let env = KafkaEnv::new("tmetrics", 1).await;
-    let jobs = (0..20)
+    let env = KafkaEnv::new(prefix, partitions).await;
+    let jobs = (0..records)
         .map(|i| {
             (
                 format!("k{i}"),
@@ -127,12 +139,18 @@ async fn kafka_reports_each_partitions_lag() {
             )
         })
         .collect();
-    publish_all(&env.publisher(), &env.topic, 1, jobs).await;
+    publish_all(&env.publisher(), &env.topic, partitions, jobs).await;
     let mut config = env.config();
     config
         .consumer_properties
         .set("statistics.interval.ms", "100");
-    let mut consumer = KafkaConsumer::new(config).unwrap();
+    let consumer = KafkaConsumer::new(config).expect("a consumer");
+    (env, consumer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_reports_each_partitions_lag() {
+    let (env, mut consumer) = backlog("tmetrics", 1, 20).await;
     let lag = || value("consumer_kafka_lag", "group", &env.group);
     // The first record held (a partition's records are handed out in order, one at a
     // time): nothing settled, nothing committed, the whole partition is behind.
@@ -140,16 +158,32 @@ async fn kafka_reports_each_partitions_lag() {
     wait_for("a lag of 20", LONG, || async { lag() == Some(20.0) }).await;
     first.acker.settle(Settlement::Ack).await.unwrap();
     for _ in 1..20 {
-        next(&mut consumer)
-            .await
-            .acker
-            .settle(Settlement::Ack)
-            .await
-            .unwrap();
+        ack_next(&mut consumer).await;
     }
     wait_for("no lag once committed", LONG, || async {
         lag() == Some(0.0)
     })
     .await;
+    drop(consumer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_counts_the_records_it_fetched() {
+    let (env, mut consumer) = backlog("tfetched", 2, 30).await;
+    for _ in 0..30 {
+        ack_next(&mut consumer).await;
+    }
+    let fetched = || value("consumer_kafka_fetched_records_total", "group", &env.group);
+    wait_for("30 records fetched", LONG, || async {
+        fetched().is_some_and(|n| n >= 30.0)
+    })
+    .await;
+    // The buffers hold the topic many times over: no partition was paused, so each record
+    // was fetched once.
+    assert_eq!(
+        fetched(),
+        Some(30.0),
+        "records fetched of the two partitions"
+    );
     drop(consumer);
 }

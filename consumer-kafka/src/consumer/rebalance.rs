@@ -35,7 +35,9 @@ impl ClientContext for ConsumerCtx {
 
     /// librdkafka's statistics (every `statistics.interval.ms`): the lag of each partition
     /// assigned to this consumer (its high watermark minus the group's committed position),
-    /// as a gauge; 0 once a partition is no longer assigned.
+    /// as a gauge, 0 once a partition is no longer assigned; and the records librdkafka has
+    /// fetched of each partition, as a counter (a record fetched again after a pause
+    /// counts again).
     fn stats(&self, statistics: rdkafka::Statistics) {
         let group = &self.shared.settings.group_id;
         for (topic, t) in &statistics.topics {
@@ -53,15 +55,18 @@ impl ClientContext for ConsumerCtx {
                 } else {
                     0
                 };
+                let labels = [
+                    ("group", group.clone()),
+                    ("topic", topic.clone()),
+                    ("partition", p.partition.to_string()),
+                ];
                 // Offsets far below 2^53.
                 #[allow(clippy::cast_precision_loss)]
-                metrics::gauge!(
-                    "consumer_kafka_lag",
-                    "group" => group.clone(),
-                    "topic" => topic.clone(),
-                    "partition" => p.partition.to_string(),
-                )
-                .set(lag as f64);
+                metrics::gauge!("consumer_kafka_lag", &labels).set(lag as f64);
+                // librdkafka keeps a partition's count for the consumer's life, across
+                // assignments, so it only grows.
+                metrics::counter!("consumer_kafka_fetched_records_total", &labels)
+                    .absolute(p.rxmsgs);
             }
         }
     }
