@@ -9,7 +9,7 @@
 //!   [`KafkaConfig::from_env`] builds one from `KAFKA_*` variables.
 //! - [`KafkaConsumer`] is a [`consumer_core::Transport`]. A poll thread owns the librdkafka
 //!   consumer and keeps polling whatever the handlers do (so `max.poll.interval.ms` is never
-//!   exceeded); full partitions are paused, not the loop. Records are handed out in offset
+//!   exceeded); a full partition is left unread, not the loop. Records are handed out in offset
 //!   order per partition ([`ProcessingOrder::Partition`]) or per key
 //!   ([`ProcessingOrder::Key`]). Each acknowledger marks its offset settled, and the
 //!   transport commits only up to the last contiguous settled record of each partition this
@@ -52,8 +52,8 @@
 //! | metric | type | labels | what |
 //! |---|---|---|---|
 //! | `consumer_kafka_lag` | gauge | `topic`, `partition` | of each partition this consumer is assigned, the high watermark minus the group's committed position (before the first commit, the low watermark); 0 once it is no longer assigned |
-//! | `consumer_kafka_paused_partitions` | gauge | | assigned partitions paused (a full buffer, or a retry copy not due yet) |
-//! | `consumer_kafka_fetched_records_total` | counter | `topic`, `partition` | records librdkafka fetched of each partition; one fetched again counts again, so what it exceeds the records handed out by is the fetching a paused partition repeats (a pause drops what librdkafka had prefetched for it) |
+//! | `consumer_kafka_paused_partitions` | gauge | | assigned partitions held back: a full buffer (left unread), or a retry copy not due yet (paused) |
+//! | `consumer_kafka_fetched_records_total` | counter | `topic`, `partition` | records librdkafka fetched of each partition; one fetched again counts again (a pause drops what librdkafka had prefetched for the partition, and a rebalance what it had for those that moved), so what it exceeds the records received by is fetching repeated |
 //!
 //! The lag and the fetched records come from librdkafka's statistics, which the consumer
 //! asks for every 5 s (`statistics.interval.ms`; a consumer property overrides it, `0` turns
@@ -66,7 +66,9 @@
 //! configurations from it), `consumer` (the transport: `record` for a fetched record and
 //! its headers, `partitions` for the table of owned partitions and a record's acknowledger
 //! (kept for the next hand-out once settled), `rebalance` for the rebalance callbacks and
-//! commits, `poll` for the poll thread, `acker` for settlement,
+//! commits, `poll` for the poll thread, `queues` for each partition's own queue of fetched
+//! records, `fetch` for reading a fetched record and adding it to its partition, `acker`
+//! for settlement,
 //! `copies` for retry and dead-letter copies), `tracker` (one partition's records: which
 //! may be handed out, how far to commit; `keys` for ordering keys), `producer` (the
 //! framework's writes, the publisher, topic creation), `observer`, `headers`, `error`.

@@ -1,10 +1,10 @@
 //! Bounds on Kafka: at most `WorkerConfig::concurrency` handlers run at once (records of
 //! different keys run concurrently with `ProcessingOrder::Key`), and a partition whose
-//! records back up behind a slow handler is paused, so the records the transport holds stay
-//! bounded however far the topic runs ahead.
+//! records back up behind a slow handler is held back (left unread), so the records the
+//! transport holds stay bounded however far the topic runs ahead.
 //!
 //! What the transport holds per partition is not part of its API; it logs it (at debug
-//! level, every 2 s: `tracked=`, `paused=`) and logs each pause and resume. The test reads
+//! level, every 2 s: `tracked=`, `full=`) and logs each hold and read again. The test reads
 //! those lines through a tracing layer of its own.
 
 // Test code: it may unwrap and print.
@@ -150,14 +150,14 @@ async fn handlers_stay_within_concurrency() {
     assert_eq!(lane.runs(), JOBS as u64, "each record ran once");
 }
 
-/// The transport takes up to this many records from librdkafka between two checks of the
-/// partition's limits (`POLL_BATCH` in `consumer-kafka`), so a partition holds at most its
-/// limit plus this many records before it is paused.
+/// The transport takes up to this many records from librdkafka's queue of all partitions
+/// between two checks of the limits (`POLL_BATCH` in `consumer-kafka`), so a partition
+/// holds at most its limit plus this many records before it is left unread.
 const POLL_ROUND: usize = 500;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_backed_up_partition_is_paused_and_holds_a_bounded_number_of_records() {
-    // Well over the bound, so that a partition that is never paused exceeds it.
+async fn a_backed_up_partition_is_held_back_and_holds_a_bounded_number_of_records() {
+    // Well over the bound, so that a partition that is never held back exceeds it.
     const JOBS: usize = 1500;
     const LIMIT: usize = 50;
     init_capture();
@@ -169,19 +169,19 @@ async fn a_backed_up_partition_is_paused_and_holds_a_bounded_number_of_records()
     let running = Running::start_handler(&env, gated, config, worker_config(4)).await;
 
     // The first record blocks at the gate; its partition runs in order, so everything
-    // fetched behind it waits in the transport until the partition is paused.
+    // fetched behind it waits in the transport until the partition is held back.
     wait_for(
-        "the partition paused with its head blocked",
+        "the partition held back with its head blocked",
         LONG,
         || async {
             lane.running() == 1
-                && !lines(&env.topic, "pausing").is_empty()
-                && lines(&format!("{}/0:", env.topic), "paused=true").len() >= 2
+                && !lines(&env.topic, "holding back").is_empty()
+                && lines(&format!("{}/0:", env.topic), "full=true").len() >= 2
         },
     )
     .await;
     let held = tracked(&env.topic);
-    println!("records held while paused: {held:?}");
+    println!("records held while held back: {held:?}");
     let most = held.iter().copied().max().unwrap_or(0);
     assert!(
         most <= LIMIT + POLL_ROUND,
@@ -201,21 +201,20 @@ async fn a_backed_up_partition_is_paused_and_holds_a_bounded_number_of_records()
     let stats = running.stop().await;
     let held = tracked(&env.topic);
     let most = held.iter().copied().max().unwrap_or(0);
-    let pauses = lines(&env.topic, "pausing").len();
-    let resumes = lines(&env.topic, "resuming").len();
-    println!("held at most {most} records; {pauses} pauses, {resumes} resumes; {stats:?}");
+    let holds = lines(&env.topic, "holding back").len();
+    let reads = lines(&env.topic, "reading again").len();
+    println!("held at most {most} records; held back {holds} times, read again {reads}; {stats:?}");
     assert!(most <= LIMIT + POLL_ROUND, "held {most}: {held:?}");
     assert!(
-        resumes >= 1,
-        "the paused partition was resumed as its buffer drained"
+        reads >= 1,
+        "the held-back partition was read again as its buffer drained"
     );
     assert_eq!(lane.runs(), JOBS as u64, "each record ran once");
 }
 
 /// `max_buffered_per_partition` as its documentation words it: the records a partition
-/// buffers before it is paused. The limits are checked once per poll round, so a partition
-/// takes a whole round (up to 500 records, whatever their size: the byte limit is checked
-/// at the same moments) before it is paused.
+/// buffers before it is left unread. The transport reads a partition's own queue up to the
+/// room its buffer has left, so it never takes more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_backed_up_partition_holds_no_more_than_its_limit() {
     const JOBS: usize = 600;
@@ -228,10 +227,10 @@ async fn a_backed_up_partition_holds_no_more_than_its_limit() {
     config.max_buffered_per_partition = LIMIT;
     let running = Running::start_handler(&env, gated, config, worker_config(4)).await;
     wait_for(
-        "the partition paused with its head blocked",
+        "the partition held back with its head blocked",
         LONG,
         || async {
-            lane.running() == 1 && lines(&format!("{}/0:", env.topic), "paused=true").len() >= 2
+            lane.running() == 1 && lines(&format!("{}/0:", env.topic), "full=true").len() >= 2
         },
     )
     .await;

@@ -1,6 +1,6 @@
 //! The Kafka transport: a handler slower than `max.poll.interval.ms` does
-//! not get the member kicked out of the group. The poll thread keeps polling (and pauses
-//! full partitions) whatever the handlers do.
+//! not get the member kicked out of the group. The poll thread keeps polling (and holds
+//! back full partitions) whatever the handlers do.
 
 use std::time::Duration;
 

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use consumer_amqp::{AmqpConsumer, AmqpPublisher};
 use consumer_core::Settlement;
-use consumer_kafka::KafkaConsumer;
+use consumer_kafka::{KafkaConfig, KafkaConsumer};
 use consumer_tests::amqp::{self, close_connections_matching, config, init_tracing, Rabbit, LONG};
 use consumer_tests::common::wait_for;
 use consumer_tests::kafka::{publish_all, KafkaEnv};
@@ -124,10 +124,10 @@ async fn ack_next(consumer: &mut KafkaConsumer) {
         .expect("acked");
 }
 
-/// A fresh topic of `partitions` partitions holding `records` records, and a consumer of it
-/// whose statistics (which the lag and the fetched-record counts come from) arrive every
-/// 100 ms.
-async fn backlog(prefix: &str, partitions: i32, records: usize) -> (KafkaEnv, KafkaConsumer) {
+/// A fresh topic of `partitions` partitions holding `records` records, and the
+/// configuration of a consumer of it whose statistics (which the lag and the fetched-record
+/// counts come from) arrive every 100 ms.
+async fn backlog(prefix: &str, partitions: i32, records: usize) -> (KafkaEnv, KafkaConfig) {
     recorder();
     let env = KafkaEnv::new(prefix, partitions).await;
     let jobs = (0..records)
@@ -144,13 +144,13 @@ async fn backlog(prefix: &str, partitions: i32, records: usize) -> (KafkaEnv, Ka
     config
         .consumer_properties
         .set("statistics.interval.ms", "100");
-    let consumer = KafkaConsumer::new(config).expect("a consumer");
-    (env, consumer)
+    (env, config)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_reports_each_partitions_lag() {
-    let (env, mut consumer) = backlog("tmetrics", 1, 20).await;
+    let (env, config) = backlog("tmetrics", 1, 20).await;
+    let mut consumer = KafkaConsumer::new(config).unwrap();
     let lag = || value("consumer_kafka_lag", "group", &env.group);
     // The first record held (a partition's records are handed out in order, one at a
     // time): nothing settled, nothing committed, the whole partition is behind.
@@ -168,21 +168,24 @@ async fn kafka_reports_each_partitions_lag() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_counts_the_records_it_fetched() {
-    let (env, mut consumer) = backlog("tfetched", 2, 30).await;
-    for _ in 0..30 {
+async fn kafka_fetches_each_record_once_however_small_its_buffers() {
+    const RECORDS: usize = 300;
+    let (env, mut config) = backlog("tfetched", 2, RECORDS).await;
+    // Far less than the topic: the partitions fill up and wait for the records taken one
+    // at a time here, again and again.
+    config.max_buffered_per_partition = 10;
+    let mut consumer = KafkaConsumer::new(config).unwrap();
+    for _ in 0..RECORDS {
         ack_next(&mut consumer).await;
     }
     let fetched = || value("consumer_kafka_fetched_records_total", "group", &env.group);
-    wait_for("30 records fetched", LONG, || async {
-        fetched().is_some_and(|n| n >= 30.0)
+    wait_for("every record counted as fetched", LONG, || async {
+        fetched().is_some_and(|n| n >= RECORDS as f64)
     })
     .await;
-    // The buffers hold the topic many times over: no partition was paused, so each record
-    // was fetched once.
     assert_eq!(
         fetched(),
-        Some(30.0),
+        Some(RECORDS as f64),
         "records fetched of the two partitions"
     );
     drop(consumer);

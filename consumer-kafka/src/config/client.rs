@@ -9,6 +9,20 @@ use super::{CommitMode, KafkaConfig};
 /// The consumer's default `fetch.wait.max.ms` (see `consumer_client_config`).
 const FETCH_WAIT_MAX_MS: &str = "100";
 
+/// The consumer's default `queued.max.messages.kbytes`: what librdkafka prefetches of a
+/// partition, in KiB. Each partition's records wait in a queue of their own (see
+/// `consumer::queues`), and librdkafka applies its prefetch limits to such a queue alone,
+/// so its own default (64 MiB) would let a consumer of many partitions hold that much for
+/// each of them. 1 MiB, as much as a partition's buffer holds by default
+/// (`max_buffered_bytes_per_partition`).
+const QUEUED_MAX_KBYTES: &str = "1024";
+
+/// The consumer's default `fetch.queue.backoff.ms`: how long librdkafka waits before it
+/// looks again at a partition whose prefetch reached its limit. Its own default, 1 s, would
+/// leave a partition unfetched that long after the transport read its prefetch, once the
+/// buffers hold less than a second of the handlers' work.
+const FETCH_QUEUE_BACKOFF_MS: &str = "10";
+
 /// How often librdkafka reports its statistics to the consumer (the lag gauges, the
 /// fetched-record counters).
 const STATISTICS_INTERVAL_MS: &str = "5000";
@@ -21,13 +35,15 @@ impl KafkaConfig {
             .set("group.id", &self.group_id)
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false");
-        // librdkafka drops what it prefetched for a partition the transport pauses (a full
-        // buffer), so the resume fetches again; that fetch waits behind the one already at the
-        // broker, which holds it up to this long when it asks only for partitions without new
-        // records (a retry topic, a drained partition). librdkafka's default, 500 ms, stalls a
-        // backlogged partition that long at every resume (the bench: 4,800 msg/s against
-        // 18,000-21,000 with 100 ms). An idle consumer sends 10 fetches a second instead of 2.
+        // A partition's next fetch waits behind the one already at the broker, which holds
+        // it up to this long when it asks only for partitions without new records (a retry
+        // topic, a drained partition). librdkafka's default, 500 ms, stalls a backlogged
+        // partition that long whenever its prefetch runs low (the bench, when a full buffer
+        // paused its partition: 4,800 msg/s against 18,000-21,000 with 100 ms). An idle
+        // consumer sends 10 fetches a second instead of 2.
         c.set("fetch.wait.max.ms", FETCH_WAIT_MAX_MS);
+        c.set("queued.max.messages.kbytes", QUEUED_MAX_KBYTES);
+        c.set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS);
         // The statistics the lag gauges and the fetched-record counters come from
         // (`consumer_kafka_lag`, `consumer_kafka_fetched_records_total`); a property of the
         // user's overrides it ("0" turns them off).
@@ -107,6 +123,23 @@ mod tests {
         assert_eq!(
             c.consumer_client_config().get("fetch.wait.max.ms"),
             Some("500")
+        );
+    }
+
+    #[test]
+    fn the_prefetch_of_a_partition_is_bounded_and_can_be_set() {
+        let c = valid().consumer_client_config();
+        assert_eq!(c.get("queued.max.messages.kbytes"), Some(QUEUED_MAX_KBYTES));
+        assert_eq!(
+            c.get("fetch.queue.backoff.ms"),
+            Some(FETCH_QUEUE_BACKOFF_MS)
+        );
+        let mut c = valid();
+        c.consumer_properties
+            .set("queued.max.messages.kbytes", "65536");
+        assert_eq!(
+            c.consumer_client_config().get("queued.max.messages.kbytes"),
+            Some("65536")
         );
     }
 

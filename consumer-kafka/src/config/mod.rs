@@ -66,8 +66,12 @@ pub struct KafkaConfig {
     pub properties: ClientProperties,
     /// Properties for the consumer only, e.g. `session.timeout.ms`, `max.poll.interval.ms`,
     /// `auto.offset.reset` (default `earliest`), `partition.assignment.strategy`,
-    /// `fetch.wait.max.ms` (default 100, not librdkafka's 500: a partition paused because its
-    /// buffer was full fetches again when it resumes, and waits up to this long for it).
+    /// `fetch.wait.max.ms` (default 100, not librdkafka's 500: a partition's next fetch can
+    /// wait up to this long behind one already at the broker), `queued.max.messages.kbytes`
+    /// (default 1024: librdkafka's prefetch, which holds for each partition on its own, as
+    /// each partition's records come in a queue of their own), `fetch.queue.backoff.ms`
+    /// (default 10, not librdkafka's 1000: how soon a partition whose prefetch reached that
+    /// limit is fetched again once it is read).
     pub consumer_properties: ClientProperties,
     /// Properties for the producer only, e.g. `linger.ms`, `compression.type`.
     pub producer_properties: ClientProperties,
@@ -88,21 +92,21 @@ pub struct KafkaConfig {
     pub commit: CommitMode,
     /// How often settled offsets are committed or stored (default 500ms).
     pub commit_interval: Duration,
-    /// Records buffered per partition before it is paused (default 5,000); it is resumed
-    /// when the buffer is half empty again. The buffer holds the records between the
-    /// committed position and the fetch position: waiting, in flight, and settled behind a
-    /// record still in flight.
+    /// Records buffered per partition before the partition is left unread (default 5,000);
+    /// it is read again when the buffer is half empty. The buffer holds the records between
+    /// the committed position and the fetch position: waiting, in flight, and settled behind
+    /// a record still in flight.
     pub max_buffered_per_partition: usize,
-    /// Bytes (payloads, keys and headers) buffered per partition before it is paused
-    /// (default 1 MiB), whichever of the two limits comes first; resumed at half. With the
+    /// Bytes (payloads, keys and headers) buffered per partition before it is left unread
+    /// (default 1 MiB), whichever of the two limits comes first; read again at half. With the
     /// record limit this bounds the consumer's memory for any message size: records are
     /// copied into 8 KiB blocks shared with the records fetched beside them, so a record held
     /// long (a slow handler, a blocking retry) keeps at most one such block alive.
     ///
-    /// A paused partition drops what librdkafka prefetched for it, and its next fetch can
-    /// wait up to `fetch.wait.max.ms` behind a fetch already at the broker, so the buffer's
-    /// lower half must last that long at the handlers' rate: small buffers stall fast
-    /// handlers (BENCHMARKS.md measures it).
+    /// What librdkafka prefetched of a partition left unread waits in the partition's own
+    /// queue, up to `queued.max.messages.kbytes` (see
+    /// [`KafkaConfig::consumer_properties`]), and is read from there: a partition holds at
+    /// most its buffer and that much.
     pub max_buffered_bytes_per_partition: usize,
     /// How long a revoke waits for in-flight records of the revoked partitions to settle
     /// (default 10s). Settlements arriving later are dropped; the new owner redelivers and

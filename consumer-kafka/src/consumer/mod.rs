@@ -1,8 +1,10 @@
 //! The consumer: a poll thread that owns the librdkafka consumer, a shared table of partitions
 //! and their offset trackers, and a [`Stream`] of [`Incoming`] deliveries for the worker.
 //!
-//! - The poll thread polls every 50ms whatever the handlers do, so `max.poll.interval.ms` is
-//!   never exceeded by a slow handler. Back-pressure pauses partitions (not the loop).
+//! - The poll thread polls at least every 50ms whatever the handlers do, so
+//!   `max.poll.interval.ms` is never exceeded by a slow handler. Each partition's records
+//!   come in a queue of its own; back-pressure leaves a full partition's queue unread (not
+//!   the loop), which keeps what librdkafka prefetched for it (see `queues`).
 //! - The stream hands out a record only when its partition's order allows it (see
 //!   [`ProcessingOrder`](crate::ProcessingOrder)) and the partition is not being revoked.
 //! - An acknowledger marks its offset settled; commits go up to the last contiguous settled
@@ -39,8 +41,10 @@ use rebalance::ConsumerCtx;
 
 mod acker;
 mod copies;
+mod fetch;
 mod partitions;
 mod poll;
+mod queues;
 mod rebalance;
 mod record;
 #[cfg(test)]

@@ -31,8 +31,11 @@ pub(super) struct Partition {
     pub(super) paused: bool,
     /// Last commit point committed (or stored).
     pub(super) committed: Option<i64>,
-    /// Paused because its buffer was full: resumed when it is half empty.
+    /// Its buffer was full: its queue is left unread until the buffer is half empty.
     pub(super) full: bool,
+    /// Its records come in a queue of its own (see `queues`). Until they do, they come in
+    /// the consumer's queue with every partition's, and a full buffer pauses it instead.
+    pub(super) own_queue: bool,
 }
 
 /// What the poll thread, the stream and the acknowledgers share under one lock.

@@ -291,6 +291,7 @@ impl Shared {
                         paused: false,
                         committed: None,
                         full: false,
+                        own_queue: false,
                     },
                 );
                 events.push(OffsetEvent::Assigned {

@@ -53,6 +53,7 @@ fn assign(shared: &Shared, tp: &Tp) {
         paused: false,
         committed: None,
         full: false,
+        own_queue: false,
     };
     shared.lock().partitions.insert(tp.clone(), partition);
 }
