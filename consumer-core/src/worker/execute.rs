@@ -363,7 +363,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         match result {
             Err(e) => {
                 if let Some(point) = e.crashed() {
-                    return Err(Crash(point));
+                    return Err(self.crash(point));
                 }
                 if tentative {
                     tracing::debug!(error = %e, "a handler of the batch failed: the batch runs again one by one");

@@ -539,6 +539,13 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         Vec::new()
     }
 
+    /// A simulated crash at `point`: the turns stop first (see [`turn::Turns::stop`]), so
+    /// that no job of this worker takes another step while the crash unwinds.
+    fn crash(&self, point: FaultPoint) -> Crash {
+        self.turns.stop();
+        Crash(point)
+    }
+
     /// Checks the fault point `point` for `key`: `Err` stops the worker, or the process is
     /// aborted. Without the `fault-injection` feature, nothing.
     #[inline]
@@ -555,7 +562,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     );
                     std::process::abort()
                 }
-                Some(crate::fault::FaultAction::StopWorker) => return Err(Crash(point)),
+                Some(crate::fault::FaultAction::StopWorker) => return Err(self.crash(point)),
             }
         }
         let _ = (point, key);

@@ -10,12 +10,23 @@
 //! A Kafka record read again after a crash is not flagged (a log is read again, not
 //! redelivered), so on a log only the batched mode keeps counted jobs apart, one per
 //! transaction, and concurrent partitions share their turns.
+//!
+//! A simulated crash (a fault point's `StopWorker`) stops the turns: the crashing job's
+//! turn ends as its error unwinds, before the worker drops the jobs still in flight, and a
+//! job waiting for that turn would otherwise take it and count an attempt that the crash
+//! then cuts short, which a process that died could not have done.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// The worker's turns: shared by default, alone for a redelivered job.
 #[derive(Debug, Default)]
-pub(super) struct Turns(RwLock<()>);
+pub(super) struct Turns {
+    lock: RwLock<()>,
+    /// The worker crashed (simulated): no job takes a turn any more.
+    stopped: AtomicBool,
+}
 
 /// A turn held (one of the two guards); released when dropped.
 pub(super) struct Turn<'a> {
@@ -26,19 +37,30 @@ pub(super) struct Turn<'a> {
 impl Turns {
     /// Waits for a turn: alone if `alone`, otherwise beside the other shared turns. Taken
     /// before a group's key locks and dropped after they are released, so that no job waits
-    /// for a turn while it holds a key another job's turn needs.
+    /// for a turn while it holds a key another job's turn needs. Once the turns are
+    /// [stopped](Turns::stop) it never returns: the job waits until the worker drops it.
     pub(super) async fn take(&self, alone: bool) -> Turn<'_> {
-        if alone {
+        let turn = if alone {
             Turn {
                 _shared: None,
-                _alone: Some(self.0.write().await),
+                _alone: Some(self.lock.write().await),
             }
         } else {
             Turn {
-                _shared: Some(self.0.read().await),
+                _shared: Some(self.lock.read().await),
                 _alone: None,
             }
+        };
+        if self.stopped.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
         }
+        turn
+    }
+
+    /// The worker crashed (simulated): no job takes a turn from now on, not even one already
+    /// waiting for the crashing job's.
+    pub(super) fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
     }
 }
 
@@ -69,5 +91,22 @@ mod tests {
         );
         drop(alone);
         assert!(turns.take(false).now_or_never().is_some());
+    }
+
+    #[tokio::test]
+    async fn after_a_crash_no_job_takes_the_turn_it_waited_for() {
+        let turns = Turns::default();
+        let crashing = turns.take(true).await;
+        let waiting = turns.take(true);
+        futures::pin_mut!(waiting);
+        assert!(waiting.as_mut().now_or_never().is_none(), "alone waits");
+        // The crashing job stops the turns, and its turn ends as its error unwinds.
+        turns.stop();
+        drop(crashing);
+        assert!(
+            waiting.as_mut().now_or_never().is_none(),
+            "a job waiting when the worker crashed never runs"
+        );
+        assert!(turns.take(false).now_or_never().is_none());
     }
 }
