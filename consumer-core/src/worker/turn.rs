@@ -97,8 +97,7 @@ mod tests {
     async fn after_a_crash_no_job_takes_the_turn_it_waited_for() {
         let turns = Turns::default();
         let crashing = turns.take(true).await;
-        let waiting = turns.take(true);
-        futures::pin_mut!(waiting);
+        let mut waiting = Box::pin(turns.take(true));
         assert!(waiting.as_mut().now_or_never().is_none(), "alone waits");
         // The crashing job stops the turns, and its turn ends as its error unwinds.
         turns.stop();
@@ -107,6 +106,8 @@ mod tests {
             waiting.as_mut().now_or_never().is_none(),
             "a job waiting when the worker crashed never runs"
         );
+        // Dropped as the worker drops its jobs: the lock is free, and still no job runs.
+        drop(waiting);
         assert!(turns.take(false).now_or_never().is_none());
     }
 }

@@ -50,8 +50,8 @@ pub(super) struct Topic {
 /// hold record by record although a chunk is added under one hold of the lock.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Room {
-    pub(super) records: usize,
-    pub(super) bytes: usize,
+    records: usize,
+    bytes: usize,
 }
 
 impl Room {
@@ -77,6 +77,19 @@ impl Room {
             records: self.records.min(other.records),
             bytes: self.bytes.min(other.bytes),
         }
+    }
+
+    /// Half of each limit of this room: where a full partition is read again.
+    pub(super) fn half(self) -> Room {
+        Room {
+            records: self.records / 2,
+            bytes: self.bytes / 2,
+        }
+    }
+
+    /// Whether a partition of `records` of `bytes` in all is above this room in either.
+    pub(super) fn exceeded_by(self, records: usize, bytes: usize) -> bool {
+        records > self.records || bytes > self.bytes
     }
 
     /// No room left: a partition with this room has reached a limit.
@@ -192,8 +205,8 @@ impl Shared {
 
     /// Adds a chunk of fetched messages (emptied) to their partitions (those still owned)
     /// under one hold of the lock, and wakes the stream once if it can take one now. Returns
-    /// the room left in the fullest partition (if none, the caller pauses it before fetching
-    /// more).
+    /// the room left in the fullest partition (if none, the caller reads no more before
+    /// housekeeping holds that partition back).
     pub(super) fn ingest(&self, chunk: &mut Vec<Fetched>) -> Room {
         let limits = Room::limits(&self.settings);
         let mut state = self.lock();

@@ -38,6 +38,23 @@ pub(super) struct Partition {
     pub(super) own_queue: bool,
 }
 
+impl Partition {
+    /// A partition just assigned, as assignment `generation`, whose deliveries name `log`:
+    /// nothing buffered, nothing committed, not paused.
+    pub(super) fn new(generation: u64, log: Arc<str>) -> Self {
+        Partition {
+            generation,
+            log,
+            tracker: PartitionTracker::default(),
+            revoking: false,
+            paused: false,
+            committed: None,
+            full: false,
+            own_queue: false,
+        }
+    }
+}
+
 /// What the poll thread, the stream and the acknowledgers share under one lock.
 #[derive(Default)]
 pub(super) struct State {

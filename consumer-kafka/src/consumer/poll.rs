@@ -52,7 +52,7 @@ impl Shared {
         let mut pause: Option<TopicPartitionList> = None;
         let mut resume: Option<TopicPartitionList> = None;
         let limits = Room::limits(&self.settings);
-        let (half_records, half_bytes) = (limits.records / 2, limits.bytes / 2);
+        let half = limits.half();
         let mut any_full = false;
         let waker = {
             let mut state = self.lock();
@@ -62,7 +62,7 @@ impl Shared {
                 let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
                 let (len, bytes) = (p.tracker.len(), p.tracker.bytes());
                 let full = if p.full {
-                    len > half_records || bytes > half_bytes
+                    half.exceeded_by(len, bytes)
                 } else {
                     limits.after(len, bytes).is_full()
                 };

@@ -17,7 +17,6 @@ use super::record::Tp;
 use crate::config::CommitMode;
 use crate::observer::OffsetEvent;
 use crate::producer;
-use crate::tracker::PartitionTracker;
 
 /// The librdkafka consumer's context: logging and the rebalance callbacks.
 pub(super) struct ConsumerCtx {
@@ -276,24 +275,10 @@ impl Shared {
                 }
                 state.next_generation += 1;
                 let generation = state.next_generation;
-                state.partitions.insert(
-                    tp,
-                    Partition {
-                        generation,
-                        log: Arc::from(format!(
-                            "{}/{}/{}",
-                            self.settings.group_id,
-                            e.topic(),
-                            e.partition()
-                        )),
-                        tracker: PartitionTracker::default(),
-                        revoking: false,
-                        paused: false,
-                        committed: None,
-                        full: false,
-                        own_queue: false,
-                    },
-                );
+                let log = format!("{}/{}/{}", self.settings.group_id, e.topic(), e.partition());
+                state
+                    .partitions
+                    .insert(tp, Partition::new(generation, Arc::from(log)));
                 events.push(OffsetEvent::Assigned {
                     topic: e.topic().to_owned(),
                     partition: e.partition(),

@@ -13,7 +13,6 @@ use super::partitions::{Partition, Shared};
 use super::record::{Handout, Record, Tp};
 use super::KafkaConsumer;
 use crate::config::{KafkaConfig, ProcessingOrder};
-use crate::tracker::PartitionTracker;
 
 /// The partition the tests' records are in.
 fn tp() -> Tp {
@@ -45,17 +44,11 @@ fn stream(n: i64) -> KafkaConsumer {
 
 /// Adds partition `tp` (assignment 1, empty) to the table, as an assignment would.
 fn assign(shared: &Shared, tp: &Tp) {
-    let partition = Partition {
-        generation: 1,
-        log: Arc::from(format!("kept-ackers/{}/{}", tp.0, tp.1)),
-        tracker: PartitionTracker::default(),
-        revoking: false,
-        paused: false,
-        committed: None,
-        full: false,
-        own_queue: false,
-    };
-    shared.lock().partitions.insert(tp.clone(), partition);
+    let log = Arc::from(format!("kept-ackers/{}/{}", tp.0, tp.1));
+    shared
+        .lock()
+        .partitions
+        .insert(tp.clone(), Partition::new(1, log));
 }
 
 /// Adds the record at `offset` to the partition, of a key of its own, as the poll thread
