@@ -146,24 +146,7 @@ pub(crate) async fn hand_written(
                 .as_ref()
                 .map(|m| m.to_string())
                 .unwrap_or_default();
-            let mut tx = pool.begin().await?;
-            let fresh = sqlx::query(
-                "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
-                 VALUES ('bench', $1, 'h', 'completed', 1) ON CONFLICT DO NOTHING",
-            )
-            .bind(key)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if fresh {
-                sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
-                    .bind(job.id as i64)
-                    .bind(&job.body)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            tx.commit().await?;
+            crate::hand_one(&pool, &key, &job).await?;
             delivery.acker.ack(BasicAckOptions::default()).await?;
             if let Ok(mut l) = latencies.lock() {
                 l.push(at.elapsed().as_micros() as u64);

@@ -12,15 +12,15 @@ use consumer_kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher, ProcessingOrder
 use futures::StreamExt;
 use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::{Consumer, DefaultConsumerContext, MessageStream, StreamConsumer};
 use rdkafka::{ClientConfig, Message as _};
 use sqlx::Postgres;
 
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
 use crate::{
-    bench_worker, framework_figures, hand_batch, payload, timed, Acks, Clock, Figures, Fw, Job,
-    Options,
+    bench_worker, framework_figures, hand_batch, hand_one, payload, timed, Acks, Clock, Figures,
+    Fw, Job, Options,
 };
 
 /// Partitions of a relay's destination topic.
@@ -111,56 +111,89 @@ pub(crate) async fn raw(
     Ok(clock.figures(o.messages, &mut latencies))
 }
 
-/// Hand-written rdkafka + sqlx, batched: the records that arrive within the batch window (up
-/// to the batch size) share one transaction (one inbox insert, one effect insert), up to
-/// `concurrency` transactions run at once and complete in fetch order, and then the batch's
-/// offsets are stored for the auto-committer (so none is stored past an unfinished batch).
-pub(crate) async fn hand_batched(
+/// A hand-written arm's records (the arm's number of them), once the first has arrived, and
+/// the arm's clock, started then as in the other Kafka arms.
+async fn first_record<'c>(
+    consumer: &'c StreamConsumer,
+    o: &Options,
+) -> anyhow::Result<(
+    futures::stream::Peekable<futures::stream::Take<MessageStream<'c, DefaultConsumerContext>>>,
+    Clock,
+)> {
+    let mut records = consumer.stream().take(o.messages).peekable();
+    std::pin::Pin::new(&mut records)
+        .peek()
+        .await
+        .context("consumer ended")?;
+    Ok((records, Clock::start()))
+}
+
+/// Hand-written rdkafka + sqlx, one transaction a record or, `batched`, one a batch: the
+/// records that arrive within the batch window (up to the batch size). Either way the
+/// transaction makes one inbox insert and one effect insert, up to `concurrency`
+/// transactions run at once and complete in fetch order, and then their records' offsets are
+/// stored for the auto-committer (so none is stored past an unfinished transaction).
+pub(crate) async fn hand_written(
     brokers: &str,
     topic: &str,
     group: &str,
     pool: &sqlx::PgPool,
     o: &Options,
+    batched: bool,
 ) -> anyhow::Result<Figures> {
     let consumer = raw_consumer(brokers, topic, group, &[])?;
-    let mut records = consumer.stream().take(o.messages).peekable();
-    // The clock starts at the first record, as in the other Kafka arms.
-    std::pin::Pin::new(&mut records)
-        .peek()
-        .await
-        .context("consumer ended")?;
-    let clock = Clock::start();
+    let (records, clock) = first_record(&consumer, o).await?;
     let mut latencies = Vec::with_capacity(o.messages);
-    let chunks = tokio_stream::StreamExt::chunks_timeout(records, o.batch, crate::BATCH_WAIT);
-    let batches = chunks
-        .map(|chunk| {
-            let pool = pool.clone();
-            async move {
-                let at = Instant::now();
-                let mut jobs = Vec::with_capacity(chunk.len());
-                let mut offsets = Vec::with_capacity(chunk.len());
-                for m in chunk {
-                    let m = m?;
-                    let key = String::from_utf8_lossy(m.key().unwrap_or_default());
-                    let job: Job = serde_json::from_slice(m.payload().unwrap_or_default())?;
-                    jobs.push((format!("m-{key}"), job));
-                    offsets.push((m.partition(), m.offset()));
-                }
-                hand_batch(&pool, jobs).await?;
-                anyhow::Ok((offsets, at))
+    let done = &mut latencies;
+    if batched {
+        let chunks = tokio_stream::StreamExt::chunks_timeout(records, o.batch, crate::BATCH_WAIT);
+        let batches = chunks.map(|chunk| async move {
+            let at = Instant::now();
+            let mut jobs = Vec::with_capacity(chunk.len());
+            let mut offsets = Vec::with_capacity(chunk.len());
+            for m in chunk {
+                let m = m?;
+                let key = String::from_utf8_lossy(m.key().unwrap_or_default());
+                let job: Job = serde_json::from_slice(m.payload().unwrap_or_default())?;
+                jobs.push((format!("m-{key}"), job));
+                offsets.push((m.partition(), m.offset()));
             }
-        })
-        .buffered(o.concurrency);
-    futures::pin_mut!(batches);
-    while let Some(done) = batches.next().await {
-        let (offsets, at) = done?;
-        for &(partition, offset) in &offsets {
+            hand_batch(pool, jobs).await?;
+            anyhow::Ok((offsets, at))
+        });
+        store_in_order(&consumer, topic, batches.buffered(o.concurrency), done).await?;
+    } else {
+        let each = records.map(|m| async move {
+            let at = Instant::now();
+            let m = m?;
+            let key = format!("m-{}", String::from_utf8_lossy(m.key().unwrap_or_default()));
+            let job: Job = serde_json::from_slice(m.payload().unwrap_or_default())?;
+            hand_one(pool, &key, &job).await?;
+            anyhow::Ok(([(m.partition(), m.offset())], at))
+        });
+        store_in_order(&consumer, topic, each.buffered(o.concurrency), done).await?;
+    }
+    Ok(clock.figures(o.messages, &mut latencies))
+}
+
+/// Stores the offsets of each finished transaction's records, in the order they finish, and
+/// their latency from the transaction's start.
+async fn store_in_order<O: AsRef<[(i32, i64)]>>(
+    consumer: &StreamConsumer,
+    topic: &str,
+    done: impl futures::Stream<Item = anyhow::Result<(O, Instant)>>,
+    latencies: &mut Vec<u64>,
+) -> anyhow::Result<()> {
+    futures::pin_mut!(done);
+    while let Some(finished) = done.next().await {
+        let (offsets, at) = finished?;
+        for &(partition, offset) in offsets.as_ref() {
             consumer.store_offset(topic, partition, offset)?;
         }
         let us = at.elapsed().as_micros() as u64;
-        latencies.extend(std::iter::repeat_n(us, offsets.len()));
+        latencies.extend(std::iter::repeat_n(us, offsets.as_ref().len()));
     }
-    Ok(clock.figures(o.messages, &mut latencies))
+    Ok(())
 }
 
 /// The framework's Kafka transport alone: every record acked as it arrives (up to 512 at

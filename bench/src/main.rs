@@ -706,6 +706,30 @@ async fn db_floor(
     Ok(clock.figures(o.messages, &mut []))
 }
 
+/// A hand-written per-message consumer's transaction: claims `key` in the inbox and, if it
+/// was not claimed before, writes the message's effect; commits.
+pub(crate) async fn hand_one(pool: &PgPool, key: &str, job: &Job) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    let fresh = sqlx::query(
+        "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
+         VALUES ('bench', $1, 'h', 'completed', 1) ON CONFLICT DO NOTHING",
+    )
+    .bind(key)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if fresh {
+        sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
+            .bind(job.id as i64)
+            .bind(&job.body)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
 /// A hand-written batched consumer's transaction: claims the batch's keys with one inbox
 /// insert, writes the effects of the keys it claimed with one insert, commits.
 async fn hand_batch(pool: &PgPool, batch: Vec<(String, Job)>) -> anyhow::Result<()> {
@@ -750,24 +774,8 @@ async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<
         async move {
             let incoming = timed(incoming?, &acks);
             let job: Job = serde_json::from_slice(&incoming.delivery.payload)?;
-            let mut tx = pool.begin().await?;
-            let fresh = sqlx::query(
-                "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
-                 VALUES ('bench', $1, 'h', 'completed', 1) ON CONFLICT DO NOTHING",
-            )
-            .bind(incoming.delivery.message_id.as_deref().unwrap_or_default())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if fresh {
-                sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
-                    .bind(job.id as i64)
-                    .bind(&job.body)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            tx.commit().await?;
+            let key = incoming.delivery.message_id.as_deref().unwrap_or_default();
+            hand_one(&pool, key, &job).await?;
             incoming.acker.settle(Settlement::Ack).await?;
             anyhow::Ok(())
         }
@@ -960,6 +968,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
     if kafka_brokers.is_some() {
         arms.extend([
             "kafka: raw consume+store",
+            "kafka: hand 1/tx",
             "kafka: hand batched",
             "kafka: fw transport only",
             "kafka: fw 1/tx",
@@ -1042,8 +1051,11 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                 "kafka: fw transport only" => {
                     kafka::transport_only(brokers, &topic, &group, &o).await?
                 }
+                "kafka: hand 1/tx" => {
+                    kafka::hand_written(brokers, &topic, &group, &pool, &o, false).await?
+                }
                 "kafka: hand batched" => {
-                    kafka::hand_batched(brokers, &topic, &group, &pool, &o).await?
+                    kafka::hand_written(brokers, &topic, &group, &pool, &o, true).await?
                 }
                 "kafka: fw 1/tx" => {
                     let fw = Fw::alone(record, None);

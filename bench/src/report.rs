@@ -129,6 +129,11 @@ pub(crate) const RATIOS: &[Ratio] = &[
         &["db floor, N/tx"],
     ),
     Ratio::rate(
+        "kafka: fw 1/tx / kafka: hand 1/tx",
+        "kafka: fw 1/tx",
+        &["kafka: hand 1/tx"],
+    ),
+    Ratio::rate(
         "kafka: fw 1/tx / db floor 1/tx",
         "kafka: fw 1/tx",
         &["db floor, 1/tx"],
@@ -218,6 +223,11 @@ pub(crate) const RATIOS: &[Ratio] = &[
         "CPU: amqp fw batched / hand batched",
         "amqp: fw batched",
         &["amqp: hand batched"],
+    ),
+    Ratio::cpu(
+        "CPU: kafka fw 1/tx / hand 1/tx",
+        "kafka: fw 1/tx",
+        &["kafka: hand 1/tx"],
     ),
     Ratio::cpu(
         "CPU: kafka fw batched / hand batched",
