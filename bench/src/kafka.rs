@@ -32,6 +32,22 @@ fn config(brokers: &str, group: &str, topic: &str) -> KafkaConfig {
     c
 }
 
+/// The framework's consumer of `topic` in the framework's arms: records ordered per key,
+/// each partition buffering `--kafka-max-buffered` records at most if given.
+fn framework_consumer(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    o: &Options,
+) -> anyhow::Result<KafkaConsumer> {
+    let mut c = config(brokers, group, topic);
+    c.order = ProcessingOrder::Key;
+    if let Some(records) = o.kafka_max_buffered {
+        c.max_buffered_per_partition = records.get();
+    }
+    Ok(KafkaConsumer::new(c)?)
+}
+
 /// A fresh topic of `o.partitions` partitions holding `o.messages` records (keyed by id).
 pub(crate) async fn fill(
     brokers: &str,
@@ -204,9 +220,7 @@ pub(crate) async fn transport_only(
     group: &str,
     o: &Options,
 ) -> anyhow::Result<Figures> {
-    let mut c = config(brokers, group, topic);
-    c.order = ProcessingOrder::Key;
-    let mut consumer = KafkaConsumer::new(c)?;
+    let mut consumer = framework_consumer(brokers, topic, group, o)?;
     let first = consumer.next().await.context("consumer ended")??;
     let clock = Clock::start();
     first.acker.settle(Settlement::Ack).await?;
@@ -235,9 +249,7 @@ pub(crate) async fn framework<H: Handler<Postgres>>(
     o: &Options,
     fw: Fw<'_, H>,
 ) -> anyhow::Result<Figures> {
-    let mut c = config(brokers, group, topic);
-    c.order = ProcessingOrder::Key;
-    let consumer = KafkaConsumer::new(c)?;
+    let consumer = framework_consumer(brokers, topic, group, o)?;
     let closed = consumer.closed();
     let worker = bench_worker(inbox, fw.handler, o, fw.batch)?;
     let acks = Acks::new(o.messages);

@@ -215,6 +215,10 @@ struct Options {
     /// Partitions of the topic the Kafka arms consume (its records spread over them by key).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(i32).range(1..))]
     partitions: i32,
+    /// Records each partition of the framework's Kafka arms buffers at most
+    /// (`KafkaConfig::max_buffered_per_partition`); the transport's default if not given.
+    #[arg(long, value_name = "RECORDS")]
+    kafka_max_buffered: Option<std::num::NonZeroUsize>,
     /// Handlers (or hand-written transactions) running at once.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,

@@ -79,19 +79,6 @@ impl Room {
         }
     }
 
-    /// Half of each limit of this room: where a full partition is read again.
-    pub(super) fn half(self) -> Room {
-        Room {
-            records: self.records / 2,
-            bytes: self.bytes / 2,
-        }
-    }
-
-    /// Whether a partition of `records` of `bytes` in all is above this room in either.
-    pub(super) fn exceeded_by(self, records: usize, bytes: usize) -> bool {
-        records > self.records || bytes > self.bytes
-    }
-
     /// No room left: a partition with this room has reached a limit.
     pub(super) fn is_full(self) -> bool {
         self.records == 0 || self.bytes == 0

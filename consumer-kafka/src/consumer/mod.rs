@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -174,6 +174,7 @@ impl Shared {
             key_seed: foldhash::quality::RandomState::default(),
             revocations: AtomicU64::new(0),
             blank: Arc::new(record::Record::blank()),
+            poll_thread: OnceLock::new(),
         }
     }
 }

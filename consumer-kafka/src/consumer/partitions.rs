@@ -5,8 +5,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::task::Waker;
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use consumer_core::{AckResults, TransportError};
@@ -52,6 +53,21 @@ impl Partition {
             full: false,
             own_queue: false,
         }
+    }
+
+    /// Whether it was marked full and its buffer is still above half of either limit:
+    /// until it is not, its queue is left unread, so that it is read in runs rather than a
+    /// record at a time.
+    pub(super) fn held_back(&self, s: &Settings) -> bool {
+        self.full
+            && (self.tracker.len() > s.max_buffered / 2
+                || self.tracker.bytes() > s.max_buffered_bytes / 2)
+    }
+
+    /// Whether it was marked full and its buffer has come down to half: the poll thread
+    /// may read its queue again.
+    fn has_room_again(&self, s: &Settings) -> bool {
+        self.full && !self.held_back(s)
     }
 }
 
@@ -133,6 +149,9 @@ pub(super) struct Shared {
     pub(super) revocations: AtomicU64,
     /// The record of no message that a kept acknowledger holds ([`State::ackers`]).
     pub(super) blank: Arc<Record>,
+    /// The poll thread, once it runs: a settlement that gives a full partition room again
+    /// wakes it, as nothing else would (its queue is not empty, so no new record does).
+    pub(super) poll_thread: OnceLock<Thread>,
 }
 
 impl Shared {
@@ -143,6 +162,13 @@ impl Shared {
     pub(super) fn wake(waker: Option<Waker>) {
         if let Some(w) = waker {
             w.wake();
+        }
+    }
+
+    /// Wakes the poll thread if `room_again`: a settlement gave a full partition room.
+    fn wake_poll_thread(&self, room_again: bool) {
+        if let Some(t) = self.poll_thread.get().filter(|_| room_again) {
+            t.unpark();
         }
     }
 }
@@ -199,14 +225,17 @@ impl Shared {
         record: &Arc<Record>,
     ) -> Result<(), TransportError> {
         let order = self.settings.order;
+        let mut room_again = false;
         let settled = self.with_partition(&record.tp, generation, |p, waiting, retired| {
             p.tracker.settle(record.offset);
             retired.push(record.clone());
+            room_again = p.has_room_again(&self.settings);
             // A waiting stream is woken only if the settlement let a record go (an earlier
             // record of its key, or of the partition, settled); anything else wakes it where
             // it arrives.
             waiting && p.tracker.has_next(order, Instant::now())
         });
+        self.wake_poll_thread(room_again);
         self.changed(settled, record)
     }
 
@@ -348,7 +377,7 @@ impl Shared {
         // One each, in order: settled, or the acknowledger of a revoked partition's record.
         let mut results = Vec::with_capacity(run.len());
         let mut freed = Vec::new();
-        let (waker, any) = {
+        let (waker, any, room_again) = {
             let mut state = self.lock();
             let State {
                 partitions,
@@ -361,6 +390,7 @@ impl Shared {
             let keep = !self.stop.load(Ordering::SeqCst);
             let waiting = waker.is_some();
             let mut wake = false;
+            let mut room_again = false;
             // The partition of the records before, found once for a run of its records.
             let mut current: Option<(&Tp, u64, Option<&mut Partition>)> = None;
             for acker in &run {
@@ -371,6 +401,7 @@ impl Shared {
                 if !same {
                     if let Some((_, _, Some(p))) = current.take() {
                         wake |= waiting && p.tracker.has_next(order, now);
+                        room_again |= p.has_room_again(&self.settings);
                     }
                     let found = partitions
                         .get_mut(tp)
@@ -387,6 +418,7 @@ impl Shared {
             }
             if let Some((_, _, Some(p))) = current {
                 wake |= waiting && p.tracker.has_next(order, now);
+                room_again |= p.has_room_again(&self.settings);
             }
             for (mut acker, &ok) in run.drain(..).zip(&settled) {
                 if !ok {
@@ -403,8 +435,9 @@ impl Shared {
                 }
             }
             let any = settled.contains(&true);
-            (if wake { waker.take() } else { None }, any)
+            (if wake { waker.take() } else { None }, any, room_again)
         };
+        self.wake_poll_thread(room_again);
         drop(freed);
         if any {
             self.signal_revoke();

@@ -19,8 +19,10 @@ use super::record::{Record, Spares};
 /// How long the poll thread sleeps, when a round read nothing, before housekeeping runs
 /// (a record arriving in an empty queue wakes it sooner).
 const POLL_WAIT: Duration = Duration::from_millis(50);
-/// How long it sleeps while a partition's buffer is full: reading it again (at the next
-/// housekeeping) must not wait for [`POLL_WAIT`], or the handlers run dry.
+/// How long it sleeps at most while a partition's buffer is full. The settlement that
+/// gives the partition room again wakes it (see [`Shared::poll_thread`]); this bounds the
+/// wait besides, as reading the partition again must never wait for [`POLL_WAIT`], or the
+/// handlers run dry.
 const POLL_WAIT_PAUSED: Duration = Duration::from_millis(5);
 /// Every this many commit intervals the current positions are committed again, even if
 /// unchanged (see [`Shared::commit`]), but not more often than [`MIN_COMMIT_REFRESH`].
@@ -33,7 +35,7 @@ impl Shared {
     /// Marks the partitions whose buffer is full (left unread, see [`Queues`]; paused if
     /// they have no queue of their own), pauses those being revoked or whose next retry is
     /// not due, resumes the others, and wakes the stream when something may be handed out.
-    /// Returns whether a partition's buffer is full.
+    /// Returns whether a partition's buffer is full, and whether one was given room again.
     ///
     /// A full partition is read again only when its buffer is half empty, not at the first
     /// free slot, so that it is read in runs rather than a record at a time.
@@ -45,15 +47,15 @@ impl Shared {
         consumer: &BaseConsumer<ConsumerCtx>,
         retired: &mut Vec<Arc<Record>>,
         spares: &mut Spares,
-    ) -> bool {
+    ) -> Buffers {
         let now = Instant::now();
         // librdkafka's lists are built only in a round that changes a partition: most rounds
         // change none, and an empty list is still two allocations in C and a free of each.
         let mut pause: Option<TopicPartitionList> = None;
         let mut resume: Option<TopicPartitionList> = None;
         let limits = Room::limits(&self.settings);
-        let half = limits.half();
         let mut any_full = false;
+        let mut room_again = false;
         let waker = {
             let mut state = self.lock();
             std::mem::swap(&mut state.retired, retired);
@@ -62,7 +64,7 @@ impl Shared {
                 let waiting_for_due = p.tracker.head_not_before().is_some_and(|t| t > now);
                 let (len, bytes) = (p.tracker.len(), p.tracker.bytes());
                 let full = if p.full {
-                    half.exceeded_by(len, bytes)
+                    p.held_back(&self.settings)
                 } else {
                     limits.after(len, bytes).is_full()
                 };
@@ -70,6 +72,7 @@ impl Shared {
                     let what = if full {
                         "holding back"
                     } else {
+                        room_again = true;
                         "reading again"
                     };
                     tracing::debug!("{what} {topic}/{partition}: {len} records of {bytes} bytes");
@@ -105,8 +108,20 @@ impl Shared {
                 tracing::warn!(error = %e, "resuming partitions failed");
             }
         }
-        any_full
+        Buffers {
+            any_full,
+            room_again,
+        }
     }
+}
+
+/// What [`Shared::housekeeping`] found of the partitions' buffers.
+struct Buffers {
+    /// A partition's buffer is full (its queue left unread).
+    any_full: bool,
+    /// A partition held back for a full buffer has room again: its queue is to be read
+    /// without sleeping first, as it is not empty and so no new record wakes the thread.
+    room_again: bool,
 }
 
 impl Shared {
@@ -135,6 +150,8 @@ impl Shared {
 /// next housekeeping is due.
 pub(super) fn poll_loop(mut consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
     let poll_thread = std::thread::current();
+    // Only this thread sets it.
+    let _ = shared.poll_thread.set(poll_thread.clone());
     let wake = poll_thread.clone();
     consumer.set_nonempty_callback(move || wake.unpark());
     let consumer = Arc::new(consumer);
@@ -196,7 +213,7 @@ pub(super) fn poll_loop(mut consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Sha
             let (t, b, s, c) = (&mut topics, &mut blocks, &mut spares, &mut chunk);
             read_any |= queues.read(&shared, t, b, s, c, &mut room);
         }
-        let any_full = shared.housekeeping(&consumer, &mut retired, &mut spares);
+        let buffers = shared.housekeeping(&consumer, &mut retired, &mut spares);
         if tracing::enabled!(tracing::Level::DEBUG)
             && last_summary.elapsed() >= Duration::from_secs(2)
         {
@@ -225,10 +242,10 @@ pub(super) fn poll_loop(mut consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Sha
             shared.commit(&consumer, RdCommitMode::Async, refresh);
             last_commit = Instant::now();
         }
-        if !read_any {
-            // Until a queue becomes non-empty; a full partition is looked at again soon,
-            // its room coming from settlements, which do not wake this thread.
-            std::thread::park_timeout(if any_full {
+        if !read_any && !buffers.room_again {
+            // Until a queue becomes non-empty, or a settlement gives a full partition room
+            // again; a full partition is also looked at again soon in any case.
+            std::thread::park_timeout(if buffers.any_full {
                 POLL_WAIT_PAUSED
             } else {
                 POLL_WAIT

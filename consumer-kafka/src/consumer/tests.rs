@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use consumer_core::Incoming;
+use consumer_core::{Incoming, Settlement};
 use futures::{FutureExt as _, StreamExt as _};
 use tokio::sync::watch;
 
@@ -23,8 +23,14 @@ fn tp() -> Tp {
 /// [`add`]), ordered by key. Nothing listens on the brokers' address: the producer is never
 /// used.
 fn stream(n: i64) -> KafkaConsumer {
+    stream_with(n, |_| {})
+}
+
+/// [`stream`], its configuration changed by `configure` first.
+fn stream_with(n: i64, configure: impl FnOnce(&mut KafkaConfig)) -> KafkaConsumer {
     let mut config = KafkaConfig::new("127.0.0.1:9", "kept-ackers", ["kept"]);
     config.order = ProcessingOrder::Key;
+    configure(&mut config);
     let producer =
         crate::producer::create(&config.producer_client_config(), Duration::from_secs(1))
             .expect("a producer needs no broker to be created");
@@ -187,4 +193,53 @@ fn partitions_take_turns_across_takes() {
         .collect();
     assert_eq!(handed, expected);
     assert!(stream.next().now_or_never().is_none(), "nothing left");
+}
+
+/// Acks `incoming` alone, as a delivery settled on its own is.
+fn ack_alone(incoming: Incoming) {
+    incoming
+        .acker
+        .settle(Settlement::Ack)
+        .now_or_never()
+        .expect("a Kafka ack needs no waiting")
+        .expect("acked");
+}
+
+/// Takes the four records of a full partition of a limit of four, settles the first with
+/// `first` and the second with `second`, and checks that the poll thread was woken then:
+/// the partition has room again at two records.
+fn settling_half_wakes_the_poll_thread(first: fn(Incoming), second: fn(Incoming)) {
+    let mut stream = stream_with(4, |c| c.max_buffered_per_partition = 4);
+    let shared = stream.shared.clone();
+    shared
+        .lock()
+        .partitions
+        .get_mut(&tp())
+        .expect("partition")
+        .full = true;
+    let (woken_tx, woken) = std::sync::mpsc::channel();
+    let poll_thread = std::thread::spawn(move || {
+        std::thread::park();
+        let _ = woken_tx.send(());
+    });
+    assert!(shared.poll_thread.set(poll_thread.thread().clone()).is_ok());
+    let mut taken: VecDeque<Incoming> = (0..4).map(|_| next(&mut stream)).collect();
+    first(taken.pop_front().expect("first"));
+    assert!(shared.lock().partitions[&tp()].held_back(&shared.settings));
+    second(taken.pop_front().expect("second"));
+    woken
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the poll thread is woken once two of four records have settled");
+    poll_thread.join().expect("the poll thread's stand-in ends");
+    assert!(!shared.lock().partitions[&tp()].held_back(&shared.settings));
+}
+
+#[test]
+fn an_ack_alone_that_gives_a_full_partition_room_again_wakes_the_poll_thread() {
+    settling_half_wakes_the_poll_thread(|i| assert_eq!(ack(i, Vec::new()), [true]), ack_alone);
+}
+
+#[test]
+fn a_batch_ack_that_gives_a_full_partition_room_again_wakes_the_poll_thread() {
+    settling_half_wakes_the_poll_thread(ack_alone, |i| assert_eq!(ack(i, Vec::new()), [true]));
 }
