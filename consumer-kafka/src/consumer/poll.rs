@@ -152,10 +152,9 @@ pub(super) fn poll_loop(mut consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Sha
     let poll_thread = std::thread::current();
     // Only this thread sets it.
     let _ = shared.poll_thread.set(poll_thread.clone());
-    let wake = poll_thread.clone();
-    consumer.set_nonempty_callback(move || wake.unpark());
+    consumer.set_nonempty_callback(move || poll_thread.unpark());
     let consumer = Arc::new(consumer);
-    let mut queues = Queues::new(poll_thread);
+    let mut queues = Queues::new();
     let mut last_commit = Instant::now();
     let mut last_refresh = Instant::now();
     let refresh_interval =

@@ -10,7 +10,6 @@
 //! and the records fetched before a partition's queue was split off.
 
 use std::sync::Arc;
-use std::thread::Thread;
 use std::time::Duration;
 
 use consumer_core::Blocks;
@@ -39,17 +38,14 @@ pub(super) struct Queues {
     /// The partition table's assignment count and size when the queues last followed it: a
     /// round in which neither changed has nothing to split or drop.
     seen: (u64, usize),
-    /// The poll thread, which a queue's first record wakes.
-    poll_thread: Thread,
 }
 
 impl Queues {
-    /// No queues yet; `poll_thread` is woken when one becomes non-empty.
-    pub(super) fn new(poll_thread: Thread) -> Self {
+    /// No queues yet.
+    pub(super) fn new() -> Self {
         Queues {
             queues: Vec::new(),
             seen: (0, 0),
-            poll_thread,
         }
     }
 
@@ -83,7 +79,8 @@ impl Queues {
                 self.seen = (u64::MAX, 0);
                 continue;
             };
-            let poll_thread = self.poll_thread.clone();
+            // Called on the poll thread, which a queue's first record wakes.
+            let poll_thread = std::thread::current();
             queue.set_nonempty_callback(move || poll_thread.unpark());
             self.queues.push(Queue {
                 tp,
