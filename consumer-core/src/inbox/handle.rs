@@ -194,7 +194,9 @@ impl<DB: Backend> Inbox<DB> {
     ) -> Result<Option<i64>, sqlx::Error> {
         // A lease without key locks: if this is cancelled mid-transaction, the connection is
         // closed, not pooled (see [`Lease`]).
-        let mut lease = self.lease_ids(handler, Vec::new(), &[] as &[&str]).await?;
+        let mut lease = self
+            .lease_ids(handler, Vec::new(), &[] as &[&str], None)
+            .await?;
         let before = DB::advance_log_mark(lease.conn(), &self.names, handler, log, to).await?;
         lease.release().await;
         Ok(before)
@@ -243,14 +245,20 @@ mod tests {
         let inbox = Inbox::new(pool, InboxConfig::default()).await.unwrap();
         let key = || vec![inbox.local_lock_id("h", "k")];
         {
-            let mut lease = inbox.lease_ids("h", key(), &[] as &[&str]).await.unwrap();
+            let mut lease = inbox
+                .lease_ids("h", key(), &[] as &[&str], None)
+                .await
+                .unwrap();
             let tx = <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1))
                 .await
                 .unwrap();
             // The transaction's owner is gone without a rollback, as after that cancellation.
             std::mem::forget(tx);
         }
-        let mut lease = inbox.lease_ids("h", key(), &[] as &[&str]).await.unwrap();
+        let mut lease = inbox
+            .lease_ids("h", key(), &[] as &[&str], None)
+            .await
+            .unwrap();
         let tx =
             <sqlx::Sqlite as Backend>::begin_handler(lease.conn(), Duration::from_secs(1)).await;
         assert!(tx.is_ok(), "{:?}", tx.err());

@@ -1,9 +1,13 @@
 //! Leases: a pooled connection holding keys' locks, and how an [`Inbox`] hands them out.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use sqlx::pool::PoolConnection;
 
 use super::backend::Backend;
 use super::handle::Inbox;
+use super::kept::Kept;
 use super::locks::{self, lock_id};
 
 impl<DB: Backend> Inbox<DB> {
@@ -11,12 +15,14 @@ impl<DB: Backend> Inbox<DB> {
     /// in any order) always in ascending order, so that two batches sharing keys cannot
     /// deadlock, and a connection. The lease also carries the database lock ids of `db_keys`
     /// (sorted), which the first statement on it takes ([`Lease::locking`]); with none, it
-    /// takes none and computes none.
+    /// takes none and computes none. With `kept`, the connection is one kept there if there
+    /// is one, and the lease's release keeps it there again (see [`Kept`]).
     pub(crate) async fn lease_ids(
         &self,
         handler: &str,
         local_ids: Vec<i64>,
         db_keys: &[impl AsRef<str>],
+        kept: Option<&Arc<Kept<DB>>>,
     ) -> Result<Lease<DB>, sqlx::Error> {
         let local_ids = sorted(local_ids);
         let namespace = &self.names.lock_namespace;
@@ -27,9 +33,15 @@ impl<DB: Backend> Inbox<DB> {
                 .collect(),
         );
         let local = self.locks.lock_many(&local_ids).await;
-        let conn = self.pool.acquire().await?;
+        let (conn, kept_since) = match kept.and_then(|k| k.take()) {
+            Some(reused) => (reused.conn, Some(reused.since)),
+            None => (self.pool.acquire().await?, None),
+        };
         Ok(Lease {
             conn: Some(conn),
+            kept: kept.cloned(),
+            kept_since,
+            spoiled: false,
             released: false,
             db_locked: false,
             lock_ids,
@@ -59,6 +71,13 @@ fn sorted(mut ids: Vec<i64>) -> Vec<i64> {
 /// transaction nobody can end (sqlx's SQLite connection then refuses every later `BEGIN`).
 pub(crate) struct Lease<DB: Backend> {
     conn: Option<PoolConnection<DB>>,
+    /// Where a clean release keeps the connection, if anywhere.
+    kept: Option<Arc<Kept<DB>>>,
+    /// When `kept` first kept the connection, if it came from there.
+    kept_since: Option<Instant>,
+    /// A database error was met on the connection ([`Lease::spoil`]): it goes back to the
+    /// pool, which checks it, rather than to `kept`.
+    spoiled: bool,
     /// [`Lease::release`] ran: the connection was used to the end and may be pooled again.
     released: bool,
     db_locked: bool,
@@ -104,16 +123,31 @@ impl<DB: Backend> Lease<DB> {
         self.db_locked = false;
     }
 
-    /// Releases the database lock; the connection goes back to the pool.
+    /// A database error was met on the connection: its release gives it back to the pool,
+    /// which checks it before handing it out again, rather than keep it.
+    pub(crate) fn spoil(&mut self) {
+        self.spoiled = true;
+    }
+
+    /// Releases the database lock; the connection goes back to the pool, or to the lease's
+    /// [`Kept`] if it has one and the connection is clean.
     pub(crate) async fn release(mut self) {
         self.released = true;
-        if !self.db_locked {
+        if self.db_locked {
+            let lock_ids = std::mem::take(&mut self.lock_ids);
+            match DB::unlock_keys(self.conn(), &lock_ids).await {
+                Ok(()) => self.db_locked = false,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not release key lock; closing connection");
+                    return;
+                }
+            }
+        }
+        if self.spoiled {
             return;
         }
-        let lock_ids = std::mem::take(&mut self.lock_ids);
-        match DB::unlock_keys(self.conn(), &lock_ids).await {
-            Ok(()) => self.db_locked = false,
-            Err(e) => tracing::warn!(error = %e, "could not release key lock; closing connection"),
+        if let (Some(kept), Some(conn)) = (self.kept.take(), self.conn.take()) {
+            kept.keep(conn, self.kept_since);
         }
     }
 }

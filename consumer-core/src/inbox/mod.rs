@@ -45,7 +45,8 @@
 //!   locks and one-statement batches on PostgreSQL).
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
-//! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `locks`: the
+//! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `kept`: the
+//!   connections a worker keeps between its leases, out of the pool; `locks`: the
 //!   in-process key locks (by a hash of the key seeded per process) and the database lock
 //!   ids (stable across workers and versions, computed only for the counted path).
 
@@ -56,6 +57,7 @@ mod dialect;
 mod entry;
 mod flow;
 mod handle;
+mod kept;
 mod lease;
 mod locks;
 mod outbox_store;
@@ -68,6 +70,7 @@ pub use config::InboxConfig;
 pub(crate) use config::TableNames;
 pub use entry::{EntryStatus, InboxCounts, InboxEntry};
 pub use handle::Inbox;
+pub(crate) use kept::Kept;
 pub(crate) use lease::Lease;
 pub(crate) use locks::IdMap;
 pub(crate) use outbox_store::OutboxRow;

@@ -1,15 +1,35 @@
-//! The worker's background tasks beside the pipeline: the retention purge and the inbox
-//! gauges.
+//! The worker's background tasks beside the pipeline: the retention purge, the inbox
+//! gauges, and the return of kept connections left unused.
 
 use std::future::Future;
 
 use super::Worker;
 use crate::handler::Handler;
-use crate::inbox::Backend;
+use crate::inbox::{Backend, Kept};
 
 impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
+    /// Starts the background tasks of one run of the worker.
+    pub(super) fn spawn_background(&self) -> Vec<tokio::task::JoinHandle<()>> {
+        [
+            self.spawn_retention(),
+            self.spawn_inbox_gauges(),
+            self.spawn_kept_expiry(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// Stops the run's background `tasks` and gives the kept connections back to the pool.
+    pub(super) fn stop_background(&self, tasks: Vec<tokio::task::JoinHandle<()>>) {
+        for task in tasks {
+            task.abort();
+        }
+        self.inner.kept.clear();
+    }
+
     /// The task that purges expired inbox rows every [`WorkerConfig::retention_interval`](super::WorkerConfig::retention_interval).
-    pub(super) fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
+    fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
         let inbox = self.inner.inbox.clone();
         let batch = self.inner.retention_batch;
         let stats = self.inner.stats.clone();
@@ -30,7 +50,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 
     /// The task that sets the inbox gauges (rows by status, the stalest pending key's age)
     /// every [`WorkerConfig::inbox_gauge_interval`](super::WorkerConfig::inbox_gauge_interval).
-    pub(super) fn spawn_inbox_gauges(&self) -> Option<tokio::task::JoinHandle<()>> {
+    fn spawn_inbox_gauges(&self) -> Option<tokio::task::JoinHandle<()>> {
         let inbox = self.inner.inbox.clone();
         let name = self.inner.name.clone();
         let stats = self.inner.stats.clone();
@@ -42,6 +62,16 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                     Err(e) => tracing::debug!(error = %e, "could not count the inbox's rows"),
                 }
             }
+        })
+    }
+
+    /// The task that gives the kept connections left unused for [`Kept::IDLE`] back to the
+    /// pool, every [`Kept::IDLE`], so an idle worker holds none for long.
+    fn spawn_kept_expiry(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let kept = self.inner.kept.clone();
+        every(Kept::<DB>::IDLE, move || {
+            kept.expire();
+            std::future::ready(())
         })
     }
 }

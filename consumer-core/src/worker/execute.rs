@@ -111,6 +111,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let failed = match ended? {
             Ended::Nothing => return Ok(()),
             Ended::NotRun(e) => {
+                lease.spoil();
                 self.retry_all_after_db_error(&e, jobs, settled, alone);
                 return Ok(());
             }
@@ -124,6 +125,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 None
             }
             Ended::CommitFailed(e) => {
+                lease.spoil();
                 if together {
                     tracing::warn!(error = %e, "batch commit failed");
                 }

@@ -55,7 +55,7 @@ use self::spare::SpareBatches;
 use crate::delivery::{DeadLetterReason, Incoming, Transport};
 use crate::fault::point::FaultPoint;
 use crate::handler::Handler;
-use crate::inbox::{AttemptItem, Backend, IdMap, Inbox};
+use crate::inbox::{AttemptItem, Backend, IdMap, Inbox, Kept};
 use crate::log_marks::Freshness;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::Error;
@@ -92,6 +92,8 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     claims: execute::Claims,
     /// Emptied batch buffers, for the intake to fill again.
     spare_batches: SpareBatches,
+    /// The connections the worker's leases released clean, for its next leases.
+    kept: Arc<Kept<DB>>,
     #[cfg(feature = "fault-injection")]
     faults: Option<Arc<dyn crate::fault::FaultInjector>>,
     #[cfg(feature = "fault-injection")]
@@ -118,6 +120,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         Ok(Worker {
             inner: Arc::new(Inner {
                 freshness: Freshness::new(inbox.clone(), settings.name.clone()),
+                kept: Kept::new(inbox.pool.clone(), config.concurrency),
                 inbox,
                 handler,
                 settings,
@@ -173,8 +176,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         let permits = Arc::new(Semaphore::new(self.inner.concurrency));
         let (crash_tx, mut crash_rx) = watch::channel(None::<FaultPoint>);
         let mut tasks = JoinSet::new();
-        let retention = self.spawn_retention();
-        let gauges = self.spawn_inbox_gauges();
+        let background = self.spawn_background();
         let shutdown = shutdown.fuse();
         futures::pin_mut!(shutdown);
 
@@ -244,9 +246,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 }
             }
         };
-        for task in [retention, gauges].into_iter().flatten() {
-            task.abort();
-        }
+        self.stop_background(background);
         if let Some(point) = crashed {
             tasks.abort_all();
             while tasks.join_next().await.is_some() {}
@@ -446,7 +446,8 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         } else {
             jobs.iter().map(|j| j.key()).collect()
         };
-        let mut lease = match self.inbox.lease_ids(&self.name, ids, &db_keys).await {
+        let kept = Some(&self.kept);
+        let mut lease = match self.inbox.lease_ids(&self.name, ids, &db_keys, kept).await {
             Ok(l) => l,
             Err(e) => {
                 self.retry_all_after_db_error(&e, jobs, settled, alone);
@@ -477,6 +478,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             let claims = match claims {
                 Ok(c) => c,
                 Err(e) => {
+                    lease.spoil();
                     lease.release().await;
                     self.retry_all_after_db_error(&e, jobs, settled, alone);
                     return Ok(());
