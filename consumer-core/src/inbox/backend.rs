@@ -282,9 +282,9 @@ pub trait Backend: Execute + OutboxStore {
 
     /// Begins the handler's transaction, bounded by the handler's `timeout`: when the handler
     /// times out, its future is dropped, but a statement it had sent keeps running on the
-    /// server, and the rollback waits for it. PostgreSQL sets `statement_timeout` and
-    /// `lock_timeout` to `timeout` for the transaction, in the `BEGIN`'s own round trip, so
-    /// the server ends such a statement within one timeout. SQLite has no such setting: a
+    /// server, and the rollback waits for it. PostgreSQL sets `statement_timeout` to
+    /// `timeout` for the transaction, in the `BEGIN`'s own round trip, so the server ends
+    /// such a statement, or its wait for a lock, within one timeout. SQLite has no such setting: a
     /// statement still running there delays the rollback until it ends (its waits for the
     /// write lock are bounded by the connection's `busy_timeout`).
     #[doc(hidden)]

@@ -464,14 +464,16 @@ impl Dialect for Postgres {
     }
 }
 
-/// `BEGIN` and the handler's timeout as the transaction's `statement_timeout` and
-/// `lock_timeout` (see `Backend::begin_handler`): one simple query, so one round trip, as a
-/// bare `BEGIN` is. `SET LOCAL` ends with the transaction, so a pooled connection keeps its
-/// own settings. In whole milliseconds, at least 1 (0 would turn the timeouts off) and at
-/// most the settings' maximum.
+/// `BEGIN` and the handler's timeout as the transaction's `statement_timeout` (see
+/// `Backend::begin_handler`): one simple query, so one round trip, as a bare `BEGIN` is.
+/// The timeout bounds a statement's waits for locks too, so no `lock_timeout` is set (an
+/// equal one would end the same waits at the same moment, at one more statement's cost to
+/// every transaction). `SET LOCAL` ends with the transaction, so a pooled connection keeps
+/// its own settings. In whole milliseconds, at least 1 (0 would turn the timeout off) and
+/// at most the setting's maximum.
 fn begin_with_timeouts(timeout: Duration) -> String {
     let ms = timeout.as_millis().clamp(1, i32::MAX as u128);
-    format!("BEGIN; SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
+    format!("BEGIN; SET LOCAL statement_timeout = {ms}")
 }
 
 /// Arguments for `values` values whose encoding takes about `bytes` bytes, sized once: sqlx
