@@ -11,8 +11,8 @@
 //! - the connection is not clean: a statement is still queued on it (a dropped
 //!   transaction's rollback) or it is inside a transaction, or a database error was met on
 //!   it ([`Lease::spoil`](super::Lease::spoil));
-//! - the pool has no room to spare (no idle connection, none left to open): someone else
-//!   may be waiting for one, so it goes back to the pool, as it did before;
+//! - the pool has no other idle connection: someone else may be waiting for one, or would
+//!   open a new one, so it goes back to the pool, as it did before;
 //! - the worker keeps its concurrency's worth already;
 //! - it was kept unused for [`Kept::IDLE`]: an idle worker holds none for long, and a
 //!   connection that may have gone stale is checked by the pool again;
@@ -114,11 +114,12 @@ impl<DB: Backend> Kept<DB> {
         });
     }
 
-    /// Whether the pool could hand out a connection now without this one: an idle one, or
-    /// room to open one.
+    /// Whether the pool could hand out a connection now without this one: an idle one.
+    /// Room to open one is not enough: a kept connection is not idle in the pool, so
+    /// others would open new connections while the worker keeps its own (a server process
+    /// and an authentication each), where giving it back lets them reuse it.
     fn pool_has_room(&self) -> bool {
-        let size = self.pool.size();
-        self.pool.num_idle() > 0 || size < self.pool.options().get_max_connections()
+        self.pool.num_idle() > 0
     }
 
     /// Gives the connections kept unused for [`Kept::IDLE`] back to the pool.
