@@ -1,6 +1,6 @@
 //! A worker keeps the connections its transactions release clean and reuses them for its
 //! next ones, without the pool's two checks a checkout (a ping out, a ping back). It gives
-//! them back to the pool when the pool has no room to spare, when it stops, when it has
+//! them back to the pool when the pool has no other idle one, when it stops, when it has
 //! left them unused for a second, and after a database error on one.
 //!
 //! Against real PostgreSQL (a fresh schema), per-message mode, the memory broker.

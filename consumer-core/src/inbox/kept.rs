@@ -46,13 +46,6 @@ pub(crate) struct Kept<DB: Backend> {
     entries: Mutex<Vec<Entry<DB>>>,
 }
 
-/// A connection a lease took from [`Kept`], with when the worker first kept it, so that it
-/// can be kept again with the same age.
-pub(crate) struct Reused<DB: Backend> {
-    pub(crate) conn: PoolConnection<DB>,
-    pub(crate) since: Instant,
-}
-
 impl<DB: Backend> Kept<DB> {
     /// How long a connection stays kept unused before it goes back to the pool.
     pub(crate) const IDLE: Duration = Duration::from_secs(1);
@@ -73,9 +66,10 @@ impl<DB: Backend> Kept<DB> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The most recently kept connection, if one was kept less than [`Kept::IDLE`] ago;
-    /// those kept longer go back to the pool.
-    pub(crate) fn take(&self) -> Option<Reused<DB>> {
+    /// The most recently kept connection, if one was kept less than [`Kept::IDLE`] ago, with
+    /// when the worker first kept it (for [`Kept::keep`]); those kept longer go back to the
+    /// pool.
+    pub(crate) fn take(&self) -> Option<(PoolConnection<DB>, Instant)> {
         let now = Instant::now();
         let (taken, stale) = {
             let mut entries = self.entries();
@@ -84,10 +78,7 @@ impl<DB: Backend> Kept<DB> {
         };
         // Returned to the pool outside the lock (each return spawns the pool's check).
         drop(stale);
-        taken.map(|e| Reused {
-            conn: e.conn,
-            since: e.since,
-        })
+        taken.map(|e| (e.conn, e.since))
     }
 
     /// Keeps `conn`, which a lease released clean (`since`: when the worker first kept it,

@@ -34,7 +34,7 @@ impl<DB: Backend> Inbox<DB> {
         );
         let local = self.locks.lock_many(&local_ids).await;
         let (conn, kept_since) = match kept.and_then(|k| k.take()) {
-            Some(reused) => (reused.conn, Some(reused.since)),
+            Some((conn, since)) => (conn, Some(since)),
             None => (self.pool.acquire().await?, None),
         };
         Ok(Lease {
