@@ -246,9 +246,12 @@ async fn quote(
 }
 
 fn request(id: &str, correlation: &str) -> Message {
+    request_to(id, correlation, "replies")
+}
+
+fn request_to(id: &str, correlation: &str, to: &str) -> Message {
     let mut m = Message::json(id, &json!({"item": "lamp"}));
-    m.headers
-        .insert(REPLY_TO_HEADER.to_owned(), "replies".to_owned());
+    m.headers.insert(REPLY_TO_HEADER.to_owned(), to.to_owned());
     m.headers
         .insert(CORRELATION_ID_HEADER.to_owned(), correlation.to_owned());
     m
@@ -300,6 +303,53 @@ async fn a_duplicate_request_is_answered_with_the_same_reply() {
     for r in &replies {
         assert_eq!(r.headers[CORRELATION_ID_HEADER], "c-1");
     }
+}
+
+/// The one reply waiting in `queue`.
+async fn the_reply(broker: &MemoryBroker, queue: &str) -> Message {
+    use futures::StreamExt;
+    let mut consumer = broker.consume(queue);
+    let incoming = consumer.next().await.unwrap().unwrap();
+    let d = &incoming.delivery;
+    let reply = Message {
+        id: d.message_id.clone().map(String::from),
+        payload: d.payload.clone(),
+        headers: d.headers.to_map(),
+    };
+    incoming
+        .acker
+        .settle(consumer_core::Settlement::Ack)
+        .await
+        .unwrap();
+    reply
+}
+
+/// A duplicate of a request, sent again by another requester (or the same one after a
+/// restart) with a correlation id and a reply address of its own, is answered there and
+/// with its own correlation id: the requester matches replies by it.
+#[tokio::test]
+async fn a_resent_reply_carries_the_duplicates_correlation_id_and_address() {
+    let env = SqliteEnv::new().await;
+    let broker = MemoryBroker::new();
+    broker.publish("quotes-2", request_to("q-2", "corr-A", "replies-a"));
+    broker.publish("quotes-2", request_to("q-2", "corr-B", "replies-b"));
+    let worker = drain(&env, &broker, quote, "quotes-2").await;
+    let stats = worker.snapshot();
+    assert_eq!((stats.completed, stats.duplicates), (1, 1));
+
+    let relay = Relay::new(env.inbox.outbox(), broker.clone());
+    wait_until("both replies are relayed", || async {
+        relay.run_once().await.unwrap();
+        broker.depth("replies-a").ready == 1 && broker.depth("replies-b").ready == 1
+    })
+    .await;
+    let (first, resent) = (
+        the_reply(&broker, "replies-a").await,
+        the_reply(&broker, "replies-b").await,
+    );
+    assert_eq!(first.headers[CORRELATION_ID_HEADER], "corr-A");
+    assert_eq!(resent.headers[CORRELATION_ID_HEADER], "corr-B");
+    assert_eq!(first.payload, resent.payload, "the same answer");
 }
 
 #[tokio::test]

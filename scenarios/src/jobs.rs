@@ -27,7 +27,17 @@ pub struct Job {
     /// Also run the guards for this order.
     #[serde(default)]
     order_id: Option<i64>,
+    /// After writing the ledger row, run a statement that fails (a NULL into a NOT NULL
+    /// column) and ignore its error, as `let _ = insert(...).await;` does.
+    #[serde(default)]
+    ignore_failed_statement: bool,
+    /// The same, inside a savepoint that it rolls back: the idiom that works on both.
+    #[serde(default)]
+    failed_statement_in_savepoint: bool,
 }
+
+/// A statement that fails on both backends: `ledger.job_id` is NOT NULL.
+const FAILING_STATEMENT: &str = "INSERT INTO ledger (job_id, attempt) VALUES (NULL, 0)";
 
 impl Job {
     fn behave(&self, attempt: u32) -> Result<(), HandlerError> {
@@ -80,6 +90,18 @@ macro_rules! record_handler {
                         .execute(ctx.db())
                         .await?;
                 }
+            }
+            if job.ignore_failed_statement {
+                let failed = sqlx::query(FAILING_STATEMENT).execute(ctx.db()).await;
+                assert!(failed.is_err(), "the statement fails");
+            }
+            if job.failed_statement_in_savepoint {
+                let mut savepoint = sqlx::Connection::begin(ctx.db()).await?;
+                let failed = sqlx::query(FAILING_STATEMENT)
+                    .execute(&mut *savepoint)
+                    .await;
+                assert!(failed.is_err(), "the statement fails");
+                savepoint.rollback().await?;
             }
             Ok(())
         }
@@ -158,6 +180,10 @@ async fn record_pg_batch(
     .bind(attempts)
     .execute(ctx.db())
     .await?;
+    if jobs.iter().any(|j| j.ignore_failed_statement) {
+        let failed = sqlx::query(FAILING_STATEMENT).execute(ctx.db()).await;
+        assert!(failed.is_err(), "the statement fails");
+    }
     Ok(())
 }
 
@@ -175,6 +201,10 @@ async fn record_sqlite_batch(
     .bind(serde_json::to_string(&rows).map_err(HandlerError::permanent)?)
     .execute(ctx.db())
     .await?;
+    if jobs.iter().any(|j| j.ignore_failed_statement) {
+        let failed = sqlx::query(FAILING_STATEMENT).execute(ctx.db()).await;
+        assert!(failed.is_err(), "the statement fails");
+    }
     Ok(())
 }
 

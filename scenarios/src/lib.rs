@@ -25,6 +25,8 @@
 //! - [`runs`]: how often a job runs (duplicates, crashes, conflicts, panics, quarantine,
 //!   freshness on a log, retries and the numbering of their copies).
 //! - `http` (feature `http`): an HTTP answer read whole, for the tests of HTTP routes.
+//! - [`ignored_errors`]: a handler that ignores a failed statement and returns `Ok` (which
+//!   aborts a PostgreSQL transaction, not an SQLite one).
 //! - [`keys`]: a key's life in the inbox (guards, retention, batches, lost and overdue
 //!   copies, inboxes that share no locks, dead keys released).
 
@@ -35,6 +37,7 @@ pub mod env;
 pub mod harness;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod ignored_errors;
 pub mod invalid;
 pub mod jobs;
 pub mod keys;
@@ -167,6 +170,14 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_attempt_number_at_u32_max_is_bounded() {
                 $crate::keys::an_attempt_number_at_u32_max_is_bounded($harness($batch).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_handler_that_ignores_a_failed_statement_loses_nothing() {
+                $crate::ignored_errors::a_handler_that_ignores_a_failed_statement_loses_nothing(
+                    $harness($batch).await,
+                )
+                .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

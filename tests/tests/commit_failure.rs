@@ -7,6 +7,9 @@
 //! at the first commit that inserts a ledger row (a sequence, which no rollback undoes,
 //! makes it trip once). Against real PostgreSQL, per message and batched, on the fresh path
 //! (a first delivery) and the counted one (a redelivery).
+//!
+//! A commit that refuses the handler's own writes (a deferred trigger's data exception) is
+//! the handler's failed attempt, and only its job's.
 
 // Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
@@ -15,8 +18,8 @@ use std::time::Duration;
 
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
-    handler, BatchConfig, Context, EntryStatus, HandlerError, NoJitter, Origin, Worker,
-    WorkerConfig,
+    handler, BatchConfig, Context, DeadLetterReason, EntryStatus, HandlerError, NoJitter, Origin,
+    Worker, WorkerConfig,
 };
 use consumer_tests::common::{self, run_until, PgEnv};
 use futures::StreamExt;
@@ -140,4 +143,88 @@ async fn a_failed_commit_is_not_a_failed_attempt_fresh_batched() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_commit_is_not_a_failed_attempt_counted_batched() {
     a_failed_commit_is_not_a_failed_attempt(BATCHED, true).await;
+}
+
+/// A fresh schema whose commit of a ledger row for a job named `bad-…` fails with a data
+/// exception (SQLSTATE 22023) raised by a deferred trigger: the database refuses the
+/// handler's own writes at the commit.
+async fn refusing_bad_rows() -> PgEnv {
+    let env = PgEnv::new().await;
+    let s = &env.schema;
+    let inbox = env.inbox().await;
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION \"{s}\".refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.job_id LIKE 'bad-%' THEN
+             RAISE EXCEPTION 'ledger row % refused', NEW.job_id USING ERRCODE = '22023';
+           END IF;
+           RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER refuse AFTER INSERT ON \"{s}\".ledger
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{s}\".refuse();"
+    ))
+    .execute(inbox.pool())
+    .await
+    .expect("create the refusing trigger");
+    env
+}
+
+/// A data exception (class 22) raised at the commit by the handler's own writes is the
+/// handler's failed attempt, counted, and dead-lettered as any failure after its attempts;
+/// not the inbox refusing the key (`invalid_key`, no attempt). In a batch, only its job
+/// fails: the others commit when the batch runs again one by one.
+async fn a_data_error_at_commit_is_the_handlers_failed_attempt(batch: Option<BatchConfig>) {
+    let env = refusing_bad_rows().await;
+    let inbox = env.inbox().await;
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    let ids = ["ok-1", "bad-1", "ok-2"];
+    for id in ids {
+        broker.publish(&queue, Message::json(id, &json!({ "id": id })));
+    }
+    let config = WorkerConfig::default()
+        .with_concurrency(4)
+        .with_retention_interval(None)
+        .with_jitter(std::sync::Arc::new(NoJitter))
+        .with_batch(batch);
+    let worker = Worker::with_config(inbox.clone(), record_once, config).unwrap();
+    run_until(
+        &worker,
+        broker.consume(&queue),
+        "every job completed or dead-lettered",
+        || {
+            let s = worker.snapshot();
+            async move { s.completed + s.dead_lettered == 3 }
+        },
+    )
+    .await;
+
+    let s = worker.snapshot();
+    assert_eq!((s.completed, s.dead_lettered), (2, 1), "{s:?}");
+    let dead = broker.dead_letters(&queue);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let d = &dead[0].dead_letter;
+    assert_eq!(d.reason, DeadLetterReason::MaxAttemptsExceeded, "{d:?}");
+    assert_eq!((d.key.as_deref(), d.attempts), (Some("bad-1"), 1), "{d:?}");
+    assert!(
+        d.error.contains("refused the handler's writes") && d.error.contains("bad-1 refused"),
+        "{}",
+        d.error
+    );
+    let entry = inbox.entry("commit", "bad-1").await.unwrap().unwrap();
+    assert_eq!(
+        (entry.status, entry.attempts),
+        (EntryStatus::Dead, 1),
+        "{entry:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_error_at_commit_is_the_handlers_failed_attempt_per_message() {
+    a_data_error_at_commit_is_the_handlers_failed_attempt(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_error_at_commit_is_the_handlers_failed_attempt_batched() {
+    a_data_error_at_commit_is_the_handlers_failed_attempt(BATCHED).await;
 }

@@ -293,6 +293,21 @@ pub trait Backend: Execute + OutboxStore {
         timeout: Duration,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'_, Self>, sqlx::Error>>;
 
+    /// Fails if the handler's transaction can no longer commit what it wrote. PostgreSQL
+    /// aborts a transaction at its first failed statement: every later statement fails, and
+    /// `COMMIT` then rolls back without an error. A handler that ignores a failed statement
+    /// and returns `Ok` would have its message acked with nothing committed. On an aborted
+    /// transaction this check fails with SQLSTATE `25P02` (`in_failed_sql_transaction`), one round
+    /// trip. SQLite undoes a failed statement alone and keeps the transaction, so it has
+    /// nothing to check (where it does roll the whole transaction back, its `COMMIT` fails).
+    #[doc(hidden)]
+    fn check_not_aborted<'a>(
+        conn: &'a mut Self::Connection,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        let _ = conn;
+        Box::pin(async { Ok(()) })
+    }
+
     /// Marks the key completed in the handler's transaction, if its row is still pending
     /// and counted at `attempt` (this attempt's own count): `false` if it is not, because
     /// another worker completed the key or counted another attempt on it meanwhile (a second
@@ -449,4 +464,12 @@ pub trait Backend: Execute + OutboxStore {
             Self::execute(conn, sql, &args).await
         })
     }
+}
+
+/// Whether a statement failed because its transaction had been aborted by an earlier
+/// failed statement (PostgreSQL's SQLSTATE `25P02`, `in_failed_sql_transaction`).
+pub(crate) fn is_aborted(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "25P02")
 }

@@ -70,15 +70,18 @@ impl<DB: Backend> Inbox<DB> {
         &self.names.inbox
     }
 
-    /// Writes the reply kept with (`handler`, `key`) to the outbox again, for `to`, and
-    /// wakes this process's relays; whether there was one (see [`crate::Context::reply`]).
+    /// Writes the reply kept with (`handler`, `key`) to the outbox again, for `to` and with
+    /// the `correlation` id of the duplicate it answers, and wakes this process's relays;
+    /// whether there was one (see [`crate::Context::reply`]).
     pub(crate) async fn resend_reply(
         &self,
         handler: &str,
         key: &str,
         to: &str,
+        correlation: Option<&str>,
     ) -> Result<bool, sqlx::Error> {
-        let resent = DB::outbox_resend_reply(&self.pool, &self.names, handler, key, to).await?;
+        let (pool, names) = (&self.pool, &self.names);
+        let resent = DB::outbox_resend_reply(pool, names, handler, key, to, correlation).await?;
         if resent {
             self.outbox_written();
         }

@@ -184,7 +184,8 @@ pub trait OutboxStore: Execute {
     }
 
     /// Writes the reply kept with (`handler`, `key`), if any, to the outbox again, for
-    /// `destination`, in a statement of its own; whether there was one.
+    /// the duplicate request's `destination` and with its `correlation` id (none: the
+    /// reply carries none), in a statement of its own; whether there was one.
     #[doc(hidden)]
     fn outbox_resend_reply<'a>(
         pool: &'a Pool<Self>,
@@ -192,6 +193,7 @@ pub trait OutboxStore: Execute {
         handler: &'a str,
         key: &'a str,
         destination: &'a str,
+        correlation: Option<&'a str>,
     ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             let mut conn = pool.acquire().await?;
@@ -199,6 +201,7 @@ pub trait OutboxStore: Execute {
                 Arg::Text(handler),
                 Arg::Text(key),
                 Arg::Text(destination),
+                Arg::OptText(correlation),
                 Arg::Now(Clock::read()),
             ];
             Ok(Self::execute(&mut conn, &names.outbox_sql.resend_reply, &args).await? > 0)
@@ -389,9 +392,13 @@ impl OutboxSql {
                 "UPDATE {inbox} SET reply_message_id = $3, reply_headers = $4, \
                             reply_payload = $5 WHERE handler = $1 AND key = $2",
             ),
+            // The duplicate's correlation id replaces the first request's (header values
+            // are strings, so the only null that `jsonb_strip_nulls` drops is a missing one).
             resend_reply: r("INSERT INTO {outbox} \
                              (message_id, destination, ordering_key, headers, payload) \
-                             SELECT reply_message_id, $3, NULL, reply_headers, reply_payload \
+                             SELECT reply_message_id, $3, NULL, jsonb_strip_nulls(\
+                             reply_headers::jsonb || jsonb_build_object('correlation-id', \
+                             $4::text))::text, reply_payload \
                              FROM {inbox} WHERE handler = $1 AND key = $2 \
                              AND reply_message_id IS NOT NULL"),
         }
@@ -430,9 +437,13 @@ impl OutboxSql {
                 "UPDATE {inbox} SET reply_message_id = ?3, reply_headers = ?4, \
                             reply_payload = ?5 WHERE handler = ?1 AND key = ?2",
             ),
+            // The duplicate's correlation id replaces the first request's.
             resend_reply: r("INSERT INTO {outbox} \
                              (message_id, destination, ordering_key, headers, payload, created_at) \
-                             SELECT reply_message_id, ?3, NULL, reply_headers, reply_payload, ?4 \
+                             SELECT reply_message_id, ?3, NULL, CASE WHEN ?4 IS NULL \
+                             THEN json_remove(reply_headers, '$.\"correlation-id\"') \
+                             ELSE json_set(reply_headers, '$.\"correlation-id\"', ?4) END, \
+                             reply_payload, ?5 \
                              FROM {inbox} WHERE handler = ?1 AND key = ?2 \
                              AND reply_message_id IS NOT NULL"),
         }

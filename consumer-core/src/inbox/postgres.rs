@@ -362,6 +362,12 @@ impl Backend for Postgres {
         conn.begin_with(begin_with_timeouts(timeout))
     }
 
+    fn check_not_aborted<'a>(conn: &'a mut PgConnection) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        // An empty select list: the cheapest statement there is, and like any other it
+        // fails on an aborted transaction. A simple query, so one message each way.
+        Box::pin(async move { sqlx::Executor::execute(conn, "SELECT").await.map(drop) })
+    }
+
     fn claim_fresh_many<'a>(
         conn: &'a mut PgConnection,
         names: &'a TableNames,

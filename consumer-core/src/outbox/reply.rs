@@ -27,13 +27,7 @@ pub(crate) async fn write<DB: Backend>(
     };
     let id = crate::key::idempotency_key(handler, key, "reply");
     let mut reply = OutboxMessage::new(to, body).message_id(id.clone());
-    // The requester matches the reply to its request by the correlation id, else by the
-    // request's message id.
-    let correlation = delivery
-        .headers
-        .get(CORRELATION_ID_HEADER)
-        .or(delivery.message_id.as_deref());
-    if let Some(c) = correlation {
+    if let Some(c) = correlation(delivery) {
         reply = reply.header(CORRELATION_ID_HEADER, c);
     }
     insert::<DB>(
@@ -46,4 +40,14 @@ pub(crate) async fn write<DB: Backend>(
     .await?;
     DB::outbox_store_reply(conn, names, handler, key, &reply).await?;
     Ok(id)
+}
+
+/// The correlation id a reply to `delivery` carries: the requester matches the reply to its
+/// request by the request's correlation id, else by its message id. A duplicate request's
+/// reply, resent, carries the duplicate's.
+pub(crate) fn correlation(delivery: &Delivery) -> Option<&str> {
+    delivery
+        .headers
+        .get(CORRELATION_ID_HEADER)
+        .or(delivery.message_id.as_deref())
 }

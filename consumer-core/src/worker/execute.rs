@@ -14,7 +14,7 @@ use super::settle::{Attempted, Settled};
 use super::{Crash, Inner};
 use crate::fault::point::FaultPoint;
 use crate::handler::{BatchContext, BatchMember, Context, Handler, Written};
-use crate::inbox::{Backend, Lease};
+use crate::inbox::{is_aborted, Backend, Lease};
 use crate::HandlerError;
 
 /// How a worker claims its batches' fresh keys: with the plain insert of
@@ -162,7 +162,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             return Ok(());
         };
         for mut job in jobs {
-            let attempted = Attempted::commit_failed(e.clone());
+            let attempted = Attempted::CommitFailed(e.clone());
             let verdict = self.conclude(lease.conn(), &mut job, attempted).await;
             settled.push(self.settled(job, verdict));
         }
@@ -255,6 +255,12 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             }
             return Ok(Ended::Failed(failure));
         }
+        if fresh {
+            // On the counted path the completion below is this check.
+            if let Err(e) = DB::check_not_aborted(&mut tx).await {
+                return Ok(self.ended_by(tx, e, jobs.len()).await);
+            }
+        }
         for job in jobs.iter() {
             self.fault(FaultPoint::BeforeCommit, job.key())?;
         }
@@ -282,13 +288,31 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         return Ok(Ended::Overtaken);
                     }
                 }
-                Err(e) => return Ok(Ended::CommitFailed(e)),
+                Err(e) => return Ok(self.ended_by(tx, e, jobs.len()).await),
             }
         }
         Ok(match tx.commit().await {
             Ok(()) => Ended::Committed,
+            Err(e) if refused_writes(&e) => Ended::Failed(HandlerError::transient(Refused(e))),
             Err(e) => Ended::CommitFailed(e),
         })
+    }
+
+    /// How a transaction ends whose statement after the handlers (of `runs` jobs) failed
+    /// with `e`: if an earlier statement had aborted it, which only a handler's failed
+    /// statement can have done, the handlers failed (it rolls back); otherwise the database
+    /// failed, as at a failed commit.
+    async fn ended_by(&self, tx: sqlx::Transaction<'_, DB>, e: sqlx::Error, runs: usize) -> Ended {
+        if !is_aborted(&e) {
+            return Ended::CommitFailed(e);
+        }
+        if let Err(rb) = tx.rollback().await {
+            tracing::warn!(error = %rb, "rollback failed");
+        }
+        if runs > 1 {
+            self.stats.batch_reruns.add(runs as u64);
+        }
+        Ended::Failed(HandlerError::transient(Aborted(e)))
     }
 
     /// Runs the handlers of `jobs` in the open transaction `tx`: for a group of several,
@@ -439,6 +463,33 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         }
     }
 }
+
+/// Whether a failed commit refused the handlers' own writes, which only deferred
+/// constraints and triggers check at a commit: an integrity constraint violation (SQLSTATE
+/// class 23), a data exception (22), a program limit (54) or an error a trigger raised
+/// (P0). The handlers' failure, never the inbox refusing a key (the claim or the count
+/// before the handlers took it). The database's own failures (a lost connection, a
+/// shutdown, a serialization failure) fall in other classes.
+fn refused_writes(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| ["22", "23", "54", "P0"].iter().any(|c| code.starts_with(c)))
+}
+
+/// The commit refused the handlers' writes (see [`refused_writes`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the commit refused the handler's writes")]
+struct Refused(#[source] sqlx::Error);
+
+/// The handlers returned `Ok`, but a statement of theirs had failed and aborted the
+/// transaction (PostgreSQL), so nothing they wrote can commit: the handler's failure.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the handler's transaction was aborted by an earlier error it ignored (on PostgreSQL a \
+     failed statement aborts the transaction: return the error, or run the statement in a \
+     savepoint)"
+)]
+struct Aborted(#[source] sqlx::Error);
 
 /// A payload that decoded when the job was prepared and no longer does: cannot happen with a
 /// deterministic decoder, and no retry would help.

@@ -15,13 +15,14 @@ use crate::delivery::{Acknowledger, DeadLetterReason, Delivery, Settlement, REPL
 use crate::handler::Handler;
 use crate::inbox::{Backend, Inbox};
 use crate::key::refused_by_database;
+use crate::outbox::reply;
 use crate::{HandlerError, TransportError};
 
 /// How one job's attempt in a transaction ended.
 #[derive(Debug)]
 pub(super) enum Attempted {
-    /// The handler failed (or its writes were refused at the commit): rolled back; a
-    /// failed attempt.
+    /// The handler failed (or its transaction was aborted by a statement of its own, or its
+    /// writes were refused at the commit): rolled back; a failed attempt.
     Failed(HandlerError),
     /// The key's row was no longer this attempt's at the completion (another worker
     /// completed it or counted a newer attempt on it): rolled back, and the delivery is a
@@ -31,33 +32,6 @@ pub(super) enum Attempted {
     /// failover, a lost connection): the outcome is unknown, and it is no failed attempt.
     CommitFailed(Arc<sqlx::Error>),
 }
-
-impl Attempted {
-    /// A failed completion or commit: the database's fault unless it refused the handler's
-    /// own writes (an integrity violation found at the commit, such as a deferred
-    /// constraint), which is the handler's failed attempt.
-    pub(super) fn commit_failed(e: Arc<sqlx::Error>) -> Self {
-        if refused_writes(&e) {
-            Attempted::Failed(HandlerError::transient(CommitFailed(e)))
-        } else {
-            Attempted::CommitFailed(e)
-        }
-    }
-}
-
-/// Whether a failed commit refused the handler's own writes: an integrity constraint
-/// violation (SQLSTATE class 23) found at the commit, such as a deferred constraint's.
-fn refused_writes(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.code())
-        .is_some_and(|code| code.starts_with("23"))
-}
-
-/// The commit of a handler's transaction failed: the outcome is unknown, so retry; if it did
-/// commit, the redelivery is recognised as a duplicate.
-#[derive(Debug, thiserror::Error)]
-#[error("commit failed")]
-struct CommitFailed(#[source] Arc<sqlx::Error>);
 
 /// A verdict waiting to be applied, with its acknowledger.
 pub(super) struct Settled {
@@ -188,7 +162,9 @@ pub(super) struct ResendReply<DB: Backend> {
     inbox: Inbox<DB>,
     handler: Arc<str>,
     key: String,
+    /// The duplicate's reply address and correlation id.
     to: String,
+    correlation: Option<String>,
     attempt: u32,
     delay: Duration,
 }
@@ -205,10 +181,12 @@ impl<DB: Backend> Acknowledger for ResendReply<DB> {
                 handler,
                 key,
                 to,
+                correlation,
                 attempt,
                 delay,
             } = *self;
-            match inbox.resend_reply(&handler, &key, &to).await {
+            let correlation = correlation.as_deref();
+            match inbox.resend_reply(&handler, &key, &to, correlation).await {
                 Ok(_) => acker.settle(settlement).await,
                 Err(e) => {
                     tracing::warn!(error = %e, "could not answer a duplicate request with its reply; it comes back later");
@@ -249,6 +227,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 match job.delivery.headers.get(REPLY_TO_HEADER) {
                     Some(to) => Box::new(ResendReply {
                         to: to.to_owned(),
+                        correlation: reply::correlation(&job.delivery).map(str::to_owned),
                         attempt: job.delivery.attempt,
                         delay: self.settings.backoff.next_delay(1),
                         key: job.key().to_owned(),
