@@ -319,10 +319,7 @@ where
     };
     let (head, response_body) = response.into_parts();
     let status = head.status;
-    let stored_kind = !status.is_server_error()
-        && !status.is_informational()
-        && (config.store_client_errors || !status.is_client_error());
-    if !stored_kind {
+    if !config.stores(status) {
         abandon(store, &slot, claim).await;
         answered(Outcome::Released);
         return Ok(http::Response::from_parts(head, Body::new(response_body)));

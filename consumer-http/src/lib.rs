@@ -35,7 +35,9 @@
 //! - Same key while the first is in progress: the request polls the record up to the
 //!   configured wait and answers the stored answer, or 409 with `Retry-After`.
 //! - The handler answered 5xx, panicked or failed: its transaction rolls back and the key is
-//!   released; a retry runs again. A 4xx is stored (configurable).
+//!   released; a retry runs again. A 4xx is stored (configurable), except 408, 409, 425
+//!   and 429 ([`TRANSIENT_CLIENT_ERRORS`]), which ask the client to try again: they roll
+//!   back and release the key like a 5xx, so the retry runs the handler.
 //! - A completed record lives for its TTL (default 24 h), then the key runs again;
 //!   [`IdempotencyStore::purge_expired`] deletes expired rows.
 //!
@@ -245,7 +247,9 @@ mod stored;
 mod tx;
 pub mod webhook;
 
-pub use config::{IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES};
+pub use config::{
+    IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES, TRANSIENT_CLIENT_ERRORS,
+};
 pub use error::Error;
 #[cfg(feature = "redis")]
 pub use fast::{RedisFastPath, RedisFastPathBuilder};

@@ -259,6 +259,31 @@ async fn an_answer_not_stored_rolls_back_the_effect(db: Db) {
     assert_eq!(db.records().await, 0);
 }
 
+/// Finding 7(b): 408, 409, 425 and 429 say "try again later", even with 4xx answers
+/// stored: the answer is not stored, the handler's writes roll back and the key stays free,
+/// so the client's retry runs the handler. Another 4xx is still stored.
+async fn transient_client_errors_are_never_stored(db: Db) {
+    let app = App::serve(&db, config().store_client_errors(true).build().unwrap()).await;
+    for status in [408, 409, 425, 429] {
+        let key = format!("busy-{status}");
+        let body = json!({"status": status});
+        let first = app.post("/busy", Some(&key), &body).await;
+        let retry = app.post("/busy", Some(&key), &body).await;
+        assert_eq!((first.status, retry.status), (status, status), "{retry:?}");
+        assert!(!retry.replayed(), "{status} was stored: {retry:?}");
+        assert_ne!(retry.body, first.body, "the retry of {status} did not run");
+    }
+    assert_eq!(app.runs(), 8);
+    assert_eq!(db.effects().await, 0);
+    assert_eq!(db.records().await, 0);
+    let body = json!({"status": 404});
+    let first = app.post("/busy", Some("busy-404"), &body).await;
+    let again = app.post("/busy", Some("busy-404"), &body).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(db.effects().await, 1);
+}
+
 /// A 4xx is stored and replayed by default, and released when configured so.
 async fn a_4xx_is_stored_unless_configured_not_to(db: Db) {
     let app = App::serve(&db, config().build().unwrap()).await;
@@ -415,6 +440,7 @@ on_both!(
     a_panic_rolls_back_and_a_retry_runs,
     an_answer_not_stored_rolls_back_the_effect,
     a_4xx_is_stored_unless_configured_not_to,
+    transient_client_errors_are_never_stored,
     an_expired_key_runs_again_and_is_purged,
     a_killed_request_is_taken_over_after_its_lease,
 );

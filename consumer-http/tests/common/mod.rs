@@ -189,6 +189,16 @@ impl Db {
         .expect("count rows")
     }
 
+    /// The scope of every record the store holds.
+    pub async fn scopes(&self) -> Vec<String> {
+        let sql = "SELECT scope FROM http_idempotency";
+        match self {
+            Db::Pg { pool, .. } => sqlx::query_scalar(sql).fetch_all(pool).await,
+            Db::Sqlite { pool, .. } => sqlx::query_scalar(sql).fetch_all(pool).await,
+        }
+        .expect("read the scopes")
+    }
+
     /// Deletes expired records through the store; how many.
     pub async fn purge_expired(&self) -> u64 {
         match self {
@@ -298,6 +308,21 @@ macro_rules! routes {
                 (StatusCode::OK, Json(json!({"run": run}))).into_response()
             }
 
+            /// Writes its effect and answers the status the body names (`{"status": 429}`).
+            async fn busy(
+                State(h): State<Arc<Handlers>>,
+                mut tx: IdempotentTx<$db>,
+                Json(body): Json<Value>,
+            ) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "busy", run).await;
+                let status = body["status"]
+                    .as_u64()
+                    .and_then(|s| StatusCode::from_u16(u16::try_from(s).ok()?).ok())
+                    .expect("a status in the body");
+                (status, Json(json!({"busy": run}))).into_response()
+            }
+
             async fn big(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
                 let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
                 record(&mut tx, "big", run).await;
@@ -311,6 +336,7 @@ macro_rules! routes {
                     .route("/reject", post(reject))
                     .route("/panic", post(panics))
                     .route("/big", post(big))
+                    .route("/busy", post(busy))
                     .with_state(h)
             }
         }
@@ -327,6 +353,15 @@ routes!(
     sqlx::Sqlite,
     "INSERT INTO effects (route, run) VALUES (?1, ?2)"
 );
+
+/// The credential of the caller `alice`, which the app's requests carry unless a test names
+/// another: the test app knows the callers `alice`, `bob` and `carol`, each by its bearer
+/// token `token-<name>`.
+pub const ALICE: &str = "Bearer token-alice";
+/// The credential of the caller `bob`.
+pub const BOB: &str = "Bearer token-bob";
+/// The credential of the caller `carol`.
+pub const CAROL: &str = "Bearer token-carol";
 
 /// The app on `127.0.0.1:0`.
 pub struct App {
@@ -395,7 +430,8 @@ impl App {
         self.send(path, key, body.to_string(), &[]).await
     }
 
-    /// A POST of the JSON text `body` to `path`, with `key` if given and `headers`.
+    /// A POST of the JSON text `body` to `path`, with `key` if given and `headers`; as the
+    /// caller [`ALICE`] unless `headers` name an `authorization` of their own.
     pub async fn send(
         &self,
         path: &str,
@@ -410,6 +446,12 @@ impl App {
             .body(body);
         if let Some(key) = key {
             request = request.header("Idempotency-Key", key);
+        }
+        if !headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("authorization"))
+        {
+            request = request.header("authorization", ALICE);
         }
         for (name, value) in headers {
             request = request.header(*name, *value);
