@@ -148,10 +148,16 @@ pub(crate) async fn run(pool: &PgPool, o: &Options, n: usize, server: &str) -> a
             .with_state(pool.clone()),
     )
     .await?;
+    // Scoped by caller, as a service must be: one caller, since the cost of naming it and
+    // hashing its name is the same for any.
+    let layer = || {
+        IdempotencyLayer::builder(store.clone(), config.clone())
+            .caller(|_| Some("bench".to_owned()))
+    };
     let pg_url = serve(
         Router::new()
             .route("/p", post(layered))
-            .layer(IdempotencyLayer::new(store.clone(), config.clone())),
+            .layer(layer().build()),
     )
     .await?;
     let redis_url = match &redis {
@@ -159,7 +165,7 @@ pub(crate) async fn run(pool: &PgPool, o: &Options, n: usize, server: &str) -> a
             serve(
                 Router::new()
                     .route("/p", post(layered))
-                    .layer(IdempotencyLayer::new(store, config).with_redis(fast.clone())),
+                    .layer(layer().redis(fast.clone()).build()),
             )
             .await?,
         ),

@@ -371,10 +371,17 @@ pub struct App {
 }
 
 impl App {
-    /// Serves the routes behind the layer with `config`; the tenant is the `x-tenant` header.
+    /// Serves the routes behind the layer with `config`, each caller's records its own (the
+    /// caller named by `Authorization: Bearer token-<name>`).
     pub async fn serve(db: &Db, config: IdempotencyConfig) -> App {
+        App::serve_scoped(db, config, Scoping::PerCaller).await
+    }
+
+    /// Serves the routes behind the layer with `config`, its records scoped as `scoping`
+    /// says.
+    pub async fn serve_scoped(db: &Db, config: IdempotencyConfig, scoping: Scoping) -> App {
         let handlers = Arc::new(Handlers::default());
-        let router = router(db, config, handlers.clone()).await;
+        let router = router(db, config, handlers.clone(), scoping).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -388,7 +395,13 @@ impl App {
     pub async fn serve_killable(db: &Db, config: IdempotencyConfig) -> (App, Killable) {
         let handlers = Arc::new(Handlers::default());
         // Its own connections, as a process of its own would have.
-        let router = router(&db.another_process().await, config, handlers.clone()).await;
+        let router = router(
+            &db.another_process().await,
+            config,
+            handlers.clone(),
+            Scoping::PerCaller,
+        )
+        .await;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("address");
@@ -496,15 +509,41 @@ impl Killable {
     }
 }
 
-/// The routes behind the layer with `config`; the tenant is the `x-tenant` header.
-async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> Router {
-    let tenant = |parts: &axum::http::request::Parts| {
-        parts
-            .headers
-            .get("x-tenant")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
+/// The caller of a request, as the test app's authentication names it: `<name>` for
+/// `Authorization: Bearer token-<name>`.
+fn caller(parts: &axum::http::request::Parts) -> Option<String> {
+    let credential = parts.headers.get("authorization")?.to_str().ok()?;
+    credential
+        .strip_prefix("Bearer token-")
+        .filter(|name| !name.is_empty())
+        .map(str::to_owned)
+}
+
+/// Whose the layer's records are in a test app.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoping {
+    /// Each caller's own ([`caller`]).
+    PerCaller,
+    /// Every caller's (`shared_across_callers`).
+    Shared,
+}
+
+/// The routes behind the layer with `config`, its records scoped as `scoping` says.
+async fn router(
+    db: &Db,
+    config: IdempotencyConfig,
+    handlers: Arc<Handlers>,
+    scoping: Scoping,
+) -> Router {
+    macro_rules! layer {
+        ($store:expr) => {{
+            let builder = IdempotencyLayer::builder($store, config);
+            match scoping {
+                Scoping::PerCaller => builder.caller(caller),
+                Scoping::Shared => builder.shared_across_callers(),
+            }
+        }};
+    }
     match db {
         Db::Pg {
             pool,
@@ -513,17 +552,16 @@ async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> 
             redis,
             ..
         } => {
-            let layer =
-                IdempotencyLayer::new(pg_store(pool, schema).await, config).with_tenant(tenant);
+            let layer = layer!(pg_store(pool, schema).await);
             #[cfg(feature = "redis")]
             let layer = match redis {
-                Some(fast) => layer.with_redis(fast.clone()),
+                Some(fast) => layer.redis(fast.clone()),
                 None => layer,
             };
-            pg_routes::router(handlers).layer(layer)
+            pg_routes::router(handlers).layer(layer.build())
         }
         Db::Sqlite { pool, .. } => {
-            let layer = IdempotencyLayer::new(sqlite_store(pool).await, config).with_tenant(tenant);
+            let layer = layer!(sqlite_store(pool).await).build();
             sqlite_routes::router(handlers).layer(layer)
         }
     }
