@@ -4,8 +4,8 @@
 //! row (the same durable work in every case):
 //!
 //! - `http: no layer`: the route alone, its row written in a statement of its own;
-//! - `http: pg, first`: behind the layer (PostgreSQL store), every request a new key: the
-//!   claim, the handler's row and the stored answer;
+//! - `http: pg, first`: behind the layer (PostgreSQL store, records scoped by one caller),
+//!   every request a new key: the claim, the handler's row and the stored answer;
 //! - `http: pg, replay`: the same N keys again: stored answers;
 //! - `http: redis+pg, first` and `http: redis+pg, replay`: the same with the Redis fast path
 //!   in front (`REDIS_URL`; skipped without it).
