@@ -4,8 +4,8 @@
 //! row (the same durable work in every case):
 //!
 //! - `http: no layer`: the route alone, its row written in a statement of its own;
-//! - `http: pg, first`: behind the layer (PostgreSQL store), every request a new key: the
-//!   claim, the handler's row and the stored answer;
+//! - `http: pg, first`: behind the layer (PostgreSQL store, records scoped by one caller),
+//!   every request a new key: the claim, the handler's row and the stored answer;
 //! - `http: pg, replay`: the same N keys again: stored answers;
 //! - `http: redis+pg, first` and `http: redis+pg, replay`: the same with the Redis fast path
 //!   in front (`REDIS_URL`; skipped without it).
@@ -148,10 +148,16 @@ pub(crate) async fn run(pool: &PgPool, o: &Options, n: usize, server: &str) -> a
             .with_state(pool.clone()),
     )
     .await?;
+    // Scoped by caller, as a service must be: one caller, since the cost of naming it and
+    // hashing its name is the same for any.
+    let layer = || {
+        IdempotencyLayer::builder(store.clone(), config.clone())
+            .caller(|_| Some("bench".to_owned()))
+    };
     let pg_url = serve(
         Router::new()
             .route("/p", post(layered))
-            .layer(IdempotencyLayer::new(store.clone(), config.clone())),
+            .layer(layer().build()),
     )
     .await?;
     let redis_url = match &redis {
@@ -159,7 +165,7 @@ pub(crate) async fn run(pool: &PgPool, o: &Options, n: usize, server: &str) -> a
             serve(
                 Router::new()
                     .route("/p", post(layered))
-                    .layer(IdempotencyLayer::new(store, config).with_redis(fast.clone())),
+                    .layer(layer().redis(fast.clone()).build()),
             )
             .await?,
         ),

@@ -3,12 +3,23 @@
 
 use std::time::Duration;
 
-use http::{HeaderName, Method};
+use http::{HeaderName, Method, StatusCode};
 
 use crate::Error;
 
 /// The longest `Idempotency-Key` accepted, in bytes.
 pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
+
+/// The client errors that say "not now, try again": 408 Request Timeout, 409 Conflict, 425
+/// Too Early and 429 Too Many Requests. The layer never stores them, whatever
+/// [`IdempotencyConfigBuilder::store_client_errors`] says: like a 5xx, such an answer rolls
+/// the handler's writes back and releases the key, so the client's retry runs the handler.
+pub const TRANSIENT_CLIENT_ERRORS: [StatusCode; 4] = [
+    StatusCode::REQUEST_TIMEOUT,
+    StatusCode::CONFLICT,
+    StatusCode::TOO_EARLY,
+    StatusCode::TOO_MANY_REQUESTS,
+];
 
 /// How the [`IdempotencyLayer`](crate::IdempotencyLayer) treats requests. Build one with
 /// [`IdempotencyConfig::builder`]; [`IdempotencyConfig::default`] is the builder's defaults.
@@ -49,11 +60,21 @@ impl Default for IdempotencyConfig {
 impl IdempotencyConfig {
     /// A builder with the defaults: POST and PATCH, key required, 1 MiB request and
     /// response bodies, wait 5 s polling every 50 ms, `Retry-After: 1`, lease 60 s, TTL
-    /// 24 h, 4xx answers stored, `content-type` stored.
+    /// 24 h, 4xx answers stored (but 408, 409, 425 and 429, never), `content-type` stored.
     pub fn builder() -> IdempotencyConfigBuilder {
         IdempotencyConfigBuilder {
             config: IdempotencyConfig::default(),
         }
+    }
+
+    /// Whether an answer of this status is stored (and its handler's writes committed): a
+    /// 2xx or 3xx, and a 4xx if so configured, but never a 1xx, a 5xx, or a 4xx that asks
+    /// the client to try again ([`TRANSIENT_CLIENT_ERRORS`]).
+    pub(crate) fn stores(&self, status: StatusCode) -> bool {
+        if status.is_client_error() {
+            return self.store_client_errors && !TRANSIENT_CLIENT_ERRORS.contains(&status);
+        }
+        status.is_success() || status.is_redirection()
     }
 
     /// Whether the layer handles requests with this method.
@@ -134,7 +155,8 @@ impl IdempotencyConfigBuilder {
     }
 
     /// Whether a 4xx answer is stored and replayed (default `true`); when `false` it
-    /// releases the key like a 5xx does.
+    /// releases the key like a 5xx does. The transient ones ([`TRANSIENT_CLIENT_ERRORS`]:
+    /// 408, 409, 425, 429) are never stored: a retry after them must run the handler.
     pub fn store_client_errors(mut self, store: bool) -> Self {
         self.config.store_client_errors = store;
         self
@@ -220,6 +242,33 @@ mod tests {
             field(IdempotencyConfig::builder().max_body_bytes(0)),
             "max_body_bytes"
         );
+    }
+
+    #[test]
+    fn transient_client_errors_and_5xx_are_never_stored() {
+        let storing = IdempotencyConfig::builder().build().unwrap();
+        let releasing = IdempotencyConfig::builder()
+            .store_client_errors(false)
+            .build()
+            .unwrap();
+        for code in [200, 201, 202, 204, 303] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(storing.stores(status) && releasing.stores(status), "{code}");
+        }
+        for code in [400, 404, 422] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(
+                storing.stores(status) && !releasing.stores(status),
+                "{code}"
+            );
+        }
+        for code in [100, 408, 409, 425, 429, 500, 502, 503] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(
+                !storing.stores(status) && !releasing.stores(status),
+                "{code}"
+            );
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 use tower::Service;
 
+use crate::caller::{Callers, NoCaller};
 use crate::config::IdempotencyConfig;
 use crate::fast::{FastRequest, Settled};
 use crate::metrics::{answered, decided, Outcome};
@@ -26,15 +27,11 @@ use crate::store::{ClaimRequest, IdempotencyStore, StoreBackend};
 use crate::stored::StoredResponse;
 use crate::tx::TxSlot;
 
-/// The tenant of a request, from its parts (e.g. an account id an authentication layer put
-/// in the extensions, or a header): part of every record's scope.
-pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-
 /// What every clone of the layer and its services share.
 pub(crate) struct Shared<DB: StoreBackend> {
     pub(crate) store: IdempotencyStore<DB>,
     pub(crate) config: IdempotencyConfig,
-    pub(crate) tenant: Option<Arc<ScopeFn>>,
+    pub(crate) callers: Callers,
     #[cfg(feature = "redis")]
     pub(crate) fast: Option<crate::fast::RedisFastPath>,
 }
@@ -44,7 +41,7 @@ impl<DB: StoreBackend> Clone for Shared<DB> {
         Shared {
             store: self.store.clone(),
             config: self.config.clone(),
-            tenant: self.tenant.clone(),
+            callers: self.callers.clone(),
             #[cfg(feature = "redis")]
             fast: self.fast.clone(),
         }
@@ -126,12 +123,18 @@ where
             return Ok(problem::bad_key(&invalid.0));
         }
     };
+    let caller = match shared.callers.of(&parts) {
+        Ok(caller) => caller,
+        Err(NoCaller) => {
+            answered(Outcome::NoCaller);
+            return Ok(problem::no_caller());
+        }
+    };
     let body = match read_body(&parts, body, config.max_body_bytes).await {
         Ok(body) => body,
         Err(answer) => return Ok(answer),
     };
-    let tenant = shared.tenant.as_ref().and_then(|f| f(&parts));
-    let scope = request::scope(&parts, tenant.as_deref());
+    let scope = request::scope(&parts, caller.as_deref());
     let fingerprint = request::fingerprint(&parts, &body);
     let claim = claim_token();
     let claim = ClaimRequest {
@@ -319,10 +322,7 @@ where
     };
     let (head, response_body) = response.into_parts();
     let status = head.status;
-    let stored_kind = !status.is_server_error()
-        && !status.is_informational()
-        && (config.store_client_errors || !status.is_client_error());
-    if !stored_kind {
+    if !config.stores(status) {
         abandon(store, &slot, claim).await;
         answered(Outcome::Released);
         return Ok(http::Response::from_parts(head, Body::new(response_body)));

@@ -11,6 +11,7 @@ use http::request::Parts;
 use http::Request;
 use tower::{Layer, Service};
 
+use crate::caller::{CallerNamed, CallerUnnamed, Callers};
 use crate::config::IdempotencyConfig;
 use crate::flow::{self, Shared};
 use crate::store::{IdempotencyStore, StoreBackend};
@@ -19,17 +20,36 @@ use crate::store::{IdempotencyStore, StoreBackend};
 /// `Idempotency-Key`, recording them in an [`IdempotencyStore`]. See the crate doc for what
 /// it answers and guarantees.
 ///
+/// A stored answer belongs to the caller that stored it: the builder asks for a function
+/// naming the authenticated caller ([`IdempotencyLayerBuilder::caller`]), or for the
+/// explicit [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers), and
+/// has no `build` before one of them.
+///
 /// ```no_run
 /// # async fn app(pool: sqlx::PgPool) -> Result<(), consumer_http::Error> {
 /// use consumer_http::{IdempotencyConfig, IdempotencyLayer, IdempotencyStore, StoreConfig};
 ///
+/// /// What the application's authentication put in the request's extensions.
+/// #[derive(Clone)]
+/// struct Account(String);
+///
 /// let store = IdempotencyStore::new(pool, StoreConfig::default()).await?;
-/// let layer = IdempotencyLayer::new(store, IdempotencyConfig::default())
-///     .with_tenant(|parts| parts.headers.get("x-account").and_then(|v| v.to_str().ok()).map(str::to_owned));
+/// let layer = IdempotencyLayer::builder(store, IdempotencyConfig::default())
+///     .caller(|parts| parts.extensions.get::<Account>().map(|a| a.0.clone()))
+///     .build();
 /// let app: axum::Router = axum::Router::new()
 ///     // .route("/payments", axum::routing::post(create_payment))
 ///     .layer(layer);
+///     // .layer(authentication), outside the layer, so it runs first
 /// # Ok(()) }
+/// ```
+///
+/// Without the caller, there is nothing to build:
+///
+/// ```compile_fail
+/// # async fn app(store: consumer_http::IdempotencyStore<sqlx::Postgres>) {
+/// let layer = consumer_http::IdempotencyLayer::builder(store, Default::default()).build();
+/// # }
 /// ```
 pub struct IdempotencyLayer<DB: StoreBackend> {
     shared: Arc<Shared<DB>>,
@@ -48,47 +68,118 @@ impl<DB: StoreBackend> std::fmt::Debug for IdempotencyLayer<DB> {
         f.debug_struct("IdempotencyLayer")
             .field("store", &self.shared.store)
             .field("config", &self.shared.config)
+            .field("callers", &self.shared.callers)
             .finish_non_exhaustive()
     }
 }
 
 impl<DB: StoreBackend> IdempotencyLayer<DB> {
-    /// The layer on `store` with `config`, without tenants.
-    pub fn new(store: IdempotencyStore<DB>, config: IdempotencyConfig) -> Self {
-        IdempotencyLayer {
-            shared: Arc::new(Shared {
-                store,
-                config,
-                tenant: None,
-                #[cfg(feature = "redis")]
-                fast: None,
-            }),
+    /// A builder of the layer on `store` with `config`; name the caller
+    /// ([`IdempotencyLayerBuilder::caller`] or
+    /// [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers)), then
+    /// [`build`](IdempotencyLayerBuilder::build).
+    pub fn builder(
+        store: IdempotencyStore<DB>,
+        config: IdempotencyConfig,
+    ) -> IdempotencyLayerBuilder<DB, CallerUnnamed> {
+        IdempotencyLayerBuilder {
+            store,
+            config,
+            callers: CallerUnnamed,
+            #[cfg(feature = "redis")]
+            fast: None,
         }
     }
+}
 
-    /// The same layer with a tenant function: its answer is part of every record's scope,
-    /// so two tenants' keys never meet. `None` is the scope without a tenant.
-    pub fn with_tenant(
+/// Builds an [`IdempotencyLayer`]. `C` says whether the caller is named yet: the builder
+/// starts [`CallerUnnamed`], and [`caller`](IdempotencyLayerBuilder::caller) or
+/// [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers) (one of them,
+/// once) makes it [`Callers`], which [`build`](IdempotencyLayerBuilder::build) requires.
+///
+/// Why a state in the type rather than an error from `build`: a layer that forgot the
+/// caller would share answers between callers, so it should not compile, rather than fail
+/// at the first start or not at all.
+pub struct IdempotencyLayerBuilder<DB: StoreBackend, C = CallerUnnamed> {
+    store: IdempotencyStore<DB>,
+    config: IdempotencyConfig,
+    callers: C,
+    #[cfg(feature = "redis")]
+    fast: Option<crate::RedisFastPath>,
+}
+
+impl<DB: StoreBackend, C: std::fmt::Debug> std::fmt::Debug for IdempotencyLayerBuilder<DB, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("store", &self.store)
+            .field("config", &self.config)
+            .field("callers", &self.callers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: StoreBackend> IdempotencyLayerBuilder<DB, CallerUnnamed> {
+    /// Scopes every stored answer by its caller: `caller` names the authenticated principal
+    /// of a request (an account or user id your authentication put in the extensions), and
+    /// two callers with the same key have records of their own. What one caller stored is
+    /// never answered to another, neither replayed nor refused with 422.
+    ///
+    /// Return an id, not a credential: two tokens of one account would be two callers. The
+    /// layer keeps only a SHA-256 of what it returns (in the record's scope and its Redis
+    /// keys) and never logs it. A request for which it returns `None` is answered 401
+    /// (`application/problem+json`) and runs nothing: put the layer inside your
+    /// authentication, so that unauthenticated requests are refused before it.
+    pub fn caller(
         self,
-        tenant: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        let mut shared = Shared::clone(&self.shared);
-        shared.tenant = Some(Arc::new(tenant));
-        IdempotencyLayer {
-            shared: Arc::new(shared),
-        }
+        caller: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> IdempotencyLayerBuilder<DB, Callers> {
+        self.with_callers(Callers::each(caller))
     }
 
-    /// The same layer with the Redis fast path in front of its store: replays answered from
-    /// Redis, concurrent duplicates turned away by a lease before they reach the database,
-    /// and the database alone when Redis fails. See the crate doc's
+    /// One record per key, whoever sends it: any caller that sends a key and body gets the
+    /// answer stored for them. Only for services whose keys are global by design (one
+    /// caller, or keys no caller can guess and that every caller may read).
+    pub fn shared_across_callers(self) -> IdempotencyLayerBuilder<DB, Callers> {
+        self.with_callers(Callers::shared())
+    }
+
+    fn with_callers(self, callers: Callers) -> IdempotencyLayerBuilder<DB, Callers> {
+        IdempotencyLayerBuilder {
+            store: self.store,
+            config: self.config,
+            callers,
+            #[cfg(feature = "redis")]
+            fast: self.fast,
+        }
+    }
+}
+
+impl<DB: StoreBackend, C> IdempotencyLayerBuilder<DB, C> {
+    /// Puts the Redis fast path in front of the store: replays answered from Redis,
+    /// concurrent duplicates turned away by a lease before they reach the database, and the
+    /// database alone when Redis fails. See the crate doc's
     /// [Redis fast path](crate#redis-fast-path).
     #[cfg(feature = "redis")]
-    pub fn with_redis(self, fast: crate::RedisFastPath) -> Self {
-        let mut shared = Shared::clone(&self.shared);
-        shared.fast = Some(fast);
+    pub fn redis(mut self, fast: crate::RedisFastPath) -> Self {
+        self.fast = Some(fast);
+        self
+    }
+
+    /// The layer. Requires the caller named, by
+    /// [`caller`](IdempotencyLayerBuilder::caller) or
+    /// [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers).
+    pub fn build(self) -> IdempotencyLayer<DB>
+    where
+        C: CallerNamed,
+    {
         IdempotencyLayer {
-            shared: Arc::new(shared),
+            shared: Arc::new(Shared {
+                store: self.store,
+                config: self.config,
+                callers: self.callers.into(),
+                #[cfg(feature = "redis")]
+                fast: self.fast,
+            }),
         }
     }
 }

@@ -20,9 +20,15 @@
 //! - no `Idempotency-Key` → 400 (or pass through, if the key is optional); a key that is
 //!   empty, repeated, over [`MAX_IDEMPOTENCY_KEY_BYTES`] or not printable ASCII → 400; a body
 //!   over the limit → 413. The layer's own answers are `application/problem+json`.
-//! - The record's **scope** is the route (method and path) and the tenant a user-supplied
-//!   function reads from the request ([`IdempotencyLayer::with_tenant`]): two tenants, or
-//!   two routes, never share a key.
+//! - The record's **scope** is the caller and the route (method and path): what one caller
+//!   stored, another cannot read. The layer's builder requires a function naming the
+//!   authenticated caller of a request ([`IdempotencyLayerBuilder::caller`]; the layer keeps
+//!   only a SHA-256 of the name), or the explicit opt-out
+//!   [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers) for keys that
+//!   are global by design; without either, `build` does not compile. Two callers, or two
+//!   routes, never share a record: another caller's request with the same key and body runs
+//!   as its own, and is never a replay of, or a 422 against, someone else's record. A
+//!   request the function names no caller for → 401, before anything runs.
 //! - The request's **fingerprint** is its method, path and query, and body: a JSON body by
 //!   its canonical form (object keys sorted, [`consumer_core::canonical_hash`], the one the
 //!   inbox hashes message payloads with), any other body by its bytes.
@@ -35,7 +41,9 @@
 //! - Same key while the first is in progress: the request polls the record up to the
 //!   configured wait and answers the stored answer, or 409 with `Retry-After`.
 //! - The handler answered 5xx, panicked or failed: its transaction rolls back and the key is
-//!   released; a retry runs again. A 4xx is stored (configurable).
+//!   released; a retry runs again. A 4xx is stored (configurable), except 408, 409, 425
+//!   and 429 ([`TRANSIENT_CLIENT_ERRORS`]), which ask the client to try again: they roll
+//!   back and release the key like a 5xx, so the retry runs the handler.
 //! - A completed record lives for its TTL (default 24 h), then the key runs again;
 //!   [`IdempotencyStore::purge_expired`] deletes expired rows.
 //!
@@ -110,7 +118,7 @@
 //!
 //! # Redis fast path
 //!
-//! With the `redis` feature (on by default), [`IdempotencyLayer::with_redis`] puts a
+//! With the `redis` feature (on by default), [`IdempotencyLayerBuilder::redis`] puts a
 //! [`RedisFastPath`] in front of the store. The database stays the source of truth: its
 //! claim decides who runs, its fingerprint check decides 422, and the stored answer commits
 //! with the handler's writes, exactly as above. Redis holds two things per record, under
@@ -215,7 +223,8 @@
 //! - `config`: [`IdempotencyConfig`] and its builder; `request`: the key check, the scope
 //!   and the fingerprint; `problem`: the problem+json answers; `stored`: a stored answer
 //!   and its replay.
-//! - `layer`: [`IdempotencyLayer`] and its service [`Idempotency`]; `flow`: one request
+//! - `layer`: [`IdempotencyLayer`], its builder and its service [`Idempotency`]; `caller`:
+//!   whose a record is ([`Callers`], the builder's states); `flow`: one request
 //!   through them (decide, run, store or release); `tx`: [`IdempotentTx`]; [`metrics`]:
 //!   what the layer counts (answers by outcome, the time to decide on a key).
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
@@ -232,6 +241,7 @@
 //! PostgreSQL with the Redis fast path (`REDIS_URL`, a key prefix per test); the webhook
 //! tests run a worker on the ingress's transport, on PostgreSQL.
 
+mod caller;
 mod config;
 mod error;
 mod fast;
@@ -245,11 +255,14 @@ mod stored;
 mod tx;
 pub mod webhook;
 
-pub use config::{IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES};
+pub use caller::{CallerNamed, CallerUnnamed, Callers};
+pub use config::{
+    IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES, TRANSIENT_CLIENT_ERRORS,
+};
 pub use error::Error;
 #[cfg(feature = "redis")]
 pub use fast::{RedisFastPath, RedisFastPathBuilder};
-pub use layer::{Idempotency, IdempotencyLayer};
+pub use layer::{Idempotency, IdempotencyLayer, IdempotencyLayerBuilder};
 pub use problem::PROBLEM_JSON;
 pub use request::IDEMPOTENCY_KEY;
 pub use store::{IdempotencyStore, StoreBackend, StoreConfig, StoreConfigBuilder};

@@ -2,7 +2,7 @@
 //!
 //! | metric | type | labels | what |
 //! |---|---|---|---|
-//! | `consumer_http_requests_total` | counter | `outcome` | requests with a key, by how they were answered: `completed` (ran, answer stored), `replayed` (the stored answer), `mismatch` (422), `in_progress` (409), `released` (ran, not stored: a 5xx, a panic, an error; the key released), `unavailable` (the store failed: 503), `invalid_key` (400) |
+//! | `consumer_http_requests_total` | counter | `outcome` | requests with a key, by how they were answered: `completed` (ran, answer stored), `replayed` (the stored answer), `mismatch` (422), `in_progress` (409), `released` (ran, not stored: a 5xx, a panic, an error; the key released), `unavailable` (the store failed: 503), `invalid_key` (400), `no_caller` (401: the caller function named no caller) |
 //! | `consumer_http_store_seconds` | histogram | | time to read or claim a key (the decision before a run or a replay) |
 //! | `consumer_http_redis_failures_total` | counter | `op` | Redis calls that failed or timed out (the database answered alone) |
 
@@ -18,6 +18,7 @@ pub(crate) enum Outcome {
     Released,
     Unavailable,
     InvalidKey,
+    NoCaller,
 }
 
 impl Outcome {
@@ -30,6 +31,7 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::Unavailable => "unavailable",
             Outcome::InvalidKey => "invalid_key",
+            Outcome::NoCaller => "no_caller",
         }
     }
 }

@@ -30,6 +30,15 @@ pub(crate) fn bad_key(detail: &str) -> Response {
     problem(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", detail)
 }
 
+/// 401: the caller function named no caller, so the answer could be stored for no one.
+pub(crate) fn no_caller() -> Response {
+    problem(
+        StatusCode::UNAUTHORIZED,
+        "Caller not identified",
+        "this request names no authenticated caller, and answers under an Idempotency-Key are kept per caller",
+    )
+}
+
 /// 413: the body is over the limit.
 pub(crate) fn too_large(limit: usize) -> Response {
     problem(

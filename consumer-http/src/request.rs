@@ -1,5 +1,5 @@
 //! What the layer reads from a request: the `Idempotency-Key` (checked), the record's scope
-//! (route and tenant) and the request's fingerprint.
+//! (caller and route) and the request's fingerprint.
 
 use http::request::Parts;
 use sha2::{Digest, Sha256};
@@ -45,13 +45,14 @@ pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKe
     Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
 }
 
-/// The record's scope: the route (method and path) and the tenant, if the scope function
-/// gave one. The tenant is length-prefixed, so no tenant and path can make another pair's
-/// scope; a request without a tenant starts with `-`, one with a tenant with a digit.
-pub(crate) fn scope(parts: &Parts, tenant: Option<&str>) -> String {
+/// The record's scope: the caller, if the layer scopes by caller (the hash
+/// [`Callers`](crate::Callers) derives from its name: 64 hex digits, so it cannot spell a
+/// route), and the route (method and path). A shared scope starts with `-`, a caller's with
+/// `c:`.
+pub(crate) fn scope(parts: &Parts, caller: Option<&str>) -> String {
     let route = format!("{} {}", parts.method, parts.uri.path());
-    match tenant {
-        Some(t) => format!("{}:{t}|{route}", t.len()),
+    match caller {
+        Some(c) => format!("c:{c}|{route}"),
         None => format!("-|{route}"),
     }
 }
@@ -130,14 +131,15 @@ mod tests {
     }
 
     #[test]
-    fn scopes_of_tenants_and_routes_differ() {
+    fn scopes_of_callers_and_routes_differ() {
         let p = parts("POST", "/a/b?x=1", &[]);
         assert_eq!(scope(&p, None), "-|POST /a/b");
-        assert_ne!(scope(&p, Some("t1")), scope(&p, Some("t2")));
-        assert_ne!(scope(&p, Some("t1")), scope(&p, None));
-        // A tenant cannot spell another tenant's route.
-        let q = parts("POST", "/b", &[]);
-        assert_ne!(scope(&p, Some("x")), scope(&q, Some("x|POST /a")));
+        assert_ne!(scope(&p, Some("c1")), scope(&p, Some("c2")));
+        assert_ne!(scope(&p, Some("c1")), scope(&p, None));
+        assert_ne!(
+            scope(&p, Some("c1")),
+            scope(&parts("POST", "/a", &[]), Some("c1"))
+        );
     }
 
     #[test]

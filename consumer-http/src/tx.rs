@@ -40,7 +40,7 @@ impl<DB: StoreBackend> TxSlot<DB> {
 ///
 /// Dereferences to the database connection, so `sqlx::query(..).execute(&mut *tx)` runs in
 /// it. Do not commit it: the layer commits after storing the answer, and rolls back if the
-/// handler answers 5xx (or 4xx with
+/// handler answers 5xx, 408, 409, 425 or 429 (or any 4xx with
 /// [`store_client_errors(false)`](crate::IdempotencyConfigBuilder::store_client_errors)),
 /// panics, or the answer cannot be stored.
 ///

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{wait_until, App, Db};
+use common::{wait_until, App, Db, Scoping, ALICE, BOB, CAROL};
 use consumer_http::IdempotencyConfig;
 use serde_json::json;
 
@@ -110,9 +110,9 @@ async fn a_request_in_progress_is_waited_for(db: Db) {
 }
 
 /// The fingerprint: the same JSON in another key order and spacing is a replay; another
-/// body is 422 and runs nothing; the same key on another route or for another tenant is
+/// body is 422 and runs nothing; the same key on another route or from another caller is
 /// another record.
-async fn the_key_is_bound_to_its_request_route_and_tenant(db: Db) {
+async fn the_key_is_bound_to_its_request_route_and_caller(db: Db) {
     let app = App::serve(&db, config().build().unwrap()).await;
     let first = app
         .send(
@@ -146,14 +146,24 @@ async fn the_key_is_bound_to_its_request_route_and_tenant(db: Db) {
     assert_eq!(other_route.status, 201);
     assert!(!other_route.replayed());
     let body = r#"{"amount":1,"currency":"EUR"}"#;
-    let tenant_a = app
-        .send("/payments", Some("k"), body.into(), &[("x-tenant", "a")])
+    let bobs = app
+        .send(
+            "/payments",
+            Some("k"),
+            body.into(),
+            &[("authorization", BOB)],
+        )
         .await;
-    let tenant_b = app
-        .send("/payments", Some("k"), body.into(), &[("x-tenant", "b")])
+    let carols = app
+        .send(
+            "/payments",
+            Some("k"),
+            body.into(),
+            &[("authorization", CAROL)],
+        )
         .await;
-    assert!(!tenant_a.replayed() && !tenant_b.replayed());
-    assert_ne!(tenant_a.body, tenant_b.body);
+    assert!(!bobs.replayed() && !carols.replayed());
+    assert_ne!(bobs.body, carols.body);
     assert_eq!(db.effects().await, 4);
 }
 
@@ -259,6 +269,135 @@ async fn an_answer_not_stored_rolls_back_the_effect(db: Db) {
     assert_eq!(db.records().await, 0);
 }
 
+/// Finding 6: the same key and body from another caller is that caller's own request. A
+/// record one caller stored is never answered to another (neither replayed nor a 422 for
+/// another body), and the store holds neither the caller's credential nor its name.
+async fn another_caller_with_the_same_key_does_not_get_the_stored_answer(db: Db) {
+    let app = App::serve(&db, config().build().unwrap()).await;
+    let body = r#"{"amount":7}"#;
+    let as_caller = |credential| [("authorization", credential)];
+    let alices = app
+        .send("/payments", Some("k"), body.into(), &as_caller(ALICE))
+        .await;
+    assert_eq!(alices.status, 201, "{alices:?}");
+    let bobs = app
+        .send("/payments", Some("k"), body.into(), &as_caller(BOB))
+        .await;
+    assert_eq!(bobs.status, 201, "{bobs:?}");
+    assert!(!bobs.replayed(), "bob got alice's answer: {bobs:?}");
+    assert_ne!(bobs.body, alices.body);
+    // Each caller's retry is its own stored answer.
+    let alice_again = app
+        .send("/payments", Some("k"), body.into(), &as_caller(ALICE))
+        .await;
+    assert!(alice_again.replayed());
+    assert_eq!(alice_again.body, alices.body);
+    let bob_again = app
+        .send("/payments", Some("k"), body.into(), &as_caller(BOB))
+        .await;
+    assert!(bob_again.replayed());
+    assert_eq!(bob_again.body, bobs.body);
+    // Another body under the key is not 422 for a third caller: it learns nothing of the
+    // others' records.
+    let carols = app
+        .send(
+            "/payments",
+            Some("k"),
+            r#"{"amount":8}"#.into(),
+            &as_caller(CAROL),
+        )
+        .await;
+    assert_eq!(carols.status, 201, "{carols:?}");
+    assert_eq!(app.runs(), 3);
+    assert_eq!(db.effects().await, 3);
+    for scope in db.scopes().await {
+        for secret in ["alice", "bob", "carol", "token"] {
+            assert!(
+                !scope.contains(secret),
+                "the scope {scope:?} holds {secret:?}"
+            );
+        }
+    }
+}
+
+/// A request the caller function names no caller for (no credential, or one it does not
+/// know) is 401 and runs nothing; without a key, where the key is optional, it passes
+/// through (there is no record to scope).
+async fn a_request_without_a_caller_is_refused_before_running(db: Db) {
+    let app = App::serve(&db, config().key_required(false).build().unwrap()).await;
+    let body = json!({"amount": 1}).to_string();
+    for credential in ["", "Basic YWxpY2U6cHc=", "Bearer token-"] {
+        let answer = app
+            .send(
+                "/payments",
+                Some("k"),
+                body.clone(),
+                &[("authorization", credential)],
+            )
+            .await;
+        answer.assert_problem(401);
+        assert!(!answer.body.windows(5).any(|w| w == b"token"), "{answer:?}");
+    }
+    assert_eq!(app.runs(), 0);
+    assert_eq!(db.records().await, 0);
+    let unkeyed = app
+        .send("/reject", None, "{}".into(), &[("authorization", "")])
+        .await;
+    assert_eq!(unkeyed.status, 404);
+    assert_eq!(app.runs(), 1);
+}
+
+/// The opt-out: with the layer shared across callers, a key's answer is every caller's.
+async fn shared_across_callers_answers_any_caller_the_stored_answer(db: Db) {
+    let app = App::serve_scoped(&db, config().build().unwrap(), Scoping::Shared).await;
+    let body = r#"{"amount":3}"#;
+    let alices = app
+        .send(
+            "/payments",
+            Some("g"),
+            body.into(),
+            &[("authorization", ALICE)],
+        )
+        .await;
+    assert_eq!(alices.status, 201);
+    let anyones = app
+        .send(
+            "/payments",
+            Some("g"),
+            body.into(),
+            &[("authorization", "")],
+        )
+        .await;
+    assert!(anyones.replayed(), "{anyones:?}");
+    assert_eq!(anyones.body, alices.body);
+    assert_eq!(db.effects().await, 1);
+}
+
+/// Finding 7(b): 408, 409, 425 and 429 say "try again later", even with 4xx answers
+/// stored: the answer is not stored, the handler's writes roll back and the key stays free,
+/// so the client's retry runs the handler. Another 4xx is still stored.
+async fn transient_client_errors_are_never_stored(db: Db) {
+    let app = App::serve(&db, config().store_client_errors(true).build().unwrap()).await;
+    for status in [408, 409, 425, 429] {
+        let key = format!("busy-{status}");
+        let body = json!({"status": status});
+        let first = app.post("/busy", Some(&key), &body).await;
+        let retry = app.post("/busy", Some(&key), &body).await;
+        assert_eq!((first.status, retry.status), (status, status), "{retry:?}");
+        assert!(!retry.replayed(), "{status} was stored: {retry:?}");
+        assert_ne!(retry.body, first.body, "the retry of {status} did not run");
+    }
+    assert_eq!(app.runs(), 8);
+    assert_eq!(db.effects().await, 0);
+    assert_eq!(db.records().await, 0);
+    let body = json!({"status": 404});
+    let first = app.post("/busy", Some("busy-404"), &body).await;
+    let again = app.post("/busy", Some("busy-404"), &body).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(db.effects().await, 1);
+}
+
 /// A 4xx is stored and replayed by default, and released when configured so.
 async fn a_4xx_is_stored_unless_configured_not_to(db: Db) {
     let app = App::serve(&db, config().build().unwrap()).await;
@@ -308,6 +447,7 @@ async fn a_killed_request_is_taken_over_after_its_lease(db: Db) {
         .client
         .post(format!("{}/payments", doomed.base))
         .header("Idempotency-Key", "l")
+        .header("authorization", ALICE)
         .json(&body)
         .send();
     let in_flight = tokio::spawn(request);
@@ -408,13 +548,17 @@ macro_rules! on_postgres {
 on_both!(
     concurrent_requests_with_one_key_run_once,
     a_request_in_progress_is_waited_for,
-    the_key_is_bound_to_its_request_route_and_tenant,
+    the_key_is_bound_to_its_request_route_and_caller,
     bad_requests_are_refused_before_running,
     an_optional_key_passes_through,
     a_5xx_rolls_back_and_a_retry_runs,
     a_panic_rolls_back_and_a_retry_runs,
     an_answer_not_stored_rolls_back_the_effect,
     a_4xx_is_stored_unless_configured_not_to,
+    another_caller_with_the_same_key_does_not_get_the_stored_answer,
+    a_request_without_a_caller_is_refused_before_running,
+    shared_across_callers_answers_any_caller_the_stored_answer,
+    transient_client_errors_are_never_stored,
     an_expired_key_runs_again_and_is_purged,
     a_killed_request_is_taken_over_after_its_lease,
 );

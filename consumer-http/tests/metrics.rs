@@ -30,6 +30,14 @@ async fn each_answer_is_counted_under_its_outcome() {
         .await
         .assert_problem(422);
     app.post("/payments", None, &body).await.assert_problem(400);
+    app.send(
+        "/payments",
+        Some("m-2"),
+        body.to_string(),
+        &[("authorization", "")],
+    )
+    .await
+    .assert_problem(401);
 
     let snapshot = snapshotter.snapshot().into_vec();
     let outcome = |name: &str| {
@@ -52,6 +60,7 @@ async fn each_answer_is_counted_under_its_outcome() {
     assert_eq!(outcome("replayed"), Some(1));
     assert_eq!(outcome("mismatch"), Some(1));
     assert_eq!(outcome("invalid_key"), Some(1));
+    assert_eq!(outcome("no_caller"), Some(1));
     assert_eq!(outcome("in_progress"), None, "nothing was in progress");
     let decisions = snapshot.iter().find_map(|(key, _, _, value)| match value {
         DebugValue::Histogram(v) if key.key().name() == "consumer_http_store_seconds" => {

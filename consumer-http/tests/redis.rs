@@ -44,7 +44,8 @@ async fn redis_keys(prefix: &str) -> Vec<String> {
     keys
 }
 
-/// After a completed request its answer is in Redis (and its lease gone), and a replay and
+/// After a completed request its answer is in Redis (and its lease gone, and its key holds
+/// no trace of the caller but a hash), and a replay and
 /// a request with another body under the key are answered without taking a connection
 /// from the database's pool: the same bytes, and 422.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -59,6 +60,11 @@ async fn a_replay_and_a_422_are_answered_from_redis() {
     assert_eq!(keys.len(), 1, "{keys:?}");
     assert!(
         keys[0].starts_with(&format!("{prefix}:answer:")),
+        "{keys:?}"
+    );
+    // Scoped by the caller's hash: neither its name nor its credential is in the key.
+    assert!(
+        !keys[0].contains("alice") && !keys[0].contains("token"),
         "{keys:?}"
     );
 

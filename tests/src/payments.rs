@@ -21,6 +21,12 @@ pub enum Store {
     PostgresRedis,
 }
 
+/// The API key of the account every request pays as, unless it names another: the example
+/// knows it ([`Payments::spawn`] sets `PAYMENTS_API_KEYS`) and [`Payments::client`] sends it.
+pub const API_KEY: &str = "sk_test_first";
+/// The API key of a second account the example knows.
+pub const OTHER_API_KEY: &str = "sk_test_second";
+
 /// One test's payments example: its schema, a pool on it and an HTTP client, shared by every
 /// process the test starts and every request it sends. Cheap to clone.
 #[derive(Clone)]
@@ -54,7 +60,14 @@ impl Payments {
         let schema = env.schema;
         // Bounded, so a request to a process that stopped answering fails the test rather
         // than hanging it; far above the layer's 5 s wait for a request in progress.
+        let mut headers = reqwest::header::HeaderMap::new();
+        let credential = format!("Bearer {API_KEY}");
+        headers.insert(
+            reqwest::header::AUTHORIZATION,
+            credential.parse().expect("a header value"),
+        );
         let client = reqwest::Client::builder()
+            .default_headers(headers)
             .timeout(Duration::from_secs(30))
             .build()
             .expect("an HTTP client");
@@ -81,19 +94,24 @@ impl Payments {
         &self.pool
     }
 
-    /// The HTTP client.
+    /// The HTTP client: its requests carry [`API_KEY`] unless they name another.
     pub fn client(&self) -> &reqwest::Client {
         &self.client
     }
 
     /// The example's settings for this test, before the test's own: the schema, a free
-    /// port, a lease of 1 s, and `REDIS_URL` (empty without the fast path).
+    /// port, a lease of 1 s, the API keys [`API_KEY`] and [`OTHER_API_KEY`], and `REDIS_URL`
+    /// (empty without the fast path).
     fn settings(&self) -> HashMap<&'static str, String> {
         let mut vars = HashMap::from([
             ("DATABASE_URL", database_url()),
             ("DB_SCHEMA", self.schema.clone()),
             ("PAYMENTS_ADDR", "127.0.0.1:0".to_owned()),
             ("IDEMPOTENCY_LEASE_MS", "1000".to_owned()),
+            (
+                "PAYMENTS_API_KEYS",
+                format!("{API_KEY}=acct_first,{OTHER_API_KEY}=acct_second"),
+            ),
         ]);
         // The test command exports `REDIS_URL`, and the process inherits the environment:
         // empty turns the fast path off.
@@ -143,6 +161,24 @@ impl Payments {
             .post(url)
             .header("Idempotency-Key", key)
             .json(body);
+        Answer::read(request.send().await?).await
+    }
+
+    /// Pays 100 for `order` at `base` with `Idempotency-Key: key`, as the account of
+    /// `Authorization: <credential>`.
+    pub async fn pay_as(
+        &self,
+        credential: &str,
+        base: &str,
+        key: &str,
+        order: i64,
+    ) -> reqwest::Result<Answer> {
+        let request = self
+            .client
+            .post(format!("{base}/payments"))
+            .header("Idempotency-Key", key)
+            .header(reqwest::header::AUTHORIZATION, credential)
+            .json(&json!({"order_id": order, "amount": 100}));
         Answer::read(request.send().await?).await
     }
 

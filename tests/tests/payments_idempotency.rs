@@ -5,6 +5,8 @@
 //! - 100 concurrent requests with one key, the provider slow, charge once; every other answer is the first one,
 //!   byte for byte and marked replayed, or a 409;
 //! - the same key with another body is 422 and charges nothing;
+//! - the same key and body from another account charges that account's order on its own,
+//!   and a request without a known API key is 401 and charges nothing;
 //! - a 5xx (the provider down, `PAYMENTS_PROVIDER_OUTAGE`) releases the key: the retry runs
 //!   the charge again;
 //! - after its TTL (`IDEMPOTENCY_TTL_MS`) a key runs again, and the example purges the
@@ -14,7 +16,7 @@
 use std::sync::Mutex;
 
 use consumer_tests::common::{redis_url, wait_until};
-use consumer_tests::payments::{Answer, Payments, Server, Store};
+use consumer_tests::payments::{Answer, Payments, Server, Store, OTHER_API_KEY};
 
 /// How many answers Redis caches for the test's schema (each key holds the store's table,
 /// qualified by the schema). On the database alone: none.
@@ -231,18 +233,55 @@ async fn after_its_ttl_a_key_runs_again_and_its_record_is_purged(store: Store) {
     assert_eq!(payments.charges(62).await, 1, "purging charges nothing");
 }
 
-/// A setting that does not parse, a TTL shorter than the lease, a negative outage and a URL
-/// that is not Redis's each stop the process before it listens, naming the variable (and
-/// never showing the URL's password).
+/// Finding 6 through the example: another account (its own API key) sending the first
+/// account's key and body is charged on its own, and never gets the first account's answer;
+/// each account's retry replays its own answer. No API key, or an unknown one: 401, nothing
+/// charged.
+async fn another_account_with_the_same_key_is_charged_on_its_own(store: Store) {
+    let payments = Payments::on(store).await;
+    let server = payments.start(&[], "accounts").await;
+    let first = pay(&payments, &server, "pay-shared-key", 51).await;
+    assert_charged(&first);
+    let other_account = format!("Bearer {OTHER_API_KEY}");
+    let pay_as_other = || payments.pay_as(&other_account, &server.base, "pay-shared-key", 51);
+    let others = pay_as_other().await.expect("an answer");
+    assert_charged(&others);
+    assert_ne!(
+        others.body, first.body,
+        "the other account got the first one's answer"
+    );
+    assert_replay(&pay_as_other().await.expect("an answer"), &others);
+    assert_replay(&pay(&payments, &server, "pay-shared-key", 51).await, &first);
+    assert_eq!(payments.charges(51).await, 2, "one charge per account");
+    assert_eq!(records(&payments, "pay-shared-key").await, 2);
+    for credential in ["", "Bearer sk_unknown"] {
+        let refused = payments
+            .pay_as(credential, &server.base, "pay-shared-key", 52)
+            .await
+            .expect("an answer");
+        assert_eq!(refused.status, 401, "{refused:?}");
+    }
+    assert_eq!(payments.charges(52).await, 0);
+}
+
+/// A setting that does not parse, a TTL shorter than the lease, a negative outage, a URL
+/// that is not Redis's and an API key entry without its account each stop the process
+/// before it listens, naming the variable (and never showing the URL's password or the API
+/// key).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_setting_stops_the_example_naming_it() {
     let payments = Payments::new().await;
-    let cases: [(&'static str, &str, &str); 5] = [
+    let cases: [(&'static str, &str, &str); 6] = [
         ("IDEMPOTENCY_TTL_MS", "soon", "expected whole milliseconds"),
         ("IDEMPOTENCY_TTL_MS", "500", "shorter than the lease"),
         ("IDEMPOTENCY_LEASE_MS", "0", "lease"),
         ("PAYMENTS_PROVIDER_OUTAGE", "-1", "a number of charges"),
         ("REDIS_URL", "http://user:s3cret@127.0.0.1:1", "redis.url"),
+        (
+            "PAYMENTS_API_KEYS",
+            "sk_s3cret",
+            "entry 1 is not `key=account`",
+        ),
     ];
     for (i, (name, value, why)) in cases.into_iter().enumerate() {
         let process = payments.spawn(&[(name, value)], &format!("bad-{i}"));
@@ -280,6 +319,7 @@ macro_rules! on_both_stores {
 on_both_stores!(
     a_hundred_concurrent_requests_with_one_key_charge_once,
     the_same_key_with_another_body_is_422_and_charges_nothing,
+    another_account_with_the_same_key_is_charged_on_its_own,
     a_5xx_releases_the_key_and_the_retry_runs_again,
     after_its_ttl_a_key_runs_again_and_its_record_is_purged,
 );

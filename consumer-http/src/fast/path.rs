@@ -41,15 +41,18 @@ return 0
 /// The Redis fast path in front of an [`IdempotencyStore`](crate::IdempotencyStore):
 /// cached answers for replays and a lease that turns concurrent duplicates away before
 /// they reach the database. The database stays the source of truth; see the crate doc's
-/// [Redis fast path](crate#redis-fast-path). Give it to
-/// [`IdempotencyLayer::with_redis`](crate::IdempotencyLayer::with_redis). Cheap to clone.
+/// [Redis fast path](crate#redis-fast-path). Give it to the layer's builder,
+/// [`IdempotencyLayerBuilder::redis`](crate::IdempotencyLayerBuilder::redis). Cheap to clone.
 ///
 /// ```no_run
 /// # async fn app(store: consumer_http::IdempotencyStore<sqlx::Postgres>) -> Result<(), consumer_http::Error> {
 /// use consumer_http::{IdempotencyConfig, IdempotencyLayer, RedisFastPath};
 ///
 /// let redis = RedisFastPath::builder("redis://127.0.0.1:6379").build()?;
-/// let layer = IdempotencyLayer::new(store, IdempotencyConfig::default()).with_redis(redis);
+/// let layer = IdempotencyLayer::builder(store, IdempotencyConfig::default())
+///     .caller(|parts| parts.extensions.get::<String>().cloned()) // the authenticated account
+///     .redis(redis)
+///     .build();
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

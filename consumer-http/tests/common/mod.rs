@@ -189,6 +189,16 @@ impl Db {
         .expect("count rows")
     }
 
+    /// The scope of every record the store holds.
+    pub async fn scopes(&self) -> Vec<String> {
+        let sql = "SELECT scope FROM http_idempotency";
+        match self {
+            Db::Pg { pool, .. } => sqlx::query_scalar(sql).fetch_all(pool).await,
+            Db::Sqlite { pool, .. } => sqlx::query_scalar(sql).fetch_all(pool).await,
+        }
+        .expect("read the scopes")
+    }
+
     /// Deletes expired records through the store; how many.
     pub async fn purge_expired(&self) -> u64 {
         match self {
@@ -298,6 +308,21 @@ macro_rules! routes {
                 (StatusCode::OK, Json(json!({"run": run}))).into_response()
             }
 
+            /// Writes its effect and answers the status the body names (`{"status": 429}`).
+            async fn busy(
+                State(h): State<Arc<Handlers>>,
+                mut tx: IdempotentTx<$db>,
+                Json(body): Json<Value>,
+            ) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "busy", run).await;
+                let status = body["status"]
+                    .as_u64()
+                    .and_then(|s| StatusCode::from_u16(u16::try_from(s).ok()?).ok())
+                    .expect("a status in the body");
+                (status, Json(json!({"busy": run}))).into_response()
+            }
+
             async fn big(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
                 let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
                 record(&mut tx, "big", run).await;
@@ -311,6 +336,7 @@ macro_rules! routes {
                     .route("/reject", post(reject))
                     .route("/panic", post(panics))
                     .route("/big", post(big))
+                    .route("/busy", post(busy))
                     .with_state(h)
             }
         }
@@ -328,6 +354,15 @@ routes!(
     "INSERT INTO effects (route, run) VALUES (?1, ?2)"
 );
 
+/// The credential of the caller `alice`, which the app's requests carry unless a test names
+/// another: the test app knows the callers `alice`, `bob` and `carol`, each by its bearer
+/// token `token-<name>`.
+pub const ALICE: &str = "Bearer token-alice";
+/// The credential of the caller `bob`.
+pub const BOB: &str = "Bearer token-bob";
+/// The credential of the caller `carol`.
+pub const CAROL: &str = "Bearer token-carol";
+
 /// The app on `127.0.0.1:0`.
 pub struct App {
     pub base: String,
@@ -336,10 +371,17 @@ pub struct App {
 }
 
 impl App {
-    /// Serves the routes behind the layer with `config`; the tenant is the `x-tenant` header.
+    /// Serves the routes behind the layer with `config`, each caller's records its own (the
+    /// caller named by `Authorization: Bearer token-<name>`).
     pub async fn serve(db: &Db, config: IdempotencyConfig) -> App {
+        App::serve_scoped(db, config, Scoping::PerCaller).await
+    }
+
+    /// Serves the routes behind the layer with `config`, its records scoped as `scoping`
+    /// says.
+    pub async fn serve_scoped(db: &Db, config: IdempotencyConfig, scoping: Scoping) -> App {
         let handlers = Arc::new(Handlers::default());
-        let router = router(db, config, handlers.clone()).await;
+        let router = router(db, config, handlers.clone(), scoping).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -353,7 +395,13 @@ impl App {
     pub async fn serve_killable(db: &Db, config: IdempotencyConfig) -> (App, Killable) {
         let handlers = Arc::new(Handlers::default());
         // Its own connections, as a process of its own would have.
-        let router = router(&db.another_process().await, config, handlers.clone()).await;
+        let router = router(
+            &db.another_process().await,
+            config,
+            handlers.clone(),
+            Scoping::PerCaller,
+        )
+        .await;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("address");
@@ -395,7 +443,8 @@ impl App {
         self.send(path, key, body.to_string(), &[]).await
     }
 
-    /// A POST of the JSON text `body` to `path`, with `key` if given and `headers`.
+    /// A POST of the JSON text `body` to `path`, with `key` if given and `headers`; as the
+    /// caller [`ALICE`] unless `headers` name an `authorization` of their own.
     pub async fn send(
         &self,
         path: &str,
@@ -410,6 +459,12 @@ impl App {
             .body(body);
         if let Some(key) = key {
             request = request.header("Idempotency-Key", key);
+        }
+        if !headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("authorization"))
+        {
+            request = request.header("authorization", ALICE);
         }
         for (name, value) in headers {
             request = request.header(*name, *value);
@@ -454,15 +509,41 @@ impl Killable {
     }
 }
 
-/// The routes behind the layer with `config`; the tenant is the `x-tenant` header.
-async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> Router {
-    let tenant = |parts: &axum::http::request::Parts| {
-        parts
-            .headers
-            .get("x-tenant")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
+/// The caller of a request, as the test app's authentication names it: `<name>` for
+/// `Authorization: Bearer token-<name>`.
+fn caller(parts: &axum::http::request::Parts) -> Option<String> {
+    let credential = parts.headers.get("authorization")?.to_str().ok()?;
+    credential
+        .strip_prefix("Bearer token-")
+        .filter(|name| !name.is_empty())
+        .map(str::to_owned)
+}
+
+/// Whose the layer's records are in a test app.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoping {
+    /// Each caller's own ([`caller`]).
+    PerCaller,
+    /// Every caller's (`shared_across_callers`).
+    Shared,
+}
+
+/// The routes behind the layer with `config`, its records scoped as `scoping` says.
+async fn router(
+    db: &Db,
+    config: IdempotencyConfig,
+    handlers: Arc<Handlers>,
+    scoping: Scoping,
+) -> Router {
+    macro_rules! layer {
+        ($store:expr) => {{
+            let builder = IdempotencyLayer::builder($store, config);
+            match scoping {
+                Scoping::PerCaller => builder.caller(caller),
+                Scoping::Shared => builder.shared_across_callers(),
+            }
+        }};
+    }
     match db {
         Db::Pg {
             pool,
@@ -471,17 +552,16 @@ async fn router(db: &Db, config: IdempotencyConfig, handlers: Arc<Handlers>) -> 
             redis,
             ..
         } => {
-            let layer =
-                IdempotencyLayer::new(pg_store(pool, schema).await, config).with_tenant(tenant);
+            let layer = layer!(pg_store(pool, schema).await);
             #[cfg(feature = "redis")]
             let layer = match redis {
-                Some(fast) => layer.with_redis(fast.clone()),
+                Some(fast) => layer.redis(fast.clone()),
                 None => layer,
             };
-            pg_routes::router(handlers).layer(layer)
+            pg_routes::router(handlers).layer(layer.build())
         }
         Db::Sqlite { pool, .. } => {
-            let layer = IdempotencyLayer::new(sqlite_store(pool).await, config).with_tenant(tenant);
+            let layer = layer!(sqlite_store(pool).await).build();
             sqlite_routes::router(handlers).layer(layer)
         }
     }

@@ -2,6 +2,10 @@
 //!
 //! An HTTP service whose effects happen once however often a request is retried:
 //!
+//! - `POST /payments` and `POST /refunds` take an API key (`Authorization: Bearer <key>`,
+//!   from `PAYMENTS_API_KEYS`; an unknown or missing one is 401) naming the caller's account.
+//!   The `Idempotency-Key` layer keeps each account's answers apart: another account
+//!   sending the same key and body gets its own run, never the first account's answer.
 //! - `POST /payments` with an `Idempotency-Key` header and `{"order_id", "amount"}` charges
 //!   the order through the provider stand-in (a row in `charges`) in the request's
 //!   transaction, which also stores the answer: a retry gets the same answer, byte for byte,
@@ -22,6 +26,8 @@
 //! - `DATABASE_URL`; `DB_SCHEMA` (the connection's default schema);
 //! - `PAYMENTS_ADDR` (`127.0.0.1:8080`; port 0 picks a free one);
 //! - `WEBHOOK_SECRET` (`whsec_example`);
+//! - `PAYMENTS_API_KEYS` (`sk_example=acct_example`): the API keys and their accounts, as
+//!   `key=account` entries separated by commas (an error names the entry, never a key);
 //! - `IDEMPOTENCY_LEASE_MS` (60000): how long a request's claim holds its key if the process
 //!   dies mid-request;
 //! - `IDEMPOTENCY_TTL_MS` (86400000, 24 h, at least the lease): how long a completed answer
@@ -51,6 +57,8 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+mod auth;
 
 use anyhow::Context as _;
 use axum::extract::{Path, State};
@@ -269,6 +277,10 @@ async fn main() -> anyhow::Result<()> {
     let schema = std::env::var("DB_SCHEMA").ok();
     let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
     let secret = std::env::var("WEBHOOK_SECRET").unwrap_or_else(|_| "whsec_example".to_owned());
+    let api_keys =
+        std::env::var("PAYMENTS_API_KEYS").unwrap_or_else(|_| "sk_example=acct_example".to_owned());
+    let api_keys = auth::ApiKeys::parse(&api_keys)
+        .map_err(|e| anyhow::anyhow!("the setting PAYMENTS_API_KEYS: {e}"))?;
     let lease = millis("IDEMPOTENCY_LEASE_MS", Duration::from_secs(60))?;
     let ttl = millis("IDEMPOTENCY_TTL_MS", Duration::from_secs(24 * 60 * 60))?;
     let config = IdempotencyConfig::builder()
@@ -312,11 +324,14 @@ async fn main() -> anyhow::Result<()> {
     }
     let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
     tokio::spawn(purge_expired(store.clone(), ttl));
-    let mut idempotency = IdempotencyLayer::new(store, config);
+    // Each account's answers are its own: the caller is the account `authenticate` found.
+    let mut idempotency = IdempotencyLayer::builder(store, config)
+        .caller(|parts| parts.extensions.get::<auth::Account>().map(|a| a.0.clone()));
     if let Some(fast) = redis {
         tracing::info!(?fast, "the Redis fast path is on");
-        idempotency = idempotency.with_redis(fast);
+        idempotency = idempotency.redis(fast);
     }
+    let idempotency = idempotency.build();
     let inbox = Inbox::new(pool.clone(), inbox_config).await?;
     tokio::spawn(settle_operations(pool.clone()));
     let (webhooks, events) = WebhookIngress::builder("/webhooks/provider")
@@ -330,6 +345,11 @@ async fn main() -> anyhow::Result<()> {
         .route("/refunds", post(refund))
         .with_state(provider)
         .layer(idempotency)
+        // Outside the idempotency layer, so a request is authenticated before it.
+        .layer(axum::middleware::from_fn_with_state(
+            api_keys,
+            auth::authenticate,
+        ))
         .merge(webhooks)
         .merge(
             Router::new()
