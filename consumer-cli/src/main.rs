@@ -33,6 +33,10 @@
 //!   the inbox (`<inbox table>_dlq_settled`), in the same transaction that is committed after
 //!   the delivery report; `list`, `show`, `replay` and `purge` skip recorded records.
 //!
+//! A Kafka `copy_too_large` letter holds a reference to its record instead of the record:
+//! the replay reads the record at that offset and republishes it, or fails naming the
+//! topic, partition and offset when it is gone.
+//!
 //! If the CLI dies between the republish and that settlement, the next replay republishes
 //! the message once more; its key is then `completed` (or `pending` with the first copy), so
 //! the inbox treats the second copy as a duplicate and nothing runs twice.
@@ -47,7 +51,8 @@
 //! - `dlq`: the dead-letter commands. `dlq::letter` is what they share whatever the
 //!   broker (a dead letter, its error fingerprint, the groups, the selection),
 //!   `dlq::report` what a replay or purge did; `dlq::amqp` and `dlq::kafka` read,
-//!   republish and settle on each broker, and name the headers a replay strips.
+//!   republish and settle on each broker, and name the headers a replay strips;
+//!   `dlq::reference` reads the record a Kafka `copy_too_large` letter refers to.
 //! - `output`: printing text or JSON.
 //!
 //! The inbox commands go through [`consumer_core::Inbox`] alone (`counts`, `entry`,

@@ -1,10 +1,12 @@
 //! The `dlq` commands: `letter` (a dead letter, its fingerprint, the groups, the
 //! selection) and `report` (what a replay or purge did) are shared; `amqp` and `kafka`
-//! read, republish and settle on each broker.
+//! read, republish and settle on each broker; `reference` reads the record a Kafka
+//! `copy_too_large` letter refers to.
 
 mod amqp;
 mod kafka;
 mod letter;
+mod reference;
 mod report;
 
 use anyhow::bail;
