@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use consumer_amqp::{headers, AmqpConfig, AmqpPublisher};
+use consumer_amqp::{headers, AmqpConfig, AmqpPublisher, ORIGIN_SECRET_VAR};
 use invoices::Part;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::types::AMQPValue;
@@ -18,6 +18,8 @@ use crate::{DeadSeen, Names};
 /// The RabbitMQ side of a run.
 pub(crate) struct Amqp {
     url: String,
+    /// The run's own origin secret, shared by its workers and its publisher's settings.
+    origin_secret: String,
     scripts: PathBuf,
     prefix: String,
     exchanges: [String; 2],
@@ -29,8 +31,13 @@ impl Amqp {
     pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
         let url = std::env::var("AMQP_URL")
             .context("AMQP_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
-        let settings =
-            names.settings(&[("TRANSPORT", "amqp".to_owned()), ("AMQP_URL", url.clone())])?;
+        // A secret of the run's own (its prefix is unique); a deployment uses a random one.
+        let origin_secret = format!("chaos-origin-secret-{}", names.prefix);
+        let settings = names.settings(&[
+            ("TRANSPORT", "amqp".to_owned()),
+            ("AMQP_URL", url.clone()),
+            (ORIGIN_SECRET_VAR, origin_secret.clone()),
+        ])?;
         let mut configs = Vec::new();
         for part in [Part::Invoices, Part::Emails] {
             let mut config = invoices::transport::amqp_config(&settings, part)?;
@@ -46,6 +53,7 @@ impl Amqp {
         publisher.declare(&configs[1].1).await?;
         Ok(Amqp {
             url,
+            origin_secret,
             scripts,
             prefix: names.prefix.clone(),
             exchanges: [names.exchange.clone(), names.events.clone()],
@@ -58,6 +66,7 @@ impl Amqp {
         vec![
             ("TRANSPORT".to_owned(), "amqp".to_owned()),
             ("AMQP_URL".to_owned(), self.url.clone()),
+            (ORIGIN_SECRET_VAR.to_owned(), self.origin_secret.clone()),
         ]
     }
 

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::{FieldTable, ShortString};
 use lapin::BasicProperties;
 
 use consumer_core::{
@@ -19,6 +19,7 @@ use consumer_core::{
 use crate::ack_book::{AckPlan, ACK_WAIT_FOR_OLDER};
 use crate::headers;
 use crate::link::Link;
+use crate::origin::CopyKind;
 use crate::Error;
 
 /// The locations of one queue's deliveries, `<queue> (exchange="…", routing_key="…")`: the
@@ -377,9 +378,10 @@ impl AmqpAcker {
     /// published, and when it first failed.
     ///
     /// Those (and the dead-letter headers) belong to the framework: they are kept only from
-    /// our own retry copy ([`AmqpAcker::is_own_retry_copy`]), which wrote them; a producer's
-    /// values of them are replaced, so a dead letter says where and when the framework saw
-    /// the message, not what its producer claimed.
+    /// our own retry copy ([`AmqpAcker::is_own_retry_copy`], signed), which wrote them; a
+    /// producer's values of them are replaced, so a dead letter says where and when the
+    /// framework saw the message, not what its producer claimed. The copy is signed anew
+    /// once finished ([`AmqpAcker::sign`]).
     fn copy_headers(&self, now: SystemTime) -> FieldTable {
         let original = self.properties.headers().as_ref();
         let own = self.is_own_retry_copy();
@@ -421,37 +423,30 @@ impl AmqpAcker {
         table
     }
 
-    /// Whether this delivery is a retry copy this transport wrote: it carries an attempt
-    /// number and came back from one of this queue's retry queues, whose expiry the broker
-    /// records in `x-death`. (A producer could forge both; it then only misstates the origin
-    /// of its own message.)
+    /// Whether this delivery is a retry copy this transport wrote for this queue: its
+    /// [`headers::ORIGIN_SIGNATURE`] verifies under the queue's origin secret (see
+    /// [`crate::OriginSecret`]). An attempt number and RabbitMQ's `x-death` prove nothing:
+    /// a producer can write both. Without a secret, no delivery is.
     fn is_own_retry_copy(&self) -> bool {
-        let table = self.properties.headers().as_ref();
-        if headers::attempt(table) < 2 {
-            return false;
-        }
-        let Some(AMQPValue::FieldArray(deaths)) = table.and_then(|t| t.inner().get("x-death"))
-        else {
-            return false;
-        };
-        let retry_queues = format!("{}.retry.", self.link.topology.queue);
-        let text = |t: &FieldTable, k: &str| match t.inner().get(k) {
-            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
-            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
-            _ => None,
-        };
-        deaths.as_slice().iter().any(|d| match d {
-            AMQPValue::FieldTable(t) => {
-                text(t, "reason").as_deref() == Some("expired")
-                    && text(t, "queue").is_some_and(|q| q.starts_with(&retry_queues))
-            }
-            _ => false,
+        let topology = &self.link.topology;
+        topology.origin_secret.as_ref().is_some_and(|secret| {
+            secret.verifies(CopyKind::Retry, &topology.queue, &self.properties)
         })
+    }
+
+    /// Signs the origin in `table`, the finished headers of a copy of `kind` for `queue`;
+    /// without a secret the copy goes unsigned.
+    fn sign(&self, kind: CopyKind, queue: &str, table: &mut FieldTable) {
+        if let Some(secret) = &self.link.topology.origin_secret {
+            let message_id = self.properties.message_id().as_ref().map(|s| s.as_str());
+            secret.sign(kind, queue, message_id, table);
+        }
     }
 
     fn retry_properties(&self, attempt: u32, now: SystemTime) -> BasicProperties {
         let mut table = self.copy_headers(now);
         headers::set_int(&mut table, headers::ATTEMPT, attempt);
+        self.sign(CopyKind::Retry, &self.link.topology.queue, &mut table);
         headers::copy_properties(&self.properties, table)
     }
 
@@ -473,6 +468,8 @@ impl AmqpAcker {
             &headers::truncate(&dead.error, headers::MAX_ERROR_LEN),
         );
         headers::set_string(&mut table, headers::LAST_FAILURE, &headers::rfc3339(now));
+        let dlq = &self.link.topology.dead_letter_queue;
+        self.sign(CopyKind::DeadLetter, dlq, &mut table);
         headers::copy_properties(&self.properties, table)
     }
 }

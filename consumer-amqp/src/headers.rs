@@ -1,9 +1,9 @@
 //! The message headers this crate reads and writes.
 //!
 //! A retry copy carries [`ATTEMPT`], [`FIRST_FAILURE`], [`ORIGINAL_EXCHANGE`] and
-//! [`ORIGINAL_ROUTING_KEY`]. A dead-lettered message carries all of them plus
-//! [`DEAD_LETTER_REASON`], [`HANDLER`], [`KEY`], [`ATTEMPTS`], [`ERROR`] and
-//! [`LAST_FAILURE`]. Times are RFC 3339 UTC strings with milliseconds
+//! [`ORIGINAL_ROUTING_KEY`] (and [`ORIGIN_SIGNATURE`] with an origin secret). A
+//! dead-lettered message carries all of them plus [`DEAD_LETTER_REASON`], [`HANDLER`],
+//! [`KEY`], [`ATTEMPTS`], [`ERROR`] and [`LAST_FAILURE`]. Times are RFC 3339 UTC strings with milliseconds
 //! (`2024-05-01T12:00:00.123Z`).
 
 use std::borrow::Cow;
@@ -34,9 +34,20 @@ pub const ORIGINAL_EXCHANGE: &str = "x-original-exchange";
 /// The routing key the message was first published with.
 pub const ORIGINAL_ROUTING_KEY: &str = "x-original-routing-key";
 
-/// Where and when a message first came in: written by the framework on the first copy
-/// and kept only from its own retry copies (a producer's values are replaced).
-pub(crate) const ORIGIN: &[&str] = &[ORIGINAL_EXCHANGE, ORIGINAL_ROUTING_KEY, FIRST_FAILURE];
+/// The signature over a copy's origin ([`crate::OriginSecret`]): the hex HMAC-SHA256 that
+/// proves the framework wrote [`ORIGINAL_EXCHANGE`], [`ORIGINAL_ROUTING_KEY`] and
+/// [`FIRST_FAILURE`]. Only with an origin secret configured.
+pub const ORIGIN_SIGNATURE: &str = "x-origin-signature";
+
+/// Where and when a message first came in, and the proof of it: written by the framework
+/// on the first copy and kept only from its own retry copies, those whose
+/// [`ORIGIN_SIGNATURE`] verifies (a producer's values are replaced).
+pub(crate) const ORIGIN: &[&str] = &[
+    ORIGINAL_EXCHANGE,
+    ORIGINAL_ROUTING_KEY,
+    FIRST_FAILURE,
+    ORIGIN_SIGNATURE,
+];
 
 /// The headers of a dead letter: written by the framework, never carried from the message.
 pub(crate) const DEAD_LETTER: &[&str] = &[

@@ -46,6 +46,9 @@
 //!   [`headers::ORIGINAL_EXCHANGE`], [`headers::ORIGINAL_ROUTING_KEY`],
 //!   [`headers::FIRST_FAILURE`] and [`headers::LAST_FAILURE`].
 //!
+//! With an [`OriginSecret`] ([`AmqpConfig::origin_secret`]), each copy also carries
+//! [`headers::ORIGIN_SIGNATURE`] (see "Origin of copies" below).
+//!
 //! Every publish the framework makes uses publisher confirms and the mandatory flag. If a
 //! copy cannot be published, the original is not acked but requeued (`basic.nack`), and the
 //! consumer reconnects to re-declare its topology: the message runs again and the inbox
@@ -72,6 +75,22 @@
 //! at most once, and a broker stopping at that moment drops it after its original was acked
 //! (the chaos suite caught that with classic retry queues). This needs RabbitMQ 3.10 or
 //! newer, even with classic work queues.
+//!
+//! ## Origin of copies
+//!
+//! The origin headers are trusted only when the framework can prove it wrote them: a
+//! producer can set `x-attempt`, RabbitMQ's `x-death` and `x-original-*` itself, and a dead
+//! letter's origin is where `consumer dlq replay` republishes it, with the operator's
+//! credentials. Every worker of a queue (and the `consumer` command) is given the same
+//! [`OriginSecret`], usually from [`ORIGIN_SECRET_VAR`] (`AMQP_ORIGIN_SECRET`) through
+//! [`OriginSecret::from_env`]; each retry copy and dead letter is signed with an
+//! HMAC-SHA256 over its kind, the queue it is written for, its message id, its attempt and
+//! its origin headers. A delivery whose signature verifies is the framework's own retry
+//! copy, and its origin and first failure are carried on; any other (a producer's message,
+//! however its headers look) gets the origin of its own delivery. Without a secret nothing
+//! verifies, so each attempt's copy records where that attempt came from (a retried
+//! message's dead letter then names the retry route back to the work queue) and a replay
+//! needs `--to`. The secret never appears in a log line or an error.
 //!
 //! # Message identity
 //!
@@ -124,7 +143,7 @@
 //! # Layout
 //!
 //! `config` (configuration; `validate` checks it), `redacted_url` (the URL shown without
-//! credentials), `topology` (what is declared, retry buckets), `link` (connections, the
+//! credentials), `origin` (signing and verifying the origin of copies), `topology` (what is declared, retry buckets), `link` (connections, the
 //! confirm channel, and what one connection's deliveries share), `consumer` (the
 //! reconnecting stream), `acker` (deliveries and their settlement: acks, retry and
 //! dead-letter copies, requeues), `ack_book` (which acks may be coalesced into one
@@ -138,6 +157,7 @@ mod consumer;
 mod error;
 pub mod headers;
 mod link;
+mod origin;
 mod publisher;
 mod redacted_url;
 mod topology;
@@ -145,5 +165,6 @@ mod topology;
 pub use config::{AmqpConfig, ExchangeType, QueueType, MAX_QUEUE_NAME_LEN};
 pub use consumer::{AmqpConsumer, ConsumerHealth};
 pub use error::Error;
+pub use origin::{OriginSecret, MIN_ORIGIN_SECRET_LEN, ORIGIN_SECRET_VAR};
 pub use publisher::AmqpPublisher;
 pub use redacted_url::RedactedUrl;

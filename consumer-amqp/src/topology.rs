@@ -7,6 +7,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::Channel;
 
 use crate::config::{AmqpConfig, ExchangeType, QueueType};
+use crate::origin::OriginSecret;
 use crate::Error;
 
 /// One retry queue: messages wait `delay` in `queue`, then return to the work queue.
@@ -24,6 +25,9 @@ pub(crate) struct Topology {
     /// `amqp:<queue>`: names the consumers that read this queue's retry copies (see
     /// `Acknowledger::copy_scope`).
     pub(crate) copy_scope: String,
+    /// Signs the origin of this queue's copies and checks it on the retry copies that come
+    /// back; `None`: no copy is taken for the framework's own.
+    pub(crate) origin_secret: Option<OriginSecret>,
     queue_type: QueueType,
     exchange: String,
     exchange_type: ExchangeType,
@@ -46,6 +50,7 @@ impl Topology {
             queue: config.queue.clone(),
             dead_letter_queue: config.dead_letter_queue_name(),
             copy_scope: format!("amqp:{}", config.queue),
+            origin_secret: config.origin_secret.clone(),
             queue_type: config.queue_type,
             exchange: config.exchange.clone(),
             exchange_type: config.exchange_type,

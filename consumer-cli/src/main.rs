@@ -9,6 +9,7 @@
 //! consumer dlq list    --broker amqp|kafka --queue Q | --topic T
 //! consumer dlq show ID --broker ...
 //! consumer dlq replay [ID...] [--reason R] [--all] [--dry-run] --broker ...
+//!                     [--to EXCHANGE/ROUTING_KEY]     (RabbitMQ)
 //! consumer dlq purge  [ID...] [--reason R] [--all] [--dry-run] --broker ...
 //! consumer outbox stats
 //! ```
@@ -33,6 +34,16 @@
 //!   the inbox (`<inbox table>_dlq_settled`), in the same transaction that is committed after
 //!   the delivery report; `list`, `show`, `replay` and `purge` skip recorded records.
 //!
+//! On RabbitMQ the origin is used only when the dead letter's signature verifies under
+//! `AMQP_ORIGIN_SECRET` (the workers' [`consumer_amqp::OriginSecret`], read from the
+//! environment only): a producer can write `x-original-*` itself, and the replay publishes
+//! with the operator's credentials. A letter whose origin does not verify stays, with fate
+//! `unverified_origin`, until `--to EXCHANGE/ROUTING_KEY` names the destination.
+//!
+//! A Kafka `copy_too_large` letter holds a reference to its record instead of the record:
+//! the replay reads the record at that offset and republishes it, or fails naming the
+//! topic, partition and offset when it is gone.
+//!
 //! If the CLI dies between the republish and that settlement, the next replay republishes
 //! the message once more; its key is then `completed` (or `pending` with the first copy), so
 //! the inbox treats the second copy as a duplicate and nothing runs twice.
@@ -47,7 +58,8 @@
 //! - `dlq`: the dead-letter commands. `dlq::letter` is what they share whatever the
 //!   broker (a dead letter, its error fingerprint, the groups, the selection),
 //!   `dlq::report` what a replay or purge did; `dlq::amqp` and `dlq::kafka` read,
-//!   republish and settle on each broker, and name the headers a replay strips.
+//!   republish and settle on each broker, and name the headers a replay strips;
+//!   `dlq::reference` reads the record a Kafka `copy_too_large` letter refers to.
 //! - `output`: printing text or JSON.
 //!
 //! The inbox commands go through [`consumer_core::Inbox`] alone (`counts`, `entry`,
@@ -236,6 +248,11 @@ enum DlqCommand {
         db: DbArgs,
         #[command(flatten)]
         selection: Selection,
+        /// RabbitMQ: republish every selected message to this exchange and routing key
+        /// (`/QUEUE`: through the default exchange to QUEUE) instead of its origin. Needed
+        /// for a message whose origin is not signed with the workers' AMQP_ORIGIN_SECRET.
+        #[arg(long, value_name = "EXCHANGE/ROUTING_KEY")]
+        to: Option<String>,
     },
     /// Drop dead letters for good.
     Purge {

@@ -93,6 +93,7 @@ async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
     let env = [
         ("DB_SCHEMA", pg.schema.as_str()),
         ("DLQ_QUEUE", dlq.as_str()),
+        ("AMQP_ORIGIN_SECRET", amqp::ORIGIN_SECRET),
     ];
     let list = json_of(&["dlq", "list", "--broker", "amqp"], &env).await;
     assert_eq!(list["total"], 5, "{list}");

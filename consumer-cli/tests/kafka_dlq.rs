@@ -1,14 +1,17 @@
 //! The `consumer` command against a real Kafka-protocol broker and PostgreSQL: a worker
 //! dead-letters five records for two reasons; `dlq list` groups them; once the cause is
 //! fixed, `dlq replay --reason` runs those records once (their keys end completed), the
-//! others stay listed, and a second replay runs nothing.
+//! others stay listed, and a second replay runs nothing. A `copy_too_large` letter (a
+//! reference to a record too large to copy) replays the record it refers to, and is refused,
+//! naming where it looked, when that record is not there.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use consumer_core::{handler, Context, EntryStatus, HandlerError};
 use consumer_kafka::headers;
-use consumer_tests::kafka::{header, read_topic, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{self, header, read_topic, wait_for, worker_config, KafkaEnv, Running};
+use rdkafka::message::Headers as _;
 use rdkafka::Message;
 use serde::Deserialize;
 use serde_json::json;
@@ -185,4 +188,133 @@ async fn a_broker_or_topic_that_does_not_work_is_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("DLQ_TOPIC"), "{stderr}");
+}
+
+/// A record too large to copy (over the worker's payload limit and the transport's copy
+/// limit) is dead-lettered as a reference to where it is; replaying that letter republishes
+/// the record itself (key, value, its own headers) to its topic, not the reference, and
+/// settles the letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replaying_a_copy_too_large_letter_republishes_the_original_record() {
+    let env = KafkaEnv::new("clihuge", 1).await;
+    let dlq = format!("{}.dlq", env.topic);
+    // Only the test's own producer is raised, to write the record in the first place.
+    let mut props = consumer_kafka::ClientProperties::new();
+    props.set("message.max.bytes", "4000000");
+    let publisher =
+        consumer_kafka::KafkaPublisher::connect(&kafka::brokers(), &props).expect("publisher");
+    let id = format!("{}-huge", env.topic);
+    let body = json!({ "id": id, "pad": "x".repeat(1_200_000) }).to_string();
+    let original = publisher
+        .publish(
+            &env.topic,
+            Some(b"huge-key"),
+            Some(&id),
+            body.as_bytes(),
+            &[("trace-id", "t-9")],
+        )
+        .await
+        .expect("publish")
+        .offset;
+
+    let running = Running::start_handler(&env, orders, env.config(), worker_config(2)).await;
+    let dead = read_topic(&dlq, 1, 1, WAIT).await;
+    running.stop().await;
+    assert_eq!(dead.len(), 1, "one dead letter");
+    assert_eq!(
+        header(&dead[0], headers::DEAD_LETTER_REASON).as_deref(),
+        Some("copy_too_large")
+    );
+
+    let env_vars = [
+        ("DB_SCHEMA", env.pg.schema.as_str()),
+        ("DLQ_TOPIC", dlq.as_str()),
+        ("DLQ_BROKER", "kafka"),
+    ];
+    let done = json_of(&["dlq", "replay", "--all"], &env_vars).await;
+    assert_eq!(done["replayed"], 1, "{done}");
+
+    // The record after the original is its replayed copy: the original's key, value and
+    // headers, none of the letter's.
+    let all = read_topic(&env.topic, 1, 2, WAIT).await;
+    assert_eq!(all.len(), 2, "the original and its replayed copy");
+    assert_eq!(all[0].offset(), original);
+    let copy = &all[1];
+    assert_eq!(copy.key(), Some(b"huge-key".as_slice()));
+    assert!(
+        copy.payload() == Some(body.as_bytes()),
+        "the original value, not the reference ({} bytes: {:?})",
+        copy.payload().map_or(0, <[u8]>::len),
+        copy.payload()
+            .map(|p| String::from_utf8_lossy(&p[..p.len().min(120)]).into_owned())
+    );
+    assert_eq!(header(copy, "trace-id").as_deref(), Some("t-9"));
+    assert_eq!(header(copy, "message_id").as_deref(), Some(id.as_str()));
+    let names: Vec<String> = copy
+        .headers()
+        .map(|hs| hs.iter().map(|h| h.key.to_owned()).collect())
+        .unwrap_or_default();
+    for name in &names {
+        assert!(
+            !name.starts_with("x-"),
+            "{name} on the replayed copy: {names:?}"
+        );
+    }
+
+    let list = json_of(&["dlq", "list"], &env_vars).await;
+    assert_eq!(list["total"], 0, "the letter is settled: {list}");
+}
+
+/// A `copy_too_large` letter whose record is not at the place it names (deleted by
+/// retention, or never there) is not replayed: the replay fails naming the topic,
+/// partition and offset, republishes nothing, and the letter stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaying_a_copy_too_large_letter_whose_record_is_gone_is_refused() {
+    let env = KafkaEnv::new("cligone", 1).await;
+    let dlq = format!("{}.dlq", env.topic);
+    let publisher = env.publisher();
+    let id = format!("{}-gone", env.topic);
+    publisher
+        .publish(&env.topic, None, Some("other"), b"{}", &[])
+        .await
+        .expect("publish");
+    // The letter as the transport writes it, for a record at offset 7 of a partition that
+    // holds one record.
+    let reference = json!({ "topic": env.topic, "partition": 0, "offset": 7 }).to_string();
+    publisher
+        .publish(
+            &dlq,
+            None,
+            Some(&id),
+            reference.as_bytes(),
+            &[
+                (headers::DEAD_LETTER_REASON, "copy_too_large"),
+                (headers::HANDLER, HANDLER),
+                (headers::ERROR, "payload_too_large: too large"),
+                (headers::ORIGINAL_TOPIC, env.topic.as_str()),
+                (headers::ORIGINAL_PARTITION, "0"),
+                (headers::ORIGINAL_OFFSET, "7"),
+            ],
+        )
+        .await
+        .expect("publish the letter");
+
+    let env_vars = [
+        ("DB_SCHEMA", env.pg.schema.as_str()),
+        ("DLQ_TOPIC", dlq.as_str()),
+        ("DLQ_BROKER", "kafka"),
+    ];
+    let out = support::consumer(&["dlq", "replay", "--all", "--json"], &env_vars).await;
+    assert!(!out.status.success(), "the replay must fail");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    assert_eq!(report["replayed"], 0, "{report}");
+    let error = report["messages"][0]["error"].as_str().unwrap_or_default();
+    for part in [env.topic.as_str(), "partition 0", "offset 7"] {
+        assert!(error.contains(part), "{part:?} in {error:?}");
+    }
+    // Nothing was republished, and the letter is still there.
+    let topic = read_topic(&env.topic, 1, 2, Duration::from_secs(3)).await;
+    assert_eq!(topic.len(), 1, "nothing republished");
+    let list = json_of(&["dlq", "list"], &env_vars).await;
+    assert_eq!(list["total"], 1, "{list}");
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use consumer_amqp::{AmqpConfig, AmqpConsumer, ConsumerHealth};
+use consumer_amqp::{AmqpConfig, AmqpConsumer, ConsumerHealth, OriginSecret};
 use consumer_core::{Error, Handler, Inbox, InboxConfig, NoJitter, Worker, WorkerConfig};
 use invoices::provider::EmailProvider;
 use lapin::options::{
@@ -49,10 +49,15 @@ pub fn unique_name(prefix: &str) -> String {
     unique(prefix)
 }
 
+/// The origin secret of every test configuration ([`config`]): what the `consumer`
+/// command is given as `AMQP_ORIGIN_SECRET` to verify the tests' dead letters.
+pub const ORIGIN_SECRET: &str = "consumer-tests-origin-secret-0123456789";
+
 /// A test configuration: short retry delays, quick reconnection, publishes that outlast a
-/// broker restart.
+/// broker restart, copies signed with [`ORIGIN_SECRET`].
 pub fn config(queue: &str) -> AmqpConfig {
     let mut c = AmqpConfig::new(amqp_url(), queue);
+    c.origin_secret = Some(OriginSecret::new(ORIGIN_SECRET).expect("a valid origin secret"));
     c.retry_delays = vec![Duration::from_millis(200), Duration::from_secs(1)];
     c.reconnect_min = Duration::from_millis(50);
     c.reconnect_max = Duration::from_secs(1);

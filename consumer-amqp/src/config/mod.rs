@@ -5,6 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::origin::OriginSecret;
 use crate::redacted_url::RedactedUrl;
 use crate::Error;
 
@@ -152,6 +153,12 @@ pub struct AmqpConfig {
     pub confirm_timeout: Duration,
     /// A connection name shown in the management UI; `None` uses `consumer-amqp`.
     pub connection_name: Option<String>,
+    /// The key that signs the origin of the retry and dead-letter copies, shared by every
+    /// worker of the queue and by the `consumer` command (see [`OriginSecret`]); typically
+    /// [`OriginSecret::from_env`]. `None` (the default): no copy's origin can be verified,
+    /// so each attempt's copy records where that attempt came from, and `consumer dlq
+    /// replay` needs an explicit destination. Never shown.
+    pub origin_secret: Option<OriginSecret>,
 }
 
 impl fmt::Debug for AmqpConfig {
@@ -174,6 +181,7 @@ impl fmt::Debug for AmqpConfig {
             .field("publish_timeout", &self.publish_timeout)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connection_name", &self.connection_name)
+            .field("origin_secret", &self.origin_secret)
             .finish()
     }
 }
@@ -203,6 +211,7 @@ impl AmqpConfig {
             publish_timeout: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(30),
             connection_name: None,
+            origin_secret: None,
         }
     }
 
@@ -227,8 +236,10 @@ mod tests {
 
     #[test]
     fn debug_of_config_hides_the_password() {
-        let c = AmqpConfig::new(URL, "orders");
+        let mut c = AmqpConfig::new(URL, "orders");
+        c.origin_secret = Some(OriginSecret::new("origin-s3cret-0123456789").unwrap());
         let shown = format!("{c:?}");
+        assert!(!shown.contains("origin-s3cret"), "{shown}");
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(!shown.contains("app:"), "{shown}");
         assert!(shown.contains("rabbit.internal"), "{shown}");

@@ -16,10 +16,17 @@
 //! [`headers::ORIGINAL_EXCHANGE`] with [`headers::ORIGINAL_ROUTING_KEY`], with its body and
 //! properties but without the attempt, dead-letter, error and origin headers nor the
 //! broker's `x-death`; once the broker confirmed the copy, the dead letter is acked.
+//!
+//! **Whose origin.** A producer can write `x-original-*` itself, so the origin is used only
+//! when the dead letter's [`headers::ORIGIN_SIGNATURE`] verifies under the workers' secret
+//! ([`consumer_amqp::OriginSecret`], read from the same `AMQP_ORIGIN_SECRET`) for this
+//! dead-letter queue. Any other message (or every message, without the secret) is left in
+//! the queue with fate `unverified_origin`, until the operator names the destination with
+//! `--to EXCHANGE/ROUTING_KEY`, which then applies to every selected message.
 
 use std::collections::BTreeMap;
 
-use anyhow::{anyhow, bail, Context as _};
+use anyhow::{bail, Context as _};
 use consumer_amqp::headers;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -29,6 +36,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
 use super::letter::DeadLetter;
+use super::origin::{string_header, Destination, Replay};
 use super::report::{Done, Fate, Report};
 use crate::output::Output;
 use crate::settings;
@@ -47,6 +55,7 @@ const STRIPPED: &[&str] = &[
     headers::ERROR,
     headers::ORIGINAL_EXCHANGE,
     headers::ORIGINAL_ROUTING_KEY,
+    headers::ORIGIN_SIGNATURE,
     "x-death",
     "x-first-death-exchange",
     "x-first-death-queue",
@@ -67,6 +76,8 @@ struct Held {
 
 /// A channel holding every message of the DLQ unacked.
 struct Session {
+    /// The dead-letter queue.
+    queue: String,
     connection: Connection,
     channel: Channel,
     held: Vec<Held>,
@@ -117,6 +128,7 @@ impl Session {
             }
         }
         Ok(Session {
+            queue,
             connection,
             channel,
             held,
@@ -157,22 +169,22 @@ pub(super) async fn browse(dlq: &DlqArgs, out: &Output) -> anyhow::Result<Vec<De
     Ok(letters)
 }
 
-/// Replays (`replay`) or purges the selected dead letters.
+/// Replays (`replay`) or purges (`None`) the selected dead letters.
 pub(super) async fn settle(
     dlq: &DlqArgs,
     db: &DbArgs,
     selection: &Selection,
-    replay: bool,
+    replay: Option<Replay>,
     out: &Output,
 ) -> anyhow::Result<Report> {
     // The database first: a wrong DATABASE_URL fails before any message is held.
-    let inbox = if replay && !selection.dry_run {
+    let inbox = if replay.is_some() && !selection.dry_run {
         Some(settings::inbox(db).await?)
     } else {
         None
     };
     let session = Session::open(dlq, out).await?;
-    let publisher = if replay && !selection.dry_run {
+    let publisher = if replay.is_some() && !selection.dry_run {
         let c = session
             .connection
             .create_channel()
@@ -201,11 +213,25 @@ pub(super) async fn settle(
             key_released: false,
             error: None,
         };
-        if replay && h.letter.origin.is_none() {
-            line.fate = Fate::NoOrigin;
+        let destination = match replay
+            .as_ref()
+            .map(|r| r.destination(&h.properties, &session.queue))
+        {
+            Some(Err((fate, why))) => {
+                line.fate = fate;
+                line.error = Some(why);
+                None
+            }
+            Some(Ok(destination)) => Some(destination),
+            None => None,
+        };
+        if replay.is_some() && destination.is_none() {
+            // Not replayed: the fate says why.
         } else if !selection.dry_run {
             let outcome = async {
-                if let (Some(inbox), Some(channel)) = (&inbox, &publisher) {
+                if let (Some(inbox), Some(channel), Some(destination)) =
+                    (&inbox, &publisher, &destination)
+                {
                     if let (Some(handler), Some(key)) = (&h.letter.handler, &h.letter.key) {
                         // Before the republish: a copy that arrived first would find the
                         // key dead and be dead-lettered again.
@@ -214,7 +240,7 @@ pub(super) async fn settle(
                             .await
                             .context("release the inbox key")?;
                     }
-                    republish(channel, h).await?;
+                    republish(channel, h, destination).await?;
                 }
                 session
                     .channel
@@ -227,7 +253,12 @@ pub(super) async fn settle(
             if outcome.is_ok() {
                 acked.push(h.tag);
             }
-            line.settle(outcome, if replay { Fate::Replayed } else { Fate::Purged });
+            let fate = if replay.is_some() {
+                Fate::Replayed
+            } else {
+                Fate::Purged
+            };
+            line.settle(outcome, fate);
         }
         if total > 20 && (i + 1) % 100 == 0 {
             out.progress(&format!("{}/{total}…", i + 1));
@@ -239,13 +270,14 @@ pub(super) async fn settle(
     Ok(Report::new(selection.dry_run, read, done))
 }
 
-/// Publishes the held message to its origin without the stripped headers; `Ok` once the
-/// broker confirmed it.
-async fn republish(channel: &Channel, h: &Held) -> anyhow::Result<()> {
+/// Publishes the held message to `to` without the stripped headers; `Ok` once the broker
+/// confirmed it.
+async fn republish(channel: &Channel, h: &Held, to: &Destination) -> anyhow::Result<()> {
     let table = h.properties.headers().clone().unwrap_or_default();
-    let exchange = string_header(Some(&table), headers::ORIGINAL_EXCHANGE).unwrap_or_default();
-    let routing_key = string_header(Some(&table), headers::ORIGINAL_ROUTING_KEY)
-        .ok_or_else(|| anyhow!("no {} header", headers::ORIGINAL_ROUTING_KEY))?;
+    let Destination {
+        exchange,
+        routing_key,
+    } = to;
     let properties = h.properties.clone().with_headers(replay_headers(&table));
     let confirm = channel
         .basic_publish(
@@ -333,14 +365,6 @@ fn letter(p: &BasicProperties, body: &[u8], position: usize) -> DeadLetter {
         headers,
         properties,
         payload: String::from_utf8_lossy(body).into_owned(),
-    }
-}
-
-fn string_header(table: Option<&FieldTable>, name: &str) -> Option<String> {
-    match table?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(s.to_string()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
     }
 }
 

@@ -14,7 +14,10 @@
 //! ([`consumer_core::Inbox::release`]), republish it to [`headers::ORIGINAL_TOPIC`] (and
 //! its [`headers::ORIGINAL_PARTITION`]) with its key, value and headers minus the
 //! framework's attempt, retry, error, dead-letter and origin headers, wait for the delivery
-//! report, commit. A failed republish rolls the record back: the dead letter stays.
+//! report, commit. A failed republish rolls the record back: the dead letter stays. A
+//! `copy_too_large` letter is a reference to its record: the record it points to is read
+//! first and republished in its place (see `reference`); if it is not there, nothing is
+//! recorded or republished.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -29,6 +32,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 
 use super::letter::DeadLetter;
+use super::reference::Reference;
 use super::report::{Done, Fate, Report};
 use crate::output::Output;
 use crate::settings;
@@ -36,6 +40,10 @@ use crate::{DbArgs, DlqArgs, Selection};
 
 /// How long reading the topic to its end may take.
 const READ_LIMIT: Duration = Duration::from_secs(60);
+
+/// The largest record a replay republishes (librdkafka's `message.max.bytes`, of which
+/// this is the default `receive.message.max.bytes`).
+const REPLAY_MAX_BYTES: usize = 100_000_000;
 
 /// Headers a replay strips: the transport's own, on retry copies and dead letters.
 const STRIPPED: &[&str] = &[
@@ -204,7 +212,11 @@ pub(super) async fn settle(
     let inbox = settings::inbox(db).await?;
     let producer: FutureProducer = {
         let mut client = settings::kafka(&dlq.kafka_brokers)?;
-        client.set("enable.idempotence", "true");
+        // The record of a `copy_too_large` letter is larger than the transport's copies:
+        // the broker's own limit is the one that counts.
+        client
+            .set("enable.idempotence", "true")
+            .set("message.max.bytes", REPLAY_MAX_BYTES.to_string());
         client.create().map_err(|e| {
             anyhow!("KAFKA_BROKERS (--kafka-brokers): cannot create a producer: {e}")
         })?
@@ -229,6 +241,15 @@ pub(super) async fn settle(
         } else if !selection.dry_run {
             let fate = if replay { Fate::Replayed } else { Fate::Purged };
             let outcome = async {
+                // A `copy_too_large` letter holds a reference: the record it points to is
+                // the one replayed, read before anything is recorded.
+                let referenced = match replay.then(|| Reference::of(l, m)).transpose()? {
+                    Some(Some(reference)) => {
+                        let client = settings::kafka(&dlq.kafka_brokers)?;
+                        Some(reference.read(client, l, STRIPPED).await?)
+                    }
+                    _ => None,
+                };
                 let mut tx = dead.pool.begin().await.context("begin")?;
                 let recorded = sqlx::query(&format!(
                     "INSERT INTO {} (topic, part, record_offset, fate) VALUES ($1, $2, $3, $4) \
@@ -253,7 +274,7 @@ pub(super) async fn settle(
                             .await
                             .context("release the inbox key")?;
                     }
-                    republish(&producer, l, m).await?;
+                    republish(&producer, l, referenced.as_ref().unwrap_or(m)).await?;
                 }
                 tx.commit().await.context("commit the settlement")?;
                 anyhow::Ok(())
@@ -269,6 +290,9 @@ pub(super) async fn settle(
     Ok(Report::new(selection.dry_run, dead.records.len(), done))
 }
 
+/// Publishes `m` (the letter's record, or the record its reference points to) to the
+/// letter's origin, with its key, value and headers minus [`STRIPPED`]; `Ok` once the
+/// delivery report came.
 async fn republish(
     producer: &FutureProducer,
     l: &DeadLetter,

@@ -21,8 +21,9 @@ pub(crate) struct DeadLetter {
     pub(crate) key: Option<String>,
     /// `x-error`.
     pub(crate) error: Option<String>,
-    /// Where a replay republishes it: `exchange/routing-key` or the topic; `None` without the
-    /// framework's `x-original-*` headers.
+    /// The origin its `x-original-*` headers name, `exchange/routing-key` or the topic;
+    /// `None` without them. A replay goes there (on RabbitMQ, once its signature
+    /// verifies).
     pub(crate) origin: Option<String>,
     /// Every header, as text.
     pub(crate) headers: BTreeMap<String, String>,

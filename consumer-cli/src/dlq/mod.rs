@@ -1,10 +1,13 @@
 //! The `dlq` commands: `letter` (a dead letter, its fingerprint, the groups, the
 //! selection) and `report` (what a replay or purge did) are shared; `amqp` and `kafka`
-//! read, republish and settle on each broker.
+//! read, republish and settle on each broker; `origin` chooses where a RabbitMQ replay
+//! goes; `reference` reads the record a Kafka `copy_too_large` letter refers to.
 
 mod amqp;
 mod kafka;
 mod letter;
+mod origin;
+mod reference;
 mod report;
 
 use anyhow::bail;
@@ -47,18 +50,34 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
                     .join("\n")
             });
         }
-        DlqCommand::Replay { dlq, db, selection } => {
+        DlqCommand::Replay {
+            dlq,
+            db,
+            selection,
+            to,
+        } => {
             selection.check()?;
             let report = match broker {
-                Broker::Amqp => amqp::settle(&dlq, &db, &selection, true, out).await?,
-                Broker::Kafka => kafka::settle(&dlq, &db, &selection, true, out).await?,
+                Broker::Amqp => {
+                    let replay = origin::Replay::new(to.as_deref())?;
+                    amqp::settle(&dlq, &db, &selection, Some(replay), out).await?
+                }
+                Broker::Kafka => {
+                    if to.is_some() {
+                        bail!(
+                            "--to is for RabbitMQ: a Kafka replay goes to each record's \
+                             x-original-topic"
+                        );
+                    }
+                    kafka::settle(&dlq, &db, &selection, true, out).await?
+                }
             };
             finish(report, out)?;
         }
         DlqCommand::Purge { dlq, db, selection } => {
             selection.check()?;
             let report = match broker {
-                Broker::Amqp => amqp::settle(&dlq, &db, &selection, false, out).await?,
+                Broker::Amqp => amqp::settle(&dlq, &db, &selection, None, out).await?,
                 Broker::Kafka => kafka::settle(&dlq, &db, &selection, false, out).await?,
             };
             finish(report, out)?;

@@ -17,6 +17,9 @@ pub(crate) enum Fate {
     Purged,
     /// Not replayed: it has no `x-original-*` headers to say where to.
     NoOrigin,
+    /// Not replayed: its `x-original-*` headers are not signed with the workers' origin
+    /// secret, so a producer may have written them (RabbitMQ; `--to` names a destination).
+    UnverifiedOrigin,
     /// The republish or the removal failed; it stays in the DLQ.
     Failed,
 }
@@ -68,7 +71,7 @@ impl Report {
             selected: messages.len(),
             replayed: count(Fate::Replayed),
             purged: count(Fate::Purged),
-            failed: count(Fate::Failed) + count(Fate::NoOrigin),
+            failed: count(Fate::Failed) + count(Fate::NoOrigin) + count(Fate::UnverifiedOrigin),
             messages,
         }
     }

@@ -4,6 +4,7 @@
 //! | --- | --- | --- |
 //! | `TRANSPORT` | `amqp` | the broker (see [`crate::transport`]) |
 //! | `AMQP_URL` | required for `amqp` | e.g. `amqp://user:pass@localhost:5672/%2f` |
+//! | `AMQP_ORIGIN_SECRET` | unset | signs the origin of the retry and dead-letter copies (`consumer_amqp::OriginSecret`, at least 16 bytes, e.g. `openssl rand -hex 32`); the same for every worker and for `consumer dlq replay` |
 //! | `KAFKA_BROKERS` | required for `kafka` | e.g. `127.0.0.1:9092` |
 //! | `KAFKA_PARTITIONS` | `4` | partitions of the jobs topic when it is created (Kafka) |
 //! | other `KAFKA_*` | | passed to `consumer_kafka::KafkaConfig::from_vars`, e.g. `KAFKA_CONSUMER_PROPERTY_MAX_POLL_INTERVAL_MS` |
@@ -29,7 +30,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use consumer_amqp::{QueueType, RedactedUrl};
+use consumer_amqp::{OriginSecret, QueueType, RedactedUrl, ORIGIN_SECRET_VAR};
 use consumer_core::BatchConfig;
 
 use crate::transport::TransportKind;
@@ -41,6 +42,8 @@ pub struct Settings {
     pub transport: TransportKind,
     /// The RabbitMQ URL (shown redacted).
     pub amqp_url: Option<RedactedUrl>,
+    /// Signs the origin of the RabbitMQ copies (never shown).
+    pub amqp_origin_secret: Option<OriginSecret>,
     /// The Kafka bootstrap brokers.
     pub kafka_brokers: Option<String>,
     /// Partitions of the jobs topic, when it is created (Kafka).
@@ -93,6 +96,10 @@ impl Settings {
         if transport == TransportKind::Amqp && amqp_url.is_none() {
             bail!("AMQP_URL is not set (e.g. `eval \"$(scripts/rabbitmq.sh env)\"`)");
         }
+        let amqp_origin_secret = get(ORIGIN_SECRET_VAR)
+            .map(OriginSecret::new)
+            .transpose()
+            .with_context(|| format!("{ORIGIN_SECRET_VAR} is not a usable secret"))?;
         let kafka_brokers = get("KAFKA_BROKERS");
         if transport == TransportKind::Kafka && kafka_brokers.is_none() {
             bail!("KAFKA_BROKERS is not set (e.g. `eval \"$(scripts/kafka.sh env)\"`)");
@@ -137,6 +144,7 @@ impl Settings {
         Ok(Settings {
             transport,
             amqp_url,
+            amqp_origin_secret,
             kafka_brokers,
             kafka_partitions,
             database_url,
@@ -181,8 +189,8 @@ mod tests {
     }
 
     const BASE: [(&str, &str); 2] = [
-        ("AMQP_URL", "amqp://u:secret@h/%2f"),
-        ("DATABASE_URL", "postgres://u:secret@h/db"),
+        ("AMQP_URL", "amqp://u:hunter2@h/%2f"),
+        ("DATABASE_URL", "postgres://u:hunter2@h/db"),
     ];
 
     #[test]
@@ -198,15 +206,22 @@ mod tests {
             ),
             ("invoices", "emails", "invoice_ready", 8, 32)
         );
-        assert!(!format!("{s:?}").contains("secret"));
+        assert!(!format!("{s:?}").contains("hunter2"));
+        assert!(s.amqp_origin_secret.is_none());
         let s = settings(&[
             BASE[0],
             BASE[1],
             ("EMAIL_QUEUE", "q"),
             ("EVENTS", "e"),
             ("CONCURRENCY", "3"),
+            ("AMQP_ORIGIN_SECRET", "origin-hunter3-0123456789"),
         ])
         .unwrap();
+        assert!(s.amqp_origin_secret.is_some());
+        assert!(!format!("{s:?}").contains("hunter3"));
+        let short = settings(&[BASE[0], BASE[1], ("AMQP_ORIGIN_SECRET", "hunter4")]);
+        let shown = format!("{:#}", short.unwrap_err());
+        assert!(shown.contains("AMQP_ORIGIN_SECRET") && !shown.contains("hunter4"));
         assert_eq!(
             (s.email_queue.as_str(), s.events.as_str(), s.concurrency),
             ("q", "e", 3)

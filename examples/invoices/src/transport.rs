@@ -68,6 +68,7 @@ pub fn amqp_config(settings: &Settings, part: Part) -> anyhow::Result<AmqpConfig
     config.queue_type = settings.queue_type;
     config.prefetch = settings.prefetch;
     config.connection_name = Some(format!("invoices {queue}"));
+    config.origin_secret = settings.amqp_origin_secret.clone();
     config.validate()?;
     Ok(config)
 }
