@@ -364,6 +364,17 @@ where
             answered(Outcome::InProgress);
             return Ok(problem::in_progress(config.retry_after));
         }
+        Err(e) if consumer_core::is_aborted(&e) => {
+            // A statement of the handler's failed and aborted the transaction (PostgreSQL):
+            // its writes cannot commit, so its answer must not be given as a success.
+            tracing::warn!(error = %e, "the handler's transaction was aborted by an earlier error it ignored");
+            let _ = tx.rollback().await;
+            release(store, claim).await;
+            answered(Outcome::Released);
+            return Ok(problem::internal(
+                "the handler's transaction was aborted by an earlier error it ignored",
+            ));
+        }
         Err(e) => {
             tracing::warn!(error = %e, "could not store an idempotent answer");
             let _ = tx.rollback().await;

@@ -244,6 +244,26 @@ async fn a_5xx_rolls_back_and_a_retry_runs(db: Db) {
     assert_eq!(db.effects().await, 1);
 }
 
+/// A handler that ignores a failed statement and answers 201: on PostgreSQL the statement
+/// aborted the transaction, so its effect cannot commit and the client must not be told
+/// it succeeded: 500, nothing stored, the key released. SQLite undoes only the failed
+/// statement: the effect commits with the stored answer.
+async fn a_handler_that_ignores_a_failed_statement_is_not_answered_as_a_success(db: Db) {
+    let app = App::serve(&db, config().build().unwrap()).await;
+    let answer = app.post("/ignores", Some("i"), &json!({})).await;
+    if answer.status == 201 {
+        assert_eq!((db.effects().await, db.records().await), (1, 1));
+        return;
+    }
+    answer.assert_problem(500);
+    let detail = answer.json()["detail"].to_string();
+    assert!(
+        detail.contains("aborted by an earlier error it ignored"),
+        "{detail}"
+    );
+    assert_eq!((db.effects().await, db.records().await), (0, 0));
+}
+
 /// A panicking handler: 500, its row rolled back, the key released; the retry runs.
 async fn a_panic_rolls_back_and_a_retry_runs(db: Db) {
     let app = App::serve(&db, config().build().unwrap()).await;
@@ -552,6 +572,7 @@ on_both!(
     bad_requests_are_refused_before_running,
     an_optional_key_passes_through,
     a_5xx_rolls_back_and_a_retry_runs,
+    a_handler_that_ignores_a_failed_statement_is_not_answered_as_a_success,
     a_panic_rolls_back_and_a_retry_runs,
     an_answer_not_stored_rolls_back_the_effect,
     a_4xx_is_stored_unless_configured_not_to,

@@ -467,8 +467,10 @@ pub trait Backend: Execute + OutboxStore {
 }
 
 /// Whether a statement failed because its transaction had been aborted by an earlier
-/// failed statement (PostgreSQL's SQLSTATE `25P02`, `in_failed_sql_transaction`).
-pub(crate) fn is_aborted(e: &sqlx::Error) -> bool {
+/// failed statement (PostgreSQL's SQLSTATE `25P02`, `in_failed_sql_transaction`): the
+/// code that ran that statement and went on failed, not the database. The runtime counts
+/// it as the handler's failed attempt; the HTTP layer answers it as the handler's error.
+pub fn is_aborted(e: &sqlx::Error) -> bool {
     e.as_database_error()
         .and_then(|d| d.code())
         .is_some_and(|code| code == "25P02")

@@ -64,8 +64,7 @@ mod outbox_store;
 mod postgres;
 mod sqlite;
 
-pub(crate) use backend::is_aborted;
-pub use backend::{Backend, GuardValue};
+pub use backend::{is_aborted, Backend, GuardValue};
 pub(crate) use claim::{AttemptItem, Claim};
 pub use config::InboxConfig;
 pub(crate) use config::TableNames;

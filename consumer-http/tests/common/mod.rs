@@ -323,6 +323,18 @@ macro_rules! routes {
                 (status, Json(json!({"busy": run}))).into_response()
             }
 
+            /// Writes its effect, then runs a statement that fails and ignores the error
+            /// (which aborts a PostgreSQL transaction), and answers 201.
+            async fn ignores(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
+                let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                record(&mut tx, "ignores", run).await;
+                let failed = sqlx::query("INSERT INTO effects (route, run) VALUES (NULL, 0)")
+                    .execute(&mut *tx)
+                    .await;
+                assert!(failed.is_err(), "the statement fails");
+                (StatusCode::CREATED, Json(json!({"run": run}))).into_response()
+            }
+
             async fn big(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
                 let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
                 record(&mut tx, "big", run).await;
@@ -337,6 +349,7 @@ macro_rules! routes {
                     .route("/panic", post(panics))
                     .route("/big", post(big))
                     .route("/busy", post(busy))
+                    .route("/ignores", post(ignores))
                     .with_state(h)
             }
         }
