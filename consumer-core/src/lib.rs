@@ -155,7 +155,9 @@ pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
 pub use headers::{HeaderIter, Headers};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
-pub use inbox::{Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
+pub use inbox::{
+    Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry, StoredDeadLetter,
+};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
 pub use message_id::MessageId;
 pub use outbox::{Outbox, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
