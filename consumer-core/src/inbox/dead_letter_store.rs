@@ -32,7 +32,8 @@ pub struct StoredDeadLetter {
     pub transport: String,
     /// Where in that transport: the webhook route, the in-memory queue.
     pub location: String,
-    /// The delivery's message id (a webhook event's id), if it had one.
+    /// The delivery's message id (a webhook event's id), if it had one. In this and the
+    /// other text fields a NUL, which PostgreSQL's text cannot hold, reads as U+FFFD.
     pub message_id: Option<String>,
     /// The idempotency key, when one was derived.
     pub key: Option<String>,
@@ -87,6 +88,16 @@ impl LetterToKeep<'_> {
     }
 }
 
+/// `text` as a text column of either database holds it: a NUL (which PostgreSQL's text
+/// refuses, and which a message id or key dead-lettered `invalid_key` may hold) becomes
+/// U+FFFD. Otherwise such a letter could never be kept, and would come back for ever.
+fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    match text.contains('\0') {
+        true => std::borrow::Cow::Owned(text.replace('\0', "\u{fffd}")),
+        false => std::borrow::Cow::Borrowed(text),
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
     bytes.iter().fold(String::with_capacity(64), |mut s, b| {
@@ -113,19 +124,23 @@ pub trait DeadLetterStore: Execute {
         Box::pin(async move {
             let mut conn = pool.acquire().await?;
             let fingerprint = letter.fingerprint();
-            let location = letter.letter.source.location.to_string();
+            let location = storable(&letter.letter.source.location.to_string()).into_owned();
+            // JSON escapes a NUL: the headers are stored as they are.
             let headers =
                 serde_json::to_string(&letter.headers.to_map()).unwrap_or_else(|_| "{}".to_owned());
             let dead = letter.letter;
+            let message_id = letter.message_id.map(storable);
+            let key = dead.key.as_deref().map(storable);
+            let error = storable(&dead.error);
             let args = [
                 Arg::Text(&fingerprint),
                 Arg::Text(&dead.handler),
                 Arg::Text(dead.source.transport),
                 Arg::Text(&location),
-                Arg::OptText(letter.message_id),
-                Arg::OptText(dead.key.as_deref()),
+                Arg::OptText(message_id.as_deref()),
+                Arg::OptText(key.as_deref()),
                 Arg::Text(dead.reason.as_str()),
-                Arg::Text(&dead.error),
+                Arg::Text(&error),
                 Arg::Attempt(dead.attempts),
                 Arg::Text(&headers),
                 Arg::Bytes(letter.payload),

@@ -14,7 +14,7 @@ use crate::{Headers, MessageId, TransportError};
 
 /// Settles a dead letter of a transport without a dead-letter destination: first keeps the
 /// message in the inbox's dead-letter table, then settles. If the letter cannot be kept,
-/// the delivery is retried after `delay` instead (a webhook provider is answered 503 and
+/// the delivery is retried after `delay` instead, as `attempt` (a webhook provider is answered 503 and
 /// resends; the in-memory broker delivers a copy), and the letter is kept when it is
 /// dead-lettered again.
 struct KeepDeadLetter<DB: Backend> {
@@ -84,8 +84,10 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 message_id: delivery.message_id.clone(),
                 headers: delivery.headers.clone(),
                 payload: delivery.payload.clone(),
-                attempt: delivery.attempt,
-                delay: self.settings.backoff.next_delay(1),
+                // A copy numbered one up, after the backoff for its number: a table that
+                // stays out of reach is retried less and less often, not in a tight loop.
+                attempt: delivery.attempt.saturating_add(1),
+                delay: self.settings.backoff.next_delay(delivery.attempt),
             })
         } else {
             acker
