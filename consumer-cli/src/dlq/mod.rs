@@ -1,8 +1,10 @@
 //! The `dlq` commands: `letter` (a dead letter, its fingerprint, the groups, the
 //! selection) and `report` (what a replay or purge did) are shared; `amqp` and `kafka`
-//! read, republish and settle on each broker.
+//! read, republish and settle on each broker; `inbox_table` on the inbox's dead-letter
+//! table (the webhook ingress's and the in-memory broker's letters).
 
 mod amqp;
+mod inbox_table;
 mod kafka;
 mod letter;
 mod report;
@@ -27,6 +29,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let letters = match broker {
                 Broker::Amqp => amqp::browse(&dlq, out).await?,
                 Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
+                Broker::Inbox => inbox_table::browse(&db).await?,
             };
             print_groups(&letters, out);
         }
@@ -34,6 +37,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let letters = match broker {
                 Broker::Amqp => amqp::browse(&dlq, out).await?,
                 Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
+                Broker::Inbox => inbox_table::browse(&db).await?,
             };
             let found: Vec<&DeadLetter> = letters.iter().filter(|l| l.id == id).collect();
             if found.is_empty() {
@@ -52,6 +56,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let report = match broker {
                 Broker::Amqp => amqp::settle(&dlq, &db, &selection, true, out).await?,
                 Broker::Kafka => kafka::settle(&dlq, &db, &selection, true, out).await?,
+                Broker::Inbox => inbox_table::settle(&dlq, &db, &selection, true, out).await?,
             };
             finish(report, out)?;
         }
@@ -60,6 +65,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let report = match broker {
                 Broker::Amqp => amqp::settle(&dlq, &db, &selection, false, out).await?,
                 Broker::Kafka => kafka::settle(&dlq, &db, &selection, false, out).await?,
+                Broker::Inbox => inbox_table::settle(&dlq, &db, &selection, false, out).await?,
             };
             finish(report, out)?;
         }
