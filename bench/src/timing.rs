@@ -158,6 +158,11 @@ impl Acknowledger for Timed {
             None => Box::pin(acking.map(timed)),
         }
     }
+
+    /// As the acknowledger it wraps: a timed dead letter is kept where it would be.
+    fn keeps_dead_letters(&self) -> bool {
+        self.inner.keeps_dead_letters()
+    }
 }
 
 /// Wraps a delivery as it is handed to the consumer, if it is one to time ([`sampled`]).

@@ -6,11 +6,11 @@
 //! consumer inbox show HANDLER KEY
 //! consumer inbox release HANDLER KEY
 //! consumer inbox purge --status dead|completed --older-than 30d [--dry-run]
-//! consumer dlq list    --broker amqp|kafka --queue Q | --topic T
+//! consumer dlq list    --broker amqp|kafka|inbox --queue Q | --topic T
 //! consumer dlq show ID --broker ...
 //! consumer dlq replay [ID...] [--reason R] [--all] [--dry-run] --broker ...
 //!                     [--to EXCHANGE/ROUTING_KEY]     (RabbitMQ)
-//! consumer dlq purge  [ID...] [--reason R] [--all] [--dry-run] --broker ...
+//! consumer dlq purge  [ID...] [--reason R] [--all] [--dry-run] --broker ...   (or `discard`)
 //! consumer outbox stats
 //! ```
 //!
@@ -48,6 +48,11 @@
 //! the message once more; its key is then `completed` (or `pending` with the first copy), so
 //! the inbox treats the second copy as a duplicate and nothing runs twice.
 //!
+//! The inbox's dead-letter table (`--broker inbox`: the webhook ingress's and the in-memory
+//! broker's letters) is read and deleted through [`consumer_core::Inbox`]; a replay posts a
+//! webhook letter to the route the operator names, signed with the ingress's secret, and
+//! deletes it once the ingress answered that it ran (see `dlq::inbox_table`).
+//!
 //! # Layout
 //!
 //! - `main`: the command line ([`clap`] derive) and the dispatch.
@@ -59,7 +64,8 @@
 //!   broker (a dead letter, its error fingerprint, the groups, the selection),
 //!   `dlq::report` what a replay or purge did; `dlq::amqp` and `dlq::kafka` read,
 //!   republish and settle on each broker, and name the headers a replay strips;
-//!   `dlq::reference` reads the record a Kafka `copy_too_large` letter refers to.
+//!   `dlq::reference` reads the record a Kafka `copy_too_large` letter refers to;
+//!   `dlq::inbox_table` reads, replays and discards the inbox's dead-letter table.
 //! - `output`: printing text or JSON.
 //!
 //! The inbox commands go through [`consumer_core::Inbox`] alone (`counts`, `entry`,
@@ -182,6 +188,10 @@ enum Broker {
     Amqp,
     /// Kafka: `--topic` names the dead-letter topic (`<topic>.dlq` by default).
     Kafka,
+    /// The inbox's dead-letter table (`<inbox table>_dead_letters`), where the webhook
+    /// ingress's and the in-memory broker's dead letters are kept: `--database-url` and
+    /// `--inbox-table` name it; a replay posts webhook letters to `--replay-url`.
+    Inbox,
 }
 
 /// The dead-letter destination.
@@ -202,6 +212,24 @@ struct DlqArgs {
     /// The dead-letter topic (Kafka).
     #[arg(long, env = "DLQ_TOPIC")]
     topic: Option<String>,
+    /// Where a replay posts webhook letters (inbox): the application's webhook route,
+    /// `http://host:port/webhooks/provider`.
+    #[arg(long = "replay-url", env = "DLQ_REPLAY_URL")]
+    replay_url: Option<String>,
+    /// The secret a replay signs webhook letters with (inbox): one the ingress accepts.
+    #[arg(
+        long = "webhook-secret",
+        env = "WEBHOOK_SECRET",
+        hide_env_values = true
+    )]
+    webhook_secret: Option<String>,
+    /// The header a replay puts the signature in (inbox).
+    #[arg(
+        long = "signature-header",
+        env = "WEBHOOK_SIGNATURE_HEADER",
+        default_value = "webhook-signature"
+    )]
+    signature_header: String,
 }
 
 /// Which dead letters a replay or purge takes.
@@ -255,6 +283,7 @@ enum DlqCommand {
         to: Option<String>,
     },
     /// Drop dead letters for good.
+    #[command(visible_alias = "discard")]
     Purge {
         #[command(flatten)]
         dlq: DlqArgs,

@@ -324,6 +324,19 @@ pub trait Acknowledger: std::any::Any + Send {
     fn copy_scope(&self) -> Option<&str> {
         None
     }
+
+    /// Whether a [`Settlement::DeadLetter`] leaves the message with the broker, in a
+    /// dead-letter queue or topic an operator can read and replay from: `true` (the
+    /// default) for RabbitMQ and Kafka. A transport without one returns `false` (the
+    /// webhook ingress, which only answers the provider; the in-memory broker, which lives
+    /// and dies with its process): the runtime then keeps the whole message (body, headers,
+    /// message id, source, handler, key, reason, error, attempts) in the inbox's
+    /// dead-letter table ([`Inbox::dead_letters`](crate::Inbox::dead_letters)) *before* it
+    /// settles the dead letter; if that write fails, it settles a retry instead, so that
+    /// nothing is dropped. A wrapper around another acknowledger passes its answer on.
+    fn keeps_dead_letters(&self) -> bool {
+        true
+    }
 }
 
 /// The results of acking a batch's deliveries: one each, in the batch's order.

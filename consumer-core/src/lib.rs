@@ -9,7 +9,10 @@
 //!   handler in the same transaction that marks the key completed, commits, and only then
 //!   settles the delivery through its [`Acknowledger`]. Duplicates are acked without running
 //!   the handler; failures are retried with [`ExponentialBackoff`] through the broker, then
-//!   dead-lettered with a [`DeadLetterReason`].
+//!   dead-lettered with a [`DeadLetterReason`]: to the broker's dead-letter destination, or,
+//!   for a transport without one ([`Acknowledger::keeps_dead_letters`]), whole into the
+//!   inbox's dead-letter table ([`Inbox::dead_letters`], [`StoredDeadLetter`]) before it is
+//!   settled.
 //! - [`guard`] holds the tools for effects outside the database: [`FlagGuard`],
 //!   [`Transition`] and [`idempotency_key`].
 //! - [`memory`] is an in-memory broker with real at-least-once behaviour, the embedded
@@ -155,7 +158,9 @@ pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
 pub use headers::{HeaderIter, Headers};
 pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
-pub use inbox::{is_aborted, Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry};
+pub use inbox::{
+    is_aborted, Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry, StoredDeadLetter,
+};
 pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
 pub use message_id::MessageId;
 pub use outbox::{Outbox, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};

@@ -1,7 +1,9 @@
 //! An in-memory broker with real at-least-once behaviour, for the embedded default and fast
 //! tests: unacked deliveries of a dropped consumer are redelivered (flagged `redelivered`),
 //! retries come back after their delay without blocking anything, and dead letters are kept
-//! with their reason.
+//! with their reason, in memory ([`MemoryBroker::dead_letters`]) and, since that memory ends
+//! with the process, by the runtime in the inbox's dead-letter table
+//! ([`Inbox::dead_letters`](crate::Inbox::dead_letters)).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -432,6 +434,12 @@ impl Acknowledger for MemoryAcker {
     /// this broker and queue.
     fn copy_scope(&self) -> Option<&str> {
         Some(&self.names.scope)
+    }
+
+    /// The broker's dead letters ([`MemoryBroker::dead_letters`]) end with the process: the
+    /// runtime also keeps each in the inbox's dead-letter table.
+    fn keeps_dead_letters(&self) -> bool {
+        false
     }
 }
 

@@ -1,9 +1,12 @@
 //! The `dlq` commands: `letter` (a dead letter, its fingerprint, the groups, the
 //! selection) and `report` (what a replay or purge did) are shared; `amqp` and `kafka`
 //! read, republish and settle on each broker; `origin` chooses where a RabbitMQ replay
-//! goes; `reference` reads the record a Kafka `copy_too_large` letter refers to.
+//! goes; `reference` reads the record a Kafka `copy_too_large` letter refers to;
+//! `inbox_table` works on the inbox's dead-letter table (the webhook ingress's and the
+//! in-memory broker's letters).
 
 mod amqp;
+mod inbox_table;
 mod kafka;
 mod letter;
 mod origin;
@@ -30,6 +33,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let letters = match broker {
                 Broker::Amqp => amqp::browse(&dlq, out).await?,
                 Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
+                Broker::Inbox => inbox_table::browse(&db).await?,
             };
             print_groups(&letters, out);
         }
@@ -37,6 +41,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let letters = match broker {
                 Broker::Amqp => amqp::browse(&dlq, out).await?,
                 Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
+                Broker::Inbox => inbox_table::browse(&db).await?,
             };
             let found: Vec<&DeadLetter> = letters.iter().filter(|l| l.id == id).collect();
             if found.is_empty() {
@@ -71,6 +76,12 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
                     }
                     kafka::settle(&dlq, &db, &selection, true, out).await?
                 }
+                Broker::Inbox => {
+                    if to.is_some() {
+                        bail!("--to is for RabbitMQ: an inbox letter is replayed to --replay-url");
+                    }
+                    inbox_table::settle(&dlq, &db, &selection, true, out).await?
+                }
             };
             finish(report, out)?;
         }
@@ -79,6 +90,7 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             let report = match broker {
                 Broker::Amqp => amqp::settle(&dlq, &db, &selection, None, out).await?,
                 Broker::Kafka => kafka::settle(&dlq, &db, &selection, false, out).await?,
+                Broker::Inbox => inbox_table::settle(&dlq, &db, &selection, false, out).await?,
             };
             finish(report, out)?;
         }

@@ -8,6 +8,7 @@ use sqlx::Pool;
 
 use super::claim::{AttemptItem, Claim};
 use super::config::{Statements, TableNames};
+use super::dead_letter_store::DeadLetterStore;
 use super::dialect::{Arg, Execute};
 use super::entry::{InboxCounts, InboxEntry};
 use super::flow;
@@ -64,7 +65,7 @@ impl From<String> for GuardValue {
 
 /// A database the inbox supports: PostgreSQL (production, many workers) or SQLite (embedded,
 /// one process). Sealed; its methods are the runtime's, not part of the public API.
-pub trait Backend: Execute + OutboxStore {
+pub trait Backend: Execute + OutboxStore + DeadLetterStore {
     #[doc(hidden)]
     const NAME: &'static str;
 

@@ -82,6 +82,9 @@ pub struct TableNames {
     pub(crate) dead_expires_index: String,
     /// `"schema"."table_outbox"`: the outbox lives beside its inbox (see [`crate::Outbox`]).
     pub(crate) outbox: String,
+    /// `"schema"."table_dead_letters"`: the dead letters of transports without a
+    /// dead-letter destination of their own (see [`crate::Acknowledger::keeps_dead_letters`]).
+    pub(crate) dead_letters: String,
     /// `"table_outbox_due"`: the outbox's unpublished rows by id.
     outbox_due_index: String,
     /// `"table_outbox_key"`: its unpublished rows by ordering key and id.
@@ -101,6 +104,8 @@ pub struct TableNames {
     pub(crate) sql: Statements,
     /// The backend's statements on the outbox, rendered once.
     pub(crate) outbox_sql: OutboxSql,
+    /// The backend's statements on the dead-letter table, rendered once.
+    pub(crate) dead_letter_sql: DeadLetterSql,
 }
 
 /// The inbox statements with the table name filled in, built once per inbox rather than
@@ -158,6 +163,20 @@ pub struct OutboxSql {
     pub(crate) resend_reply: String,
 }
 
+/// The statements on one inbox's dead-letter table, rendered once.
+#[derive(Debug, Clone, Default)]
+#[doc(hidden)]
+pub struct DeadLetterSql {
+    /// Keeps a letter, or counts one more delivery on the row of the same message.
+    pub(crate) keep: String,
+    /// Every letter, oldest first.
+    pub(crate) list: String,
+    /// One letter by id.
+    pub(crate) fetch: String,
+    /// Deletes one letter by id.
+    pub(crate) delete: String,
+}
+
 impl TableNames {
     pub(super) fn new(config: &InboxConfig) -> Result<Self, Error> {
         let schema = config
@@ -178,6 +197,7 @@ impl TableNames {
             expires_index: format!("\"{table}_expires_at\""),
             dead_expires_index: format!("\"{table}_dead_expires_at\""),
             outbox: qualify(&format!("{table}_outbox")),
+            dead_letters: qualify(&format!("{table}_dead_letters")),
             outbox_due_index: format!("\"{table}_outbox_due\""),
             outbox_key_index: format!("\"{table}_outbox_key\""),
             outbox_sent_index: format!("\"{table}_outbox_sent\""),
@@ -188,6 +208,7 @@ impl TableNames {
             schema,
             sql: Statements::default(),
             outbox_sql: Default::default(),
+            dead_letter_sql: Default::default(),
         })
     }
 
@@ -203,6 +224,7 @@ impl TableNames {
             .replace("{expires_index}", &self.expires_index)
             .replace("{dead_expires_index}", &self.dead_expires_index)
             .replace("{outbox}", &self.outbox)
+            .replace("{dead_letters}", &self.dead_letters)
             .replace("{outbox_due_index}", &self.outbox_due_index)
             .replace("{outbox_key_index}", &self.outbox_key_index)
             .replace("{outbox_sent_index}", &self.outbox_sent_index)

@@ -79,6 +79,26 @@ pub(crate) fn json_list<T: serde::Serialize>(items: &[T]) -> String {
 /// key, headers (a JSON object), payload, attempts.
 pub(crate) type OutboxRaw = (i64, String, String, Option<String>, String, Vec<u8>, i64);
 
+/// A row of the dead-letter table as its `list` and `fetch` statements return it: id,
+/// handler, transport, location, message id, key, reason, error, attempts, headers (a JSON
+/// object), payload, deliveries, first and last time (Unix milliseconds).
+pub(crate) type DeadLetterRaw = (
+    i64,
+    String,
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    String,
+    String,
+    i64,
+    String,
+    Vec<u8>,
+    i64,
+    i64,
+    i64,
+);
+
 /// The outbox's `stats` row: pending, failing, age of the oldest pending row in
 /// milliseconds, published.
 pub(crate) type OutboxStatsRaw = (i64, i64, Option<i64>, i64);
@@ -163,6 +183,13 @@ pub trait Execute: Dialect {
         sql: &'a str,
         args: &'a [Arg<'a>],
     ) -> impl Future<Output = Result<OutboxStatsRaw, sqlx::Error>> + Send + 'a;
+
+    /// Runs a dead-letter statement that returns letters.
+    fn fetch_dead_letters<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> impl Future<Output = Result<Vec<DeadLetterRaw>, sqlx::Error>> + Send + 'a;
 }
 
 impl<DB> Execute for DB
@@ -175,6 +202,7 @@ where
     OutboxRaw: for<'r> FromRow<'r, DB::Row>,
     (String, i64): for<'r> FromRow<'r, DB::Row>,
     OutboxStatsRaw: for<'r> FromRow<'r, DB::Row>,
+    DeadLetterRaw: for<'r> FromRow<'r, DB::Row>,
 {
     async fn execute<'a>(
         conn: &'a mut DB::Connection,
@@ -256,6 +284,16 @@ where
     ) -> Result<OutboxStatsRaw, sqlx::Error> {
         sqlx::query_as_with(sql, DB::arguments(args)?)
             .fetch_one(conn)
+            .await
+    }
+
+    async fn fetch_dead_letters<'a>(
+        conn: &'a mut DB::Connection,
+        sql: &'a str,
+        args: &'a [Arg<'a>],
+    ) -> Result<Vec<DeadLetterRaw>, sqlx::Error> {
+        sqlx::query_as_with(sql, DB::arguments(args)?)
+            .fetch_all(conn)
             .await
     }
 }

@@ -7,6 +7,7 @@ use sqlx::Pool;
 
 use super::backend::Backend;
 use super::config::{InboxConfig, TableNames};
+use super::dead_letter_store::{LetterToKeep, StoredDeadLetter};
 use super::entry::{EntryStatus, InboxCounts, InboxEntry};
 use super::locks::KeyLocks;
 use crate::Error;
@@ -48,6 +49,7 @@ impl<DB: Backend> Inbox<DB> {
         DB::check_config(&names)?;
         names.sql = DB::statements(&names);
         names.outbox_sql = DB::outbox_sql(&names);
+        names.dead_letter_sql = DB::dead_letter_sql(&names);
         DB::migrate(&pool, &names).await?;
         if let Some(namespace) = DB::lock_namespace(&pool, &names).await? {
             names.lock_namespace = namespace;
@@ -91,6 +93,34 @@ impl<DB: Backend> Inbox<DB> {
     /// Wakes this process's relays: rows were committed to the outbox.
     pub(crate) fn outbox_written(&self) {
         self.outbox_written.notify_one();
+    }
+
+    /// Keeps a dead letter in the dead-letter table, or counts one more delivery on the row
+    /// of the same message.
+    pub(crate) async fn keep_dead_letter(
+        &self,
+        letter: LetterToKeep<'_>,
+    ) -> Result<(), sqlx::Error> {
+        DB::dead_letter_keep(&self.pool, &self.names, letter).await
+    }
+
+    /// The dead letters kept in this inbox's dead-letter table, oldest first: those of the
+    /// transports that have no dead-letter destination of their own (the webhook ingress,
+    /// the in-memory broker; see [`crate::Acknowledger::keeps_dead_letters`]). Each keeps the
+    /// whole message until it is discarded ([`Inbox::discard_dead_letter`]).
+    pub async fn dead_letters(&self) -> Result<Vec<StoredDeadLetter>, Error> {
+        Ok(DB::dead_letter_list(&self.pool, &self.names).await?)
+    }
+
+    /// The kept dead letter `id`, if there is one.
+    pub async fn dead_letter(&self, id: i64) -> Result<Option<StoredDeadLetter>, Error> {
+        Ok(DB::dead_letter_fetch(&self.pool, &self.names, id).await?)
+    }
+
+    /// Deletes the kept dead letter `id` for good (after a replay, or to drop it); whether
+    /// it was there.
+    pub async fn discard_dead_letter(&self, id: i64) -> Result<bool, Error> {
+        Ok(DB::dead_letter_delete(&self.pool, &self.names, id).await?)
     }
 
     /// The row for (`handler`, `key`), if any.

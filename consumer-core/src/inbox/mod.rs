@@ -45,6 +45,9 @@
 //!   locks and one-statement batches on PostgreSQL).
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
+//! - `dead_letter_store`: the statements on the dead-letter table, also beside the inbox,
+//!   where the runtime keeps the dead letters of transports without a dead-letter
+//!   destination of their own ([`StoredDeadLetter`]).
 //! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `kept`: the
 //!   connections a worker keeps between its leases, out of the pool; `locks`: the
 //!   in-process key locks (by a hash of the key seeded per process) and the database lock
@@ -53,6 +56,7 @@
 mod backend;
 mod claim;
 mod config;
+mod dead_letter_store;
 mod dialect;
 mod entry;
 mod flow;
@@ -68,6 +72,8 @@ pub use backend::{is_aborted, Backend, GuardValue};
 pub(crate) use claim::{AttemptItem, Claim};
 pub use config::InboxConfig;
 pub(crate) use config::TableNames;
+pub(crate) use dead_letter_store::LetterToKeep;
+pub use dead_letter_store::StoredDeadLetter;
 pub use entry::{EntryStatus, InboxCounts, InboxEntry};
 pub use handle::Inbox;
 pub(crate) use kept::Kept;

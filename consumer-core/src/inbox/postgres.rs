@@ -32,6 +32,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
         6,
         include_str!("../../migrations/postgres/0006_replies.sql"),
     ),
+    (
+        7,
+        include_str!("../../migrations/postgres/0007_dead_letters.sql"),
+    ),
 ];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.

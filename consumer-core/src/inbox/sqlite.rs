@@ -29,6 +29,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
     (5, include_str!("../../migrations/sqlite/0005_outbox.sql")),
     (6, include_str!("../../migrations/sqlite/0006_replies.sql")),
+    (
+        7,
+        include_str!("../../migrations/sqlite/0007_dead_letters.sql"),
+    ),
 ];
 
 /// `now` (Unix milliseconds) plus `d`.

@@ -13,7 +13,8 @@
 //! 3. **execute** ([`execute`]): one transaction for the group (the fresh jobs, or one job
 //!    attempted before), one commit; if a handler fails in a group of several, each job
 //!    runs again alone.
-//! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers.
+//! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers
+//!    (a dead letter first kept in the inbox where the transport keeps none: [`dead_letters`]).
 //!    The batch's concurrency slot is free by then, unless a repeated key of it is still to
 //!    run ([`slot`]): settling waits on the broker.
 //!
@@ -26,6 +27,7 @@ mod attempt;
 mod background;
 mod claim;
 mod config;
+mod dead_letters;
 mod execute;
 mod gather;
 mod job;
@@ -351,10 +353,10 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
             match job::prepare::<H::Message>(&self.settings, incoming, lock_id) {
-                Err((incoming, verdict)) => settled.push(Settled {
-                    acker: incoming.acker,
-                    verdict,
-                }),
+                Err((incoming, verdict)) => {
+                    let (delivery, acker) = (&incoming.delivery, incoming.acker);
+                    settled.push(self.keep_dead_letter(delivery, acker, verdict));
+                }
                 Ok(job) if seen.as_mut().is_some_and(|s| s.repeated(&jobs, &job)) => {
                     repeats.push(job)
                 }

@@ -240,7 +240,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             }
             _ => job.acker,
         };
-        Settled { acker, verdict }
+        self.keep_dead_letter(&job.delivery, acker, verdict)
     }
 
     /// Settles `jobs`, whose writes and claims (or completions) committed together: each

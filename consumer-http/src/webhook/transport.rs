@@ -47,8 +47,9 @@ impl Acknowledger for Reply {
     /// `Ok` once the settlement is handed over, and also if the request is gone (its client
     /// hung up, or it stopped waiting): the worker settles only after the inbox committed
     /// the outcome, so nothing is lost, and the provider's resend is answered from the
-    /// inbox. A dead letter is logged here, where the worker settles it, whether or not a
-    /// request still waits.
+    /// inbox. A dead letter reaches here only once the worker kept it in the inbox's
+    /// dead-letter table (see [`Acknowledger::keeps_dead_letters`]); it is logged here,
+    /// whether or not a request still waits.
     fn settle(
         self: Box<Self>,
         settlement: Settlement,
@@ -61,7 +62,7 @@ impl Acknowledger for Reply {
                 attempts = dead.attempts,
                 error = %dead.error,
                 source = %dead.source,
-                "webhook event dead-lettered: answered 2xx, since the provider's resend cannot fix it",
+                "webhook event dead-lettered and kept in the inbox's dead-letter table: answered 2xx, since the provider's resend cannot fix it",
             );
         }
         if self.to.send(settlement).is_err() {
@@ -70,5 +71,11 @@ impl Acknowledger for Reply {
             );
         }
         Box::pin(async { Ok(()) })
+    }
+
+    /// The ingress has no dead-letter destination: the worker keeps each dead letter in the
+    /// inbox's dead-letter table before the provider is answered.
+    fn keeps_dead_letters(&self) -> bool {
+        false
     }
 }
