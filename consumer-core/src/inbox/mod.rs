@@ -42,7 +42,8 @@
 //! - `flow`: the operations both databases run alike, written once; `dialect`: what each
 //!   database binds and decodes its own way, and the one executor of the statements.
 //! - `postgres`, `sqlite`: each database's SQL, migrations and true differences (advisory
-//!   locks and one-statement batches on PostgreSQL).
+//!   locks and one-statement batches on PostgreSQL); `postgres_migrations`: PostgreSQL's
+//!   migration scripts and how they are applied once, however many workers start.
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
 //! - `dead_letter_store`: the statements on the dead-letter table, also beside the inbox,
@@ -66,6 +67,7 @@ mod lease;
 mod locks;
 mod outbox_store;
 mod postgres;
+mod postgres_migrations;
 mod sqlite;
 
 pub use backend::{is_aborted, Backend, GuardValue};
