@@ -39,7 +39,14 @@ pub struct Harness<DB: Backend, H> {
     pub ledger: fn(Inbox<DB>, String) -> BoxFuture<'static, i64>,
     /// `SELECT status FROM orders WHERE id = ?`, inserting the order first if `create`.
     pub order: fn(Inbox<DB>, i64, bool) -> BoxFuture<'static, String>,
+    /// A database fault the model test makes while workers run, where the backend has one:
+    /// PostgreSQL terminates one of the harness's server processes (a worker's connection
+    /// lost mid-statement, mid-commit or idle in its pool). `None` on SQLite.
+    pub db_fault: Option<DbFault>,
 }
+
+/// See [`Harness::db_fault`].
+pub type DbFault = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A fresh SQLite file with the per-delivery record handler.
 pub async fn sqlite_harness(batch: Option<BatchConfig>) -> Harness<Sqlite, record_sqlite> {
@@ -89,6 +96,7 @@ pub async fn sqlite_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> H
                     .expect("order status")
             })
         },
+        db_fault: None,
     }
 }
 

@@ -27,6 +27,9 @@
 //! - `http` (feature `http`): an HTTP answer read whole, for the tests of HTTP routes.
 //! - [`ignored_errors`]: a handler that ignores a failed statement and returns `Ok` (which
 //!   aborts a PostgreSQL transaction, not an SQLite one).
+//! - [`model`]: the randomized model test: seeded jobs, duplicates, redeliveries, crashes
+//!   and database faults, checked by one oracle (instantiated apart from the matrix, by
+//!   [`model!`]).
 //! - [`keys`]: a key's life in the inbox (guards, retention, batches, lost and overdue
 //!   copies, inboxes that share no locks, dead keys released).
 
@@ -41,9 +44,12 @@ pub mod ignored_errors;
 pub mod invalid;
 pub mod jobs;
 pub mod keys;
+pub mod model;
 pub mod runs;
 
-pub use harness::{sqlite_bulk_harness, sqlite_harness, sqlite_harness_with, Harness, BATCHED};
+pub use harness::{
+    sqlite_bulk_harness, sqlite_harness, sqlite_harness_with, DbFault, Harness, BATCHED,
+};
 
 /// Instantiates every scenario as a `#[tokio::test]` in a module named `$backend`:
 /// `scenarios!(sqlite, consumer_scenarios::sqlite_harness, None)`. `$harness` is an async
@@ -183,6 +189,29 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn expired_inbox_rows_are_cleaned_up() {
                 $crate::keys::expired_rows_are_purged($harness($batch).await).await;
+            }
+        }
+    };
+}
+
+/// Instantiates the model test ([`model`]) as `#[tokio::test]`s, per message and batched,
+/// in a module named `$backend`: `model!(sqlite, consumer_scenarios::sqlite_harness)`.
+#[macro_export]
+macro_rules! model {
+    ($backend:ident, $harness:path) => {
+        mod $backend {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_model_holds_per_message() {
+                $crate::model::the_model_holds_for_every_seed($harness(None).await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_model_holds_batched() {
+                $crate::model::the_model_holds_for_every_seed($harness($crate::BATCHED).await)
+                    .await;
             }
         }
     };

@@ -66,7 +66,9 @@ impl PgEnv {
     pub async fn pool(&self, max: u32) -> PgPool {
         let options = PgConnectOptions::from_str(&database_url())
             .expect("DATABASE_URL")
-            .options([("search_path", self.schema.as_str())]);
+            .options([("search_path", self.schema.as_str())])
+            // Names the schema's connections, so a test can find them (see `harness`).
+            .application_name(&self.schema);
         PgPoolOptions::new()
             .max_connections(max)
             .acquire_timeout(Duration::from_secs(30))

@@ -7,6 +7,7 @@
 pub mod amqp;
 pub mod common;
 pub mod gauge;
+pub mod harness;
 pub mod kafka;
 pub mod outbox;
 pub mod payments;
