@@ -40,6 +40,7 @@ pub struct HandlerOptions {
     pub(crate) retention: Duration,
     pub(crate) timeout: Duration,
     pub(crate) on_conflict: ConflictPolicy,
+    pub(crate) aliases: Vec<Cow<'static, str>>,
 }
 
 impl HandlerOptions {
@@ -57,6 +58,7 @@ impl HandlerOptions {
             retention: Duration::from_secs(7 * 24 * 3600),
             timeout: Duration::from_secs(30),
             on_conflict: ConflictPolicy::DeadLetter,
+            aliases: Vec::new(),
         }
     }
 
@@ -103,6 +105,18 @@ impl HandlerOptions {
     /// What to do on a key conflict.
     pub fn on_conflict(mut self, policy: ConflictPolicy) -> Self {
         self.on_conflict = policy;
+        self
+    }
+
+    /// A name the handler had before, whose inbox keys it takes over: a key completed (or
+    /// dead-lettered, or pending) under `old_name` counts as this handler's, so renaming a
+    /// handler does not run its keys again. May be called several times.
+    ///
+    /// Keep an alias while the old name's keys can still be redelivered (the handler's
+    /// retention). Stop the workers running under the old name before starting the renamed
+    /// ones: a key delivered to both at once is checked by each under its own name only.
+    pub fn alias(mut self, old_name: impl Into<Cow<'static, str>>) -> Self {
+        self.aliases.push(old_name.into());
         self
     }
 

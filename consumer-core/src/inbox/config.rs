@@ -80,6 +80,9 @@ pub struct TableNames {
     pub(crate) expires_index: String,
     /// `"table_dead_expires_at"`.
     pub(crate) dead_expires_index: String,
+    /// `"table_pending_updated"`: the pending rows by handler and last update, for their
+    /// retention.
+    pending_index: String,
     /// `"schema"."table_outbox"`: the outbox lives beside its inbox (see [`crate::Outbox`]).
     pub(crate) outbox: String,
     /// `"table_outbox_due"`: the outbox's unpublished rows by id.
@@ -128,6 +131,9 @@ pub struct Statements {
     /// Counts them (the `counts` row shape).
     pub(crate) count_older: String,
     pub(crate) purge_expired: String,
+    /// Deletes a batch of pending rows that no copy of their message can still reach (see
+    /// `Backend::purge_stale_pending`).
+    pub(crate) purge_stale_pending: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
     /// `claim_fresh_many` as a plain insert (PostgreSQL; see `Backend::claim_new_many`).
@@ -177,6 +183,7 @@ impl TableNames {
             log_marks: qualify(&format!("{table}_log_marks")),
             expires_index: format!("\"{table}_expires_at\""),
             dead_expires_index: format!("\"{table}_dead_expires_at\""),
+            pending_index: format!("\"{table}_pending_updated\""),
             outbox: qualify(&format!("{table}_outbox")),
             outbox_due_index: format!("\"{table}_outbox_due\""),
             outbox_key_index: format!("\"{table}_outbox_key\""),
@@ -202,6 +209,7 @@ impl TableNames {
             .replace("{log_marks}", &self.log_marks)
             .replace("{expires_index}", &self.expires_index)
             .replace("{dead_expires_index}", &self.dead_expires_index)
+            .replace("{pending_index}", &self.pending_index)
             .replace("{outbox}", &self.outbox)
             .replace("{outbox_due_index}", &self.outbox_due_index)
             .replace("{outbox_key_index}", &self.outbox_key_index)

@@ -300,3 +300,24 @@ pub(super) async fn purge_expired<DB: Execute>(
     let mut conn = pool.acquire().await?;
     DB::execute(&mut conn, &names.sql.purge_expired, &args).await
 }
+
+/// Deletes up to `batch` pending rows of `handlers` that no copy of their message can still
+/// reach: idle for `retention`, their newest copy (if any) due longer ago than `retention`
+/// plus the copy grace. How many it deleted.
+pub(super) async fn purge_stale_pending<DB: Execute>(
+    pool: &Pool<DB>,
+    names: &TableNames,
+    handlers: &[String],
+    retention: Duration,
+    batch: u32,
+) -> Result<u64, sqlx::Error> {
+    let now = Clock::read();
+    let args = [
+        Arg::Texts(handlers),
+        Arg::Before(now, retention),
+        Arg::Before(now, retention.saturating_add(names.copy_grace)),
+        Arg::Int(i64::from(batch)),
+    ];
+    let mut conn = pool.acquire().await?;
+    DB::execute(&mut conn, &names.sql.purge_stale_pending, &args).await
+}

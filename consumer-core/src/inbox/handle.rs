@@ -157,6 +157,28 @@ impl<DB: Backend> Inbox<DB> {
         }
     }
 
+    /// Deletes the pending rows of `handlers` (a handler's name and its aliases) that no
+    /// copy of their message can still reach, `batch` rows per statement, until none are
+    /// left; how many were deleted. See [`WorkerConfig::pending_retention`](crate::WorkerConfig::pending_retention)
+    /// for the rule and why it is safe.
+    pub(crate) async fn purge_stale_pending(
+        &self,
+        handlers: &[String],
+        retention: Duration,
+        batch: u32,
+    ) -> Result<u64, Error> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let n = DB::purge_stale_pending(&self.pool, &self.names, handlers, retention, batch)
+                .await?;
+            total += n;
+            if n < u64::from(batch) {
+                return Ok(total);
+            }
+        }
+    }
+
     /// The log mark of (`handler`, `log`): at least the highest offset of that log the
     /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
     pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {

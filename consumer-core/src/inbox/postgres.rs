@@ -32,6 +32,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
         6,
         include_str!("../../migrations/postgres/0006_replies.sql"),
     ),
+    (
+        7,
+        include_str!("../../migrations/postgres/0007_pending_retention.sql"),
+    ),
 ];
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.
@@ -166,6 +170,16 @@ const PURGE_EXPIRED: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
      SELECT ctid FROM {inbox} WHERE (status = 'completed' AND expires_at < now()) \
      OR (status = 'dead' AND expires_at < now()) LIMIT $1))";
 
+/// Up to `$4` pending rows of the handlers `$1` that nothing has updated for the retention
+/// (`$2` milliseconds) and whose newest retry copy, if any, was due longer ago than the
+/// retention plus the copy grace (`$3`): see `Backend::purge_stale_pending`. A row updated
+/// between the selection and the delete is a new version, with another `ctid`: it stays.
+const PURGE_STALE_PENDING: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM {inbox} WHERE status = 'pending' AND handler = ANY($1) \
+     AND updated_at < now() - $2 * interval '1 millisecond' \
+     AND (retry_due_at IS NULL OR retry_due_at < now() - $3 * interval '1 millisecond') \
+     LIMIT $4))";
+
 impl Backend for Postgres {
     const NAME: &'static str = "postgres";
 
@@ -216,6 +230,7 @@ impl Backend for Postgres {
             ),
             release_dead: names.render(RELEASE_DEAD),
             purge_expired: names.render(PURGE_EXPIRED),
+            purge_stale_pending: names.render(PURGE_STALE_PENDING),
             claim_fresh: names.render(CLAIM_FRESH),
             claim_fresh_many: names.render(CLAIM_FRESH_MANY),
             claim_new_many: names.render(CLAIM_NEW_MANY),

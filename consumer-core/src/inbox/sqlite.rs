@@ -29,6 +29,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
     (5, include_str!("../../migrations/sqlite/0005_outbox.sql")),
     (6, include_str!("../../migrations/sqlite/0006_replies.sql")),
+    (
+        7,
+        include_str!("../../migrations/sqlite/0007_pending_retention.sql"),
+    ),
 ];
 
 /// `now` (Unix milliseconds) plus `d`.
@@ -122,6 +126,13 @@ impl Backend for Sqlite {
                 "DELETE FROM {inbox} WHERE rowid IN (\
                  SELECT rowid FROM {inbox} WHERE (status = 'completed' AND expires_at < ?1) \
                  OR (status = 'dead' AND expires_at < ?1) LIMIT ?2)",
+            ),
+            // See `PURGE_STALE_PENDING` in the PostgreSQL backend.
+            purge_stale_pending: names.render(
+                "DELETE FROM {inbox} WHERE rowid IN (\
+                 SELECT rowid FROM {inbox} WHERE status = 'pending' \
+                 AND handler IN (SELECT value FROM json_each(?1)) AND updated_at < ?2 \
+                 AND (retry_due_at IS NULL OR retry_due_at < ?3) LIMIT ?4)",
             ),
             claim_fresh: names.render(
                 "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \

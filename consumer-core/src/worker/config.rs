@@ -44,6 +44,15 @@ pub struct WorkerConfig {
     pub retention: Option<Duration>,
     /// How often expired inbox rows are purged (default 60s; `None` disables the task).
     pub retention_interval: Option<Duration>,
+    /// How long a pending key's row is kept once no copy of its message can still arrive
+    /// (default 7 days; `None` keeps pending rows until an attempt settles them). The
+    /// retention task deletes the handler's pending rows that nothing has updated for this
+    /// long and whose newest retry copy, if any, was due longer ago than this plus the
+    /// inbox's [`copy_grace`](crate::InboxConfig::copy_grace). A pending row holds no effect
+    /// (effects commit with the completion), so a message that still arrives afterwards
+    /// runs once, as new, with its attempts counted from one. Must be longer than the
+    /// handler's timeout, so that an attempt in flight never loses its row.
+    pub pending_retention: Option<Duration>,
     /// Rows deleted per purge statement (default 1000).
     pub retention_batch: u32,
     /// How often the inbox gauges (the handler's rows by status, the stalest pending key's
@@ -75,6 +84,7 @@ impl Default for WorkerConfig {
             handler_timeout: None,
             retention: None,
             retention_interval: Some(Duration::from_secs(60)),
+            pending_retention: Some(Duration::from_secs(7 * 24 * 3600)),
             retention_batch: 1000,
             inbox_gauge_interval: Some(Duration::from_secs(30)),
             jitter: None,
@@ -116,6 +126,12 @@ impl WorkerConfig {
     /// Sets [`WorkerConfig::retention_interval`] (`None`: no purge task).
     pub fn with_retention_interval(mut self, interval: Option<Duration>) -> Self {
         self.retention_interval = interval;
+        self
+    }
+
+    /// Sets [`WorkerConfig::pending_retention`] (`None`: pending rows are kept).
+    pub fn with_pending_retention(mut self, retention: Option<Duration>) -> Self {
+        self.pending_retention = retention;
         self
     }
 
@@ -174,6 +190,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("handler_timeout", &self.handler_timeout)
             .field("retention", &self.retention)
             .field("retention_interval", &self.retention_interval)
+            .field("pending_retention", &self.pending_retention)
             .field("retention_batch", &self.retention_batch)
             .field("inbox_gauge_interval", &self.inbox_gauge_interval)
             .field("max_payload_bytes", &self.max_payload_bytes)
@@ -235,6 +252,8 @@ impl Default for BatchConfig {
 #[derive(Debug)]
 pub(super) struct Settings {
     pub(super) name: String,
+    /// The names the handler had before (see [`HandlerOptions::alias`]).
+    pub(super) aliases: Vec<String>,
     pub(super) key: Option<KeyTemplate>,
     pub(super) payload_hash: bool,
     pub(super) max_attempts: u32,
@@ -251,6 +270,18 @@ impl Settings {
     pub(super) fn validate(o: HandlerOptions, config: &WorkerConfig) -> Result<Self, Error> {
         consumer_options::check_handler_name(&o.name)
             .map_err(|reason| Error::config("name", reason.to_string()))?;
+        let mut aliases: Vec<String> = Vec::with_capacity(o.aliases.len());
+        for alias in &o.aliases {
+            consumer_options::check_handler_name(alias)
+                .map_err(|reason| Error::config("aliases", reason.to_string()))?;
+            if alias == &o.name || aliases.iter().any(|a| a == alias) {
+                return Err(Error::config(
+                    "aliases",
+                    format!("{alias:?} is listed twice (an alias is not the handler's own name)"),
+                ));
+            }
+            aliases.push(alias.to_string());
+        }
         let max_attempts = config.max_attempts.unwrap_or(o.max_attempts);
         if max_attempts == 0 {
             return Err(Error::config("max_attempts", "must be at least 1"));
@@ -278,6 +309,12 @@ impl Settings {
         if timeout.is_zero() {
             return Err(Error::config("timeout", "must be greater than zero"));
         }
+        if config.pending_retention.is_some_and(|r| r <= timeout) {
+            return Err(Error::config(
+                "pending_retention",
+                format!("must be longer than the handler's timeout ({timeout:?})"),
+            ));
+        }
         let mut backoff = ExponentialBackoff::new(o.backoff.0, o.backoff.1)?;
         if let Some(j) = &config.jitter {
             backoff = backoff.with_jitter(SharedJitter(j.clone()));
@@ -285,6 +322,7 @@ impl Settings {
         Ok(Settings {
             key: o.key.as_deref().map(KeyTemplate::parse).transpose()?,
             name: o.name.into_owned(),
+            aliases,
             payload_hash: o.payload_hash,
             max_attempts,
             backoff,
@@ -293,6 +331,16 @@ impl Settings {
             on_conflict: o.on_conflict,
             max_payload_bytes: config.max_payload_bytes,
         })
+    }
+}
+
+impl Settings {
+    /// The handler's name, then its aliases: every name its inbox rows may be under.
+    pub(super) fn names(&self) -> Vec<String> {
+        std::iter::once(&self.name)
+            .chain(&self.aliases)
+            .cloned()
+            .collect()
     }
 }
 

@@ -84,6 +84,8 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     batch: Option<BatchConfig>,
     retention_interval: Option<std::time::Duration>,
     retention_batch: u32,
+    /// [`WorkerConfig::pending_retention`].
+    pending_retention: Option<std::time::Duration>,
     inbox_gauge_interval: Option<std::time::Duration>,
     stats: Arc<Stats>,
     freshness: Freshness<DB>,
@@ -129,6 +131,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 batch: config.batch,
                 retention_interval: config.retention_interval,
                 retention_batch: config.retention_batch,
+                pending_retention: config.pending_retention,
                 inbox_gauge_interval: config.inbox_gauge_interval,
                 stats,
                 turns: turn::Turns::default(),
