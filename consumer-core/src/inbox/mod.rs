@@ -41,8 +41,9 @@
 //! - `backend`: the sealed [`Backend`] trait, and [`GuardValue`].
 //! - `flow`: the operations both databases run alike, written once; `dialect`: what each
 //!   database binds and decodes its own way, and the one executor of the statements.
-//! - `postgres`, `sqlite`: each database's SQL, migrations and true differences (advisory
-//!   locks and one-statement batches on PostgreSQL).
+//! - `postgres`, `sqlite`: each database's SQL and true differences (advisory locks and
+//!   one-statement batches on PostgreSQL); `migrations`: the shipped migrations of each and
+//!   their runner.
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
 //! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `kept`: the
@@ -60,6 +61,7 @@ mod handle;
 mod kept;
 mod lease;
 mod locks;
+mod migrations;
 mod outbox_store;
 mod postgres;
 mod sqlite;

@@ -84,7 +84,6 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     batch: Option<BatchConfig>,
     retention_interval: Option<std::time::Duration>,
     retention_batch: u32,
-    /// [`WorkerConfig::pending_retention`].
     pending_retention: Option<std::time::Duration>,
     inbox_gauge_interval: Option<std::time::Duration>,
     stats: Arc<Stats>,
