@@ -190,6 +190,15 @@ struct DlqArgs {
     /// The dead-letter topic (Kafka).
     #[arg(long, env = "DLQ_TOPIC")]
     topic: Option<String>,
+    /// Kafka: how long the record of a replayed or purged dead letter is kept once the
+    /// record itself has left the topic (`30d`, `12h`, `15m`, `90s`).
+    #[arg(
+        long = "settled-retention",
+        env = "DLQ_SETTLED_RETENTION",
+        default_value = "7d",
+        value_parser = inbox::parse_age
+    )]
+    settled_retention: std::time::Duration,
 }
 
 /// Which dead letters a replay or purge takes.

@@ -3,7 +3,7 @@
 //! read, republish and settle on each broker.
 
 mod amqp;
-mod kafka;
+pub(crate) mod kafka;
 mod letter;
 mod report;
 
