@@ -100,6 +100,11 @@ pub struct TableNames {
     pub(crate) lock_namespace: String,
     /// [`InboxConfig::copy_grace`].
     pub(crate) copy_grace: Duration,
+    /// The former names of the handler a worker's handle serves (see
+    /// [`HandlerOptions::alias`](crate::HandlerOptions::alias)): its claims adopt a key's
+    /// row found under one of them. Empty everywhere else, and then the claims run their
+    /// statements alone.
+    pub(crate) aliases: Vec<String>,
     /// The backend's statements on this table, rendered once (see [`Backend::statements`]).
     pub(crate) sql: Statements,
     /// The backend's statements on the outbox, rendered once.
@@ -139,6 +144,12 @@ pub struct Statements {
     /// `claim_fresh_many` as a plain insert (PostgreSQL; see `Backend::claim_new_many`).
     pub(crate) claim_new_many: String,
     pub(crate) count_fresh_failure: String,
+    /// The keys among `$2` that have a row under one of the handler's aliases `$1` (key,
+    /// 0 rows, as `fetch_pairs` reads them).
+    pub(crate) alias_keys: String,
+    /// Renames the key's row under an alias to the handler's name, unless the handler has
+    /// a row for the key (see `flow::adopt`).
+    pub(crate) adopt: String,
     /// Creates the (handler, log) mark row if missing, with no mark.
     pub(crate) mark_insert: String,
     /// Reads the mark (PostgreSQL: and locks the row to the end of the transaction).
@@ -192,6 +203,7 @@ impl TableNames {
             outbox_notify_fn: qualify(&format!("{table}_outbox_notify")),
             lock_namespace: qualify(table.as_str()),
             copy_grace: config.copy_grace,
+            aliases: Vec::new(),
             schema,
             sql: Statements::default(),
             outbox_sql: Default::default(),

@@ -224,6 +224,19 @@ impl<DB: Backend> Inbox<DB> {
         Ok(before)
     }
 
+    /// This inbox as a worker of a handler with the former names `aliases` uses it: its
+    /// claims adopt a key's row found under an alias (see [`crate::HandlerOptions::alias`]).
+    /// The same handle when there are none.
+    pub(crate) fn serving(&self, aliases: &[String]) -> Self {
+        let mut inbox = self.clone();
+        if !aliases.is_empty() {
+            let mut names = TableNames::clone(&self.names);
+            names.aliases = aliases.to_vec();
+            inbox.names = Arc::new(names);
+        }
+        inbox
+    }
+
     /// The validated names and the statements rendered on them, for the runtime's calls on
     /// the backend.
     pub(crate) fn names(&self) -> &TableNames {

@@ -112,6 +112,18 @@ impl Backend for Sqlite {
                  AND handler IN (SELECT value FROM json_each(?1)) AND updated_at < ?2 \
                  AND (retry_due_at IS NULL OR retry_due_at < ?3) LIMIT ?4)",
             ),
+            alias_keys: names.render(
+                "SELECT key, 0 FROM {inbox} WHERE handler IN (SELECT value FROM json_each(?1)) \
+                 AND key IN (SELECT value FROM json_each(?2))",
+            ),
+            // See `ADOPT` in the PostgreSQL backend.
+            adopt: names.render(
+                "UPDATE {inbox} SET handler = ?1 WHERE rowid = (SELECT rowid FROM {inbox} \
+                 WHERE handler IN (SELECT value FROM json_each(?3)) AND key = ?2 \
+                 AND NOT EXISTS (SELECT 1 FROM {inbox} WHERE handler = ?1 AND key = ?2) \
+                 ORDER BY CASE status WHEN 'completed' THEN 0 WHEN 'dead' THEN 1 ELSE 2 END \
+                 LIMIT 1)",
+            ),
             claim_fresh: names.render(
                 "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \
                  updated_at, completed_at, expires_at) \

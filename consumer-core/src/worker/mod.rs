@@ -122,7 +122,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             inner: Arc::new(Inner {
                 freshness: Freshness::new(inbox.clone(), settings.name.clone()),
                 kept: Kept::new(inbox.pool.clone(), config.concurrency),
-                inbox,
+                inbox: inbox.serving(&settings.aliases),
                 handler,
                 settings,
                 name,
