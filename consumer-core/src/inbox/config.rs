@@ -76,6 +76,9 @@ pub struct TableNames {
     pub(crate) migrations: String,
     /// `"schema"."table_log_marks"` (see [`crate::LogPosition`]).
     pub(crate) log_marks: String,
+    /// `"schema"."table_key_templates"`: each handler name's key template (see
+    /// `Inbox::check_key_template`).
+    pub(crate) key_templates: String,
     /// `"table_expires_at"` (indexes live in the table's schema).
     pub(crate) expires_index: String,
     /// `"table_dead_expires_at"`.
@@ -192,6 +195,7 @@ impl TableNames {
             inbox: qualify(table.as_str()),
             migrations: qualify(&format!("{table}_migrations")),
             log_marks: qualify(&format!("{table}_log_marks")),
+            key_templates: qualify(&format!("{table}_key_templates")),
             expires_index: format!("\"{table}_expires_at\""),
             dead_expires_index: format!("\"{table}_dead_expires_at\""),
             pending_index: format!("\"{table}_pending_updated\""),
@@ -219,6 +223,7 @@ impl TableNames {
         template
             .replace("{inbox}", &self.inbox)
             .replace("{log_marks}", &self.log_marks)
+            .replace("{key_templates}", &self.key_templates)
             .replace("{expires_index}", &self.expires_index)
             .replace("{dead_expires_index}", &self.dead_expires_index)
             .replace("{pending_index}", &self.pending_index)

@@ -30,6 +30,10 @@ const POSTGRES: &[(i32, &str)] = &[
         7,
         include_str!("../../migrations/postgres/0007_pending_retention.sql"),
     ),
+    (
+        8,
+        include_str!("../../migrations/postgres/0008_key_templates.sql"),
+    ),
 ];
 
 const SQLITE: &[(i64, &str)] = &[
@@ -51,6 +55,10 @@ const SQLITE: &[(i64, &str)] = &[
     (
         7,
         include_str!("../../migrations/sqlite/0007_pending_retention.sql"),
+    ),
+    (
+        8,
+        include_str!("../../migrations/sqlite/0008_key_templates.sql"),
     ),
 ];
 

@@ -44,6 +44,7 @@
 //! - `postgres`, `sqlite`: each database's SQL and true differences (advisory locks and
 //!   one-statement batches on PostgreSQL); `migrations`: the shipped migrations of each and
 //!   their runner.
+//! - `templates`: each handler name's key template, checked when a worker starts.
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
 //! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `kept`: the
@@ -65,6 +66,7 @@ mod migrations;
 mod outbox_store;
 mod postgres;
 mod sqlite;
+mod templates;
 
 pub use backend::{Backend, GuardValue};
 pub(crate) use claim::{AttemptItem, Claim};

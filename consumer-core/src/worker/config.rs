@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::handler::{ConflictPolicy, HandlerOptions};
+use crate::inbox::{Backend, Inbox};
 use crate::key::KeyTemplate;
 use crate::retry::{ExponentialBackoff, Jitter};
 use crate::Error;
@@ -59,6 +60,11 @@ pub struct WorkerConfig {
     /// age) are read from the database (default 30s; `None` disables the task). Each
     /// reading counts the handler's rows, so a very large inbox may want it slower.
     pub inbox_gauge_interval: Option<Duration>,
+    /// Lets the worker start although the handler's key template differs from the one the
+    /// inbox's keys under its name were made with (default `false`: [`Worker::run`](crate::Worker::run)
+    /// refuses, naming both templates). Each key made with the old template then runs again
+    /// once, with its new key.
+    pub allow_key_template_change: bool,
     /// Replaces the backoff's randomness (deterministic tests).
     pub jitter: Option<Arc<dyn Jitter>>,
     /// Payloads larger than this are dead-lettered (`payload_too_large`) without being
@@ -87,6 +93,7 @@ impl Default for WorkerConfig {
             pending_retention: Some(Duration::from_secs(7 * 24 * 3600)),
             retention_batch: 1000,
             inbox_gauge_interval: Some(Duration::from_secs(30)),
+            allow_key_template_change: false,
             jitter: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             batch: None,
@@ -147,6 +154,12 @@ impl WorkerConfig {
         self
     }
 
+    /// Sets [`WorkerConfig::allow_key_template_change`].
+    pub fn with_allow_key_template_change(mut self, allow: bool) -> Self {
+        self.allow_key_template_change = allow;
+        self
+    }
+
     /// Sets [`WorkerConfig::jitter`].
     pub fn with_jitter(mut self, jitter: Arc<dyn Jitter>) -> Self {
         self.jitter = Some(jitter);
@@ -193,6 +206,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("pending_retention", &self.pending_retention)
             .field("retention_batch", &self.retention_batch)
             .field("inbox_gauge_interval", &self.inbox_gauge_interval)
+            .field("allow_key_template_change", &self.allow_key_template_change)
             .field("max_payload_bytes", &self.max_payload_bytes)
             .field("batch", &self.batch);
         #[cfg(feature = "fault-injection")]
@@ -262,6 +276,7 @@ pub(super) struct Settings {
     pub(super) timeout: Duration,
     pub(super) on_conflict: ConflictPolicy,
     pub(super) max_payload_bytes: usize,
+    pub(super) allow_key_template_change: bool,
 }
 
 impl Settings {
@@ -330,11 +345,25 @@ impl Settings {
             timeout,
             on_conflict: o.on_conflict,
             max_payload_bytes: config.max_payload_bytes,
+            allow_key_template_change: config.allow_key_template_change,
         })
     }
 }
 
 impl Settings {
+    /// Checks the handler's key template against the one its inbox rows were made with, and
+    /// records it (see [`WorkerConfig::allow_key_template_change`]).
+    pub(super) async fn check_key_template<DB: Backend>(
+        &self,
+        inbox: &Inbox<DB>,
+    ) -> Result<(), Error> {
+        let template = self.key.as_ref().map_or("", KeyTemplate::as_str);
+        let allow = self.allow_key_template_change;
+        inbox
+            .check_key_template(&self.name, &self.aliases, template, allow)
+            .await
+    }
+
     /// The handler's name, then its aliases: every name its inbox rows may be under.
     pub(super) fn names(&self) -> Vec<String> {
         std::iter::once(&self.name)
