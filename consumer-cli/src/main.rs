@@ -31,7 +31,9 @@
 //! - RabbitMQ: the dead letter is acked once the broker confirmed the republished copy.
 //! - Kafka: a topic cannot delete a record, so the replay is recorded in a table next to
 //!   the inbox (`<inbox table>_dlq_settled`), in the same transaction that is committed after
-//!   the delivery report; `list`, `show`, `replay` and `purge` skip recorded records.
+//!   the delivery report; `list`, `show`, `replay` and `purge` skip recorded records, and
+//!   delete the records of those that have left the topic and are older than
+//!   `--settled-retention`.
 //!
 //! If the CLI dies between the republish and that settlement, the next replay republishes
 //! the message once more; its key is then `completed` (or `pending` with the first copy), so

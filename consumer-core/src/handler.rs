@@ -47,7 +47,8 @@ impl HandlerOptions {
     /// Defaults: no key template, no payload hashing, 5 attempts, backoff 500ms doubling to
     /// 60s, 7 days of retention, a 30s timeout, conflicts dead-lettered.
     ///
-    /// `name` is the stable identity stored in the inbox: renaming it makes every message new.
+    /// `name` is the stable identity stored in the inbox: renaming it makes every message
+    /// new, unless the old name is kept as an alias ([`HandlerOptions::alias`]).
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
         HandlerOptions {
             name: name.into(),
