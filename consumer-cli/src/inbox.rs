@@ -1,6 +1,9 @@
 //! `migrate` and the `inbox` commands.
 //!
-//! `stats` lists the handlers that have rows and asks [`Inbox::counts`] for each; `purge`
+//! `stats` lists the handlers that have rows and asks [`Inbox::counts`] for each (the
+//! pending rows, and how long the stalest has seen no attempt: the idle time their
+//! retention counts), and counts the marks of settled Kafka dead letters (see
+//! `dlq::kafka`), if any were written; `purge`
 //! deletes rows by status and age with one statement on [`Inbox::table`] (the validated,
 //! quoted table name), for the operator's cases that the handlers' retention does not
 //! cover (e.g. dead keys nobody will replay).
@@ -108,6 +111,42 @@ async fn handlers(inbox: &Inbox<Postgres>) -> anyhow::Result<Vec<String>> {
     Ok(handlers.into_iter().map(|(h, _)| h).collect())
 }
 
+/// `inbox stats`' result: the handlers' lines, and the Kafka dead letters' settled marks.
+#[derive(Debug, Serialize)]
+struct Stats {
+    handlers: Vec<HandlerStats>,
+    /// `None` when no Kafka dead letter was ever replayed or purged beside this inbox.
+    kafka_dlq_settled: Option<SettledStats>,
+}
+
+/// The marks of replayed and purged Kafka dead letters (see `dlq::kafka`).
+#[derive(Debug, Serialize)]
+struct SettledStats {
+    marks: i64,
+    /// Seconds since the oldest mark was written.
+    oldest_secs: Option<f64>,
+}
+
+/// The settled marks' count and age, if their table exists.
+async fn settled_stats(inbox: &Inbox<Postgres>) -> anyhow::Result<Option<SettledStats>> {
+    let table = crate::dlq::kafka::settled_table_name(inbox)?;
+    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(&table)
+        .fetch_one(inbox.pool())
+        .await
+        .context("look for the settled dead letters' table")?;
+    if exists.is_none() {
+        return Ok(None);
+    }
+    let (marks, oldest_secs): (i64, Option<f64>) = sqlx::query_as(&format!(
+        "SELECT count(*), extract(epoch FROM now() - min(settled_at))::float8 FROM {table}"
+    ))
+    .fetch_one(inbox.pool())
+    .await
+    .context("count the settled dead letters")?;
+    Ok(Some(SettledStats { marks, oldest_secs }))
+}
+
 async fn stats(db: &DbArgs, handler: Option<String>, out: &Output) -> anyhow::Result<()> {
     let inbox = settings::inbox(db).await?;
     let names = match handler {
@@ -122,8 +161,13 @@ async fn stats(db: &DbArgs, handler: Option<String>, out: &Output) -> anyhow::Re
             .context("count the inbox's keys")?;
         lines.push(HandlerStats::new(name, counts));
     }
-    out.result(&lines, |lines| {
-        let rows: Vec<Vec<String>> = lines
+    let stats = Stats {
+        handlers: lines,
+        kafka_dlq_settled: settled_stats(&inbox).await?,
+    };
+    out.result(&stats, |stats| {
+        let rows: Vec<Vec<String>> = stats
+            .handlers
             .iter()
             .map(|l| {
                 vec![
@@ -137,10 +181,20 @@ async fn stats(db: &DbArgs, handler: Option<String>, out: &Output) -> anyhow::Re
                 ]
             })
             .collect();
-        table(
+        let mut text = table(
             &["HANDLER", "PENDING", "COMPLETED", "DEAD", "STALEST PENDING"],
             &rows,
-        )
+        );
+        if let Some(s) = &stats.kafka_dlq_settled {
+            let oldest = s
+                .oldest_secs
+                .map_or_else(|| "-".to_owned(), |s| format!("{s:.0}s"));
+            text.push_str(&format!(
+                "\nKafka dead letters settled: {} marks, the oldest written {oldest} ago\n",
+                s.marks
+            ));
+        }
+        text
     });
     Ok(())
 }

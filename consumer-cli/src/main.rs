@@ -32,7 +32,9 @@
 //! - RabbitMQ: the dead letter is acked once the broker confirmed the republished copy.
 //! - Kafka: a topic cannot delete a record, so the replay is recorded in a table next to
 //!   the inbox (`<inbox table>_dlq_settled`), in the same transaction that is committed after
-//!   the delivery report; `list`, `show`, `replay` and `purge` skip recorded records.
+//!   the delivery report; `list`, `show`, `replay` and `purge` skip recorded records, and
+//!   delete the records of those that have left the topic and are older than
+//!   `--settled-retention`.
 //!
 //! On RabbitMQ the origin is used only when the dead letter's signature verifies under
 //! `AMQP_ORIGIN_SECRET` (the workers' [`consumer_amqp::OriginSecret`], read from the
@@ -230,6 +232,15 @@ struct DlqArgs {
         default_value = "webhook-signature"
     )]
     signature_header: String,
+    /// Kafka: how long the record of a replayed or purged dead letter is kept once the
+    /// record itself has left the topic (`30d`, `12h`, `15m`, `90s`).
+    #[arg(
+        long = "settled-retention",
+        env = "DLQ_SETTLED_RETENTION",
+        default_value = "7d",
+        value_parser = inbox::parse_age
+    )]
+    settled_retention: std::time::Duration,
 }
 
 /// Which dead letters a replay or purge takes.

@@ -318,3 +318,65 @@ async fn replaying_a_copy_too_large_letter_whose_record_is_gone_is_refused() {
     let list = json_of(&["dlq", "list"], &env_vars).await;
     assert_eq!(list["total"], 1, "{list}");
 }
+
+/// The marks of settled dead letters expire once their records have left the topic and
+/// the marks are older than `--settled-retention`; a mark whose record is still in the topic
+/// is kept, so that record is never shown or replayed again. `inbox stats` counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settled_dead_letter_marks_expire() {
+    let env = KafkaEnv::new("clisettled", 1).await;
+    let dlq = format!("{}.dlq", env.topic);
+    env.publisher()
+        .publish(&dlq, Some(b"k"), Some("m-1"), b"{}", &[])
+        .await
+        .expect("publish");
+    read_topic(&dlq, 1, 1, WAIT).await;
+    let env_vars = [
+        ("DB_SCHEMA", env.pg.schema.as_str()),
+        ("DLQ_TOPIC", dlq.as_str()),
+        ("DLQ_BROKER", "kafka"),
+    ];
+    // The record at offset 0 is purged: its mark is written.
+    let purged = json_of(&["dlq", "purge", "--all"], &env_vars).await;
+    assert_eq!(purged["purged"], 1, "{purged}");
+    // Marks of records gone from the topic (offsets it never had), one recent, one old; and
+    // the mark of the record still there made old.
+    let pool = env.pg.pool(1).await;
+    let table = "consumer_inbox_dlq_settled";
+    sqlx::query(&format!(
+        "INSERT INTO {table} (topic, part, record_offset, fate, settled_at) VALUES \
+         ($1, 0, 1000, 'purged', now() - interval '8 days'), \
+         ($1, 0, 1001, 'purged', now() - interval '1 day')"
+    ))
+    .bind(&dlq)
+    .execute(&pool)
+    .await
+    .expect("insert the marks");
+    sqlx::query(&format!(
+        "UPDATE {table} SET settled_at = now() - interval '30 days' WHERE record_offset = 0"
+    ))
+    .execute(&pool)
+    .await
+    .expect("age the mark");
+
+    let list = json_of(&["dlq", "list"], &env_vars).await;
+    assert_eq!(list["total"], 0, "the purged record stays settled: {list}");
+    let left: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT record_offset FROM {table} ORDER BY record_offset"
+    ))
+    .fetch_all(&pool)
+    .await
+    .expect("read the marks");
+    assert_eq!(
+        left,
+        [0, 1001],
+        "only the old mark of a record gone expired"
+    );
+
+    let stats = json_of(&["inbox", "stats"], &env_vars).await;
+    assert_eq!(stats["kafka_dlq_settled"]["marks"], 2, "{stats}");
+    assert!(
+        stats["kafka_dlq_settled"]["oldest_secs"].as_f64() > Some(29.0 * 86_400.0),
+        "{stats}"
+    );
+}

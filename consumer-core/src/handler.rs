@@ -40,13 +40,15 @@ pub struct HandlerOptions {
     pub(crate) retention: Duration,
     pub(crate) timeout: Duration,
     pub(crate) on_conflict: ConflictPolicy,
+    pub(crate) aliases: Vec<Cow<'static, str>>,
 }
 
 impl HandlerOptions {
     /// Defaults: no key template, no payload hashing, 5 attempts, backoff 500ms doubling to
     /// 60s, 7 days of retention, a 30s timeout, conflicts dead-lettered.
     ///
-    /// `name` is the stable identity stored in the inbox: renaming it makes every message new.
+    /// `name` is the stable identity stored in the inbox: renaming it makes every message
+    /// new, unless the old name is kept as an alias ([`HandlerOptions::alias`]).
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
         HandlerOptions {
             name: name.into(),
@@ -57,6 +59,7 @@ impl HandlerOptions {
             retention: Duration::from_secs(7 * 24 * 3600),
             timeout: Duration::from_secs(30),
             on_conflict: ConflictPolicy::DeadLetter,
+            aliases: Vec::new(),
         }
     }
 
@@ -103,6 +106,18 @@ impl HandlerOptions {
     /// What to do on a key conflict.
     pub fn on_conflict(mut self, policy: ConflictPolicy) -> Self {
         self.on_conflict = policy;
+        self
+    }
+
+    /// A name the handler had before, whose inbox keys it takes over: a key completed (or
+    /// dead-lettered, or pending) under `old_name` counts as this handler's, so renaming a
+    /// handler does not run its keys again. May be called several times.
+    ///
+    /// Keep an alias while the old name's keys can still be redelivered (the handler's
+    /// retention). Stop the workers running under the old name before starting the renamed
+    /// ones: a key delivered to both at once is checked by each under its own name only.
+    pub fn alias(mut self, old_name: impl Into<Cow<'static, str>>) -> Self {
+        self.aliases.push(old_name.into());
         self
     }
 

@@ -95,6 +95,7 @@
 //! | `consumer_db_errors_total` | counter | | inbox database errors outside handlers |
 //! | `consumer_settle_errors_total` | counter | | settlements the transport failed to apply |
 //! | `consumer_inbox_purged_total` | counter | | expired inbox rows deleted by retention |
+//! | `consumer_inbox_pending_purged_total` | counter | | pending rows deleted by `WorkerConfig::pending_retention` |
 //! | `consumer_inbox_keys` | gauge | `status` | the handler's inbox rows: `pending`, `completed`, `dead` |
 //! | `consumer_inbox_stalest_pending_seconds` | gauge | | how long ago the stalest pending key last saw an attempt (0: none) |
 //! | `consumer_outbox_published_total` | counter | `outbox` | messages the relay published (confirmed) and marked |

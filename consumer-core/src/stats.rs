@@ -161,6 +161,9 @@ counters! {
     batch_reruns => "consumer_batch_reruns_total",
     /// Expired inbox rows the worker's retention task deleted.
     purged => "consumer_inbox_purged_total",
+    /// Pending inbox rows the worker's retention task deleted: no copy of their message
+    /// could still arrive (see `WorkerConfig::pending_retention`).
+    purged_pending => "consumer_inbox_pending_purged_total",
 }
 
 impl Stats {

@@ -184,6 +184,9 @@ fn options(options: &valid::Options) -> TokenStream {
         let timeout = duration(timeout);
         builder.extend(quote!(.timeout(#timeout)));
     }
+    for alias in &options.aliases {
+        builder.extend(quote!(.alias(#alias)));
+    }
     if let Some(policy) = options.on_conflict {
         let variant = match policy {
             ConflictPolicy::DeadLetter => quote!(DeadLetter),

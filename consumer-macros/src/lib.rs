@@ -64,6 +64,7 @@ use proc_macro::TokenStream;
 /// | `payload_hash` | `true` / `false` | allow a payload hash as the key when there is no other |
 /// | `on_conflict` | `"dead_letter"` / `"skip"` | what to do when a key arrives again with a different payload |
 /// | `batch` | `"insert_invoices"` (a path) | a batch function for batched mode (below) |
+/// | `aliases` | `["send_invoice_v1"]` (names) | former names: keys completed, dead or pending under them count as this handler's, so a rename runs nothing again |
 ///
 /// Durations are an integer followed by `ms`, `s`, `m`, `h` or `d`.
 ///

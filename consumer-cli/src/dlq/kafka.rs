@@ -18,18 +18,25 @@
 //! `copy_too_large` letter is a reference to its record: the record it points to is read
 //! first and republished in its place (see `reference`); if it is not there, nothing is
 //! recorded or republished.
+//!
+//! **Expiring.** Each command that reads the topic deletes the marks of records that have
+//! left it (deleted by the topic's retention) and were settled longer ago than
+//! `--settled-retention`: such a mark can never match a record again, since Kafka never
+//! reuses an offset. A mark whose record is still in the topic is kept whatever its age, so
+//! a replayed record is never shown, or replayed, twice.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
+use consumer_core::Inbox;
 use consumer_kafka::headers;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres};
 
 use super::letter::DeadLetter;
 use super::reference::Reference;
@@ -61,16 +68,21 @@ const STRIPPED: &[&str] = &[
     headers::FIRST_FAILURE,
 ];
 
-/// The table of settled records, created if missing; its quoted name.
-async fn settled_table(db: &DbArgs) -> anyhow::Result<(PgPool, String)> {
-    let inbox = settings::inbox(db).await?;
+/// The quoted name of the table of settled records beside `inbox`'s table.
+pub(crate) fn settled_table_name(inbox: &Inbox<Postgres>) -> anyhow::Result<String> {
     // `inbox.table()` is validated and quoted, `"schema"."table"`: the name gains a suffix
     // inside its last quotes.
-    let table = inbox
+    inbox
         .table()
         .strip_suffix('"')
         .map(|t| format!("{t}_dlq_settled\""))
-        .ok_or_else(|| anyhow!("unexpected inbox table name {}", inbox.table()))?;
+        .ok_or_else(|| anyhow!("unexpected inbox table name {}", inbox.table()))
+}
+
+/// The table of settled records, created if missing; its quoted name.
+async fn settled_table(db: &DbArgs) -> anyhow::Result<(PgPool, String)> {
+    let inbox = settings::inbox(db).await?;
+    let table = settled_table_name(&inbox)?;
     sqlx::query(&format!(
         "CREATE TABLE IF NOT EXISTS {table} (topic TEXT NOT NULL, part INTEGER NOT NULL, \
          record_offset BIGINT NOT NULL, fate TEXT NOT NULL, \
@@ -108,6 +120,7 @@ async fn read(dlq: &DlqArgs, db: &DbArgs, out: &Output) -> anyhow::Result<Read> 
     .fetch_all(&pool)
     .await
     .context("read the settled records")?;
+    expire_settled(&pool, &table, &topic, &records, dlq.settled_retention).await?;
     let total = records.len();
     let records: Vec<(DeadLetter, OwnedMessage)> = records
         .into_iter()
@@ -121,6 +134,33 @@ async fn read(dlq: &DlqArgs, db: &DbArgs, out: &Output) -> anyhow::Result<Read> 
         settled: total - records.len(),
         records,
     })
+}
+
+/// Deletes the marks of `topic`'s records that are no longer in it (`present`: every record
+/// a read to the end found) and were settled longer ago than `retention`.
+async fn expire_settled(
+    pool: &PgPool,
+    table: &str,
+    topic: &str,
+    present: &[OwnedMessage],
+    retention: Duration,
+) -> anyhow::Result<()> {
+    let (parts, offsets): (Vec<i32>, Vec<i64>) =
+        present.iter().map(|m| (m.partition(), m.offset())).unzip();
+    let ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    sqlx::query(&format!(
+        "DELETE FROM {table} WHERE topic = $1 \
+         AND settled_at < now() - $2 * interval '1 millisecond' \
+         AND (part, record_offset) NOT IN (SELECT * FROM unnest($3::int[], $4::bigint[]))"
+    ))
+    .bind(topic)
+    .bind(ms)
+    .bind(&parts)
+    .bind(&offsets)
+    .execute(pool)
+    .await
+    .context("expire the marks of records gone from the topic")?;
+    Ok(())
 }
 
 struct Read {

@@ -7,7 +7,7 @@
 
 mod amqp;
 mod inbox_table;
-mod kafka;
+pub(crate) mod kafka;
 mod letter;
 mod origin;
 mod reference;

@@ -454,6 +454,33 @@ pub trait Backend: Execute + OutboxStore + DeadLetterStore {
         Box::pin(flow::purge_expired(pool, names, batch))
     }
 
+    /// Deletes up to `batch` pending rows of `handlers` that no copy of their message can
+    /// still reach; how many it deleted. A row qualifies when nothing has updated it for
+    /// `retention` (no attempt counted, no failure or retry copy recorded) and its newest
+    /// retry copy, if it has one, was due longer ago than `retention` plus the inbox's copy
+    /// grace.
+    ///
+    /// Why that is safe: a pending row records no effect (a key's effects commit only with
+    /// its completion), so deleting it can never make an effect happen twice. What it does
+    /// for a message still on its way is count the attempts and let a newer copy supersede
+    /// an older delivery; past its copy's due time and grace the copy is taken as lost
+    /// already (see [`InboxConfig::copy_grace`](crate::InboxConfig::copy_grace)), and a
+    /// delivery that still arrives afterwards runs as a new message, with its attempts
+    /// counted from one. The worker refuses a retention not longer than the handler's
+    /// timeout, so an attempt in flight always has a recent row.
+    #[doc(hidden)]
+    fn purge_stale_pending<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        handlers: &'a [String],
+        retention: Duration,
+        batch: u32,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(flow::purge_stale_pending(
+            pool, names, handlers, retention, batch,
+        ))
+    }
+
     #[doc(hidden)]
     fn execute_guard<'a>(
         conn: &'a mut Self::Connection,

@@ -76,10 +76,16 @@ pub struct TableNames {
     pub(crate) migrations: String,
     /// `"schema"."table_log_marks"` (see [`crate::LogPosition`]).
     pub(crate) log_marks: String,
+    /// `"schema"."table_key_templates"`: each handler name's key template (see
+    /// `Inbox::check_key_template`).
+    pub(crate) key_templates: String,
     /// `"table_expires_at"` (indexes live in the table's schema).
     pub(crate) expires_index: String,
     /// `"table_dead_expires_at"`.
     pub(crate) dead_expires_index: String,
+    /// `"table_pending_updated"`: the pending rows by handler and last update, for their
+    /// retention.
+    pending_index: String,
     /// `"schema"."table_outbox"`: the outbox lives beside its inbox (see [`crate::Outbox`]).
     pub(crate) outbox: String,
     /// `"schema"."table_dead_letters"`: the dead letters of transports without a
@@ -100,6 +106,11 @@ pub struct TableNames {
     pub(crate) lock_namespace: String,
     /// [`InboxConfig::copy_grace`].
     pub(crate) copy_grace: Duration,
+    /// The former names of the handler a worker's handle serves (see
+    /// [`HandlerOptions::alias`](crate::HandlerOptions::alias)): its claims adopt a key's
+    /// row found under one of them. Empty everywhere else, and then the claims run their
+    /// statements alone.
+    pub(crate) aliases: Vec<String>,
     /// The backend's statements on this table, rendered once (see [`Backend::statements`]).
     pub(crate) sql: Statements,
     /// The backend's statements on the outbox, rendered once.
@@ -133,11 +144,20 @@ pub struct Statements {
     /// Counts them (the `counts` row shape).
     pub(crate) count_older: String,
     pub(crate) purge_expired: String,
+    /// Deletes a batch of pending rows that no copy of their message can still reach (see
+    /// `Backend::purge_stale_pending`).
+    pub(crate) purge_stale_pending: String,
     pub(crate) claim_fresh: String,
     pub(crate) claim_fresh_many: String,
     /// `claim_fresh_many` as a plain insert (PostgreSQL; see `Backend::claim_new_many`).
     pub(crate) claim_new_many: String,
     pub(crate) count_fresh_failure: String,
+    /// The keys among `$2` that have a row under one of the handler's aliases `$1` (key,
+    /// 0 rows, as `fetch_pairs` reads them).
+    pub(crate) alias_keys: String,
+    /// Renames the key's row under an alias to the handler's name, unless the handler has
+    /// a row for the key (see `flow::adopt`).
+    pub(crate) adopt: String,
     /// Creates the (handler, log) mark row if missing, with no mark.
     pub(crate) mark_insert: String,
     /// Reads the mark (PostgreSQL: and locks the row to the end of the transaction).
@@ -194,8 +214,10 @@ impl TableNames {
             inbox: qualify(table.as_str()),
             migrations: qualify(&format!("{table}_migrations")),
             log_marks: qualify(&format!("{table}_log_marks")),
+            key_templates: qualify(&format!("{table}_key_templates")),
             expires_index: format!("\"{table}_expires_at\""),
             dead_expires_index: format!("\"{table}_dead_expires_at\""),
+            pending_index: format!("\"{table}_pending_updated\""),
             outbox: qualify(&format!("{table}_outbox")),
             dead_letters: qualify(&format!("{table}_dead_letters")),
             outbox_due_index: format!("\"{table}_outbox_due\""),
@@ -205,6 +227,7 @@ impl TableNames {
             outbox_notify_fn: qualify(&format!("{table}_outbox_notify")),
             lock_namespace: qualify(table.as_str()),
             copy_grace: config.copy_grace,
+            aliases: Vec::new(),
             schema,
             sql: Statements::default(),
             outbox_sql: Default::default(),
@@ -221,8 +244,10 @@ impl TableNames {
         template
             .replace("{inbox}", &self.inbox)
             .replace("{log_marks}", &self.log_marks)
+            .replace("{key_templates}", &self.key_templates)
             .replace("{expires_index}", &self.expires_index)
             .replace("{dead_expires_index}", &self.dead_expires_index)
+            .replace("{pending_index}", &self.pending_index)
             .replace("{outbox}", &self.outbox)
             .replace("{dead_letters}", &self.dead_letters)
             .replace("{outbox_due_index}", &self.outbox_due_index)

@@ -21,6 +21,7 @@ pub(super) async fn begin_attempt<DB: Execute>(
     max_attempts: u32,
     lock_ids: &[i64],
 ) -> Result<Claim, sqlx::Error> {
+    adopt::<DB>(conn, names, handler, item.key).await?;
     let now = Clock::read();
     // One round trip: see the dialects' `begin_attempt` statement.
     let args = [
@@ -73,6 +74,10 @@ pub(super) async fn claim_fresh<DB: Execute>(
     payload_hash: &str,
     retention: Duration,
 ) -> Result<bool, sqlx::Error> {
+    if !alias_keys::<DB>(conn, names, &[key]).await?.is_empty() {
+        // The key has a row under a former name: the counted path adopts it.
+        return Ok(false);
+    }
     let now = Clock::read();
     let args = [
         Arg::Text(handler),
@@ -299,4 +304,85 @@ pub(super) async fn purge_expired<DB: Execute>(
     let args = [Arg::Now(Clock::read()), Arg::Int(i64::from(batch))];
     let mut conn = pool.acquire().await?;
     DB::execute(&mut conn, &names.sql.purge_expired, &args).await
+}
+
+/// Deletes up to `batch` pending rows of `handlers` that no copy of their message can still
+/// reach: idle for `retention`, their newest copy (if any) due longer ago than `retention`
+/// plus the copy grace. How many it deleted.
+pub(super) async fn purge_stale_pending<DB: Execute>(
+    pool: &Pool<DB>,
+    names: &TableNames,
+    handlers: &[String],
+    retention: Duration,
+    batch: u32,
+) -> Result<u64, sqlx::Error> {
+    let now = Clock::read();
+    let args = [
+        Arg::Texts(handlers),
+        Arg::Before(now, retention),
+        Arg::Before(now, retention.saturating_add(names.copy_grace)),
+        Arg::Int(i64::from(batch)),
+    ];
+    let mut conn = pool.acquire().await?;
+    DB::execute(&mut conn, &names.sql.purge_stale_pending, &args).await
+}
+
+/// The keys among `keys` that have a row under one of the handler's aliases; none, without
+/// a statement, when it has no aliases.
+pub(super) async fn alias_keys<DB: Execute>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    keys: &[&str],
+) -> Result<Vec<String>, sqlx::Error> {
+    if names.aliases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+    let args = [Arg::Texts(&names.aliases), Arg::Texts(&keys)];
+    let rows = DB::fetch_pairs(conn, &names.sql.alias_keys, &args).await?;
+    Ok(rows.into_iter().map(|(key, _)| key).collect())
+}
+
+/// Before an attempt on `key` is counted: if the handler has no row for it but one of its
+/// aliases has, that row becomes the handler's (renamed, with its status, attempts and
+/// retry copy), so a key completed under a former name is a duplicate, a dead one stays
+/// dead and a pending one keeps its count. Nothing, without a statement, when the handler
+/// has no aliases.
+pub(super) async fn adopt<DB: Execute>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    handler: &str,
+    key: &str,
+) -> Result<(), sqlx::Error> {
+    if names.aliases.is_empty() {
+        return Ok(());
+    }
+    let args = [
+        Arg::Text(handler),
+        Arg::Text(key),
+        Arg::Texts(&names.aliases),
+    ];
+    DB::execute(conn, &names.sql.adopt, &args).await?;
+    Ok(())
+}
+
+/// A batch's fresh `items` (key, payload hash) split: those to claim, and the keys with a
+/// row under one of the handler's aliases, which the counted path adopts. The items as
+/// they are, without a statement, when the handler has no aliases.
+pub(super) async fn without_alias_keys<'i, DB: Execute>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    items: &'i [(&'i str, &'i str)],
+) -> Result<(std::borrow::Cow<'i, [(&'i str, &'i str)]>, Vec<String>), sqlx::Error> {
+    if names.aliases.is_empty() {
+        return Ok((std::borrow::Cow::Borrowed(items), Vec::new()));
+    }
+    let keys: Vec<&str> = items.iter().map(|(k, _)| *k).collect();
+    let taken = alias_keys::<DB>(conn, names, &keys).await?;
+    let rest = items
+        .iter()
+        .filter(|(k, _)| !taken.iter().any(|t| t == k))
+        .copied()
+        .collect();
+    Ok((std::borrow::Cow::Owned(rest), taken))
 }

@@ -190,6 +190,28 @@ impl<DB: Backend> Inbox<DB> {
         }
     }
 
+    /// Deletes the pending rows of `handlers` (a handler's name and its aliases) that no
+    /// copy of their message can still reach, `batch` rows per statement, until none are
+    /// left; how many were deleted. See [`WorkerConfig::pending_retention`](crate::WorkerConfig::pending_retention)
+    /// for the rule and why it is safe.
+    pub(crate) async fn purge_stale_pending(
+        &self,
+        handlers: &[String],
+        retention: Duration,
+        batch: u32,
+    ) -> Result<u64, Error> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let n = DB::purge_stale_pending(&self.pool, &self.names, handlers, retention, batch)
+                .await?;
+            total += n;
+            if n < u64::from(batch) {
+                return Ok(total);
+            }
+        }
+    }
+
     /// The log mark of (`handler`, `log`): at least the highest offset of that log the
     /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
     pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {
@@ -233,6 +255,19 @@ impl<DB: Backend> Inbox<DB> {
         let before = DB::advance_log_mark(lease.conn(), &self.names, handler, log, to).await?;
         lease.release().await;
         Ok(before)
+    }
+
+    /// This inbox as a worker of a handler with the former names `aliases` uses it: its
+    /// claims adopt a key's row found under an alias (see [`crate::HandlerOptions::alias`]).
+    /// The same handle when there are none.
+    pub(crate) fn serving(&self, aliases: &[String]) -> Self {
+        let mut inbox = self.clone();
+        if !aliases.is_empty() {
+            let mut names = TableNames::clone(&self.names);
+            names.aliases = aliases.to_vec();
+            inbox.names = Arc::new(names);
+        }
+        inbox
     }
 
     /// The validated names and the statements rendered on them, for the runtime's calls on

@@ -41,9 +41,10 @@
 //! - `backend`: the sealed [`Backend`] trait, and [`GuardValue`].
 //! - `flow`: the operations both databases run alike, written once; `dialect`: what each
 //!   database binds and decodes its own way, and the one executor of the statements.
-//! - `postgres`, `sqlite`: each database's SQL, migrations and true differences (advisory
-//!   locks and one-statement batches on PostgreSQL); `postgres_migrations`: PostgreSQL's
-//!   migration scripts and how they are applied once, however many workers start.
+//! - `postgres`, `sqlite`: each database's SQL and true differences (advisory locks and
+//!   one-statement batches on PostgreSQL); `migrations`: the shipped migrations of each and
+//!   their runner.
+//! - `templates`: each handler name's key template, checked when a worker starts.
 //! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
 //!   the migrations create beside the inbox.
 //! - `dead_letter_store`: the statements on the dead-letter table, also beside the inbox,
@@ -65,10 +66,11 @@ mod handle;
 mod kept;
 mod lease;
 mod locks;
+mod migrations;
 mod outbox_store;
 mod postgres;
-mod postgres_migrations;
 mod sqlite;
+mod templates;
 
 pub use backend::{is_aborted, Backend, GuardValue};
 pub(crate) use claim::{AttemptItem, Claim};

@@ -11,6 +11,7 @@ use super::claim::{AttemptItem, Claim};
 use super::config::{Statements, TableNames};
 use super::dialect::{Arg, Dialect};
 use super::entry::{EntryStatus, InboxEntry};
+use super::flow;
 use crate::Error;
 
 // The statements, with `{inbox}` for the table; rendered once per inbox.
@@ -145,6 +146,23 @@ const PURGE_EXPIRED: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
      SELECT ctid FROM {inbox} WHERE (status = 'completed' AND expires_at < now()) \
      OR (status = 'dead' AND expires_at < now()) LIMIT $1))";
 
+/// Up to `$4` pending rows of the handlers `$1` that nothing has updated for the retention
+/// (`$2` milliseconds) and whose newest retry copy, if any, was due longer ago than the
+/// retention plus the copy grace (`$3`): see `Backend::purge_stale_pending`. A row updated
+/// between the selection and the delete is a new version, with another `ctid`: it stays.
+const PURGE_STALE_PENDING: &str = "DELETE FROM {inbox} WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM {inbox} WHERE status = 'pending' AND handler = ANY($1) \
+     AND updated_at < now() - $2 * interval '1 millisecond' \
+     AND (retry_due_at IS NULL OR retry_due_at < now() - $3 * interval '1 millisecond') \
+     LIMIT $4))";
+
+/// Renames the row of key `$2` under one of the aliases `$3` to the handler `$1`, unless
+/// `$1` has a row for it; of several, the one that says most (completed, then dead).
+const ADOPT: &str = "UPDATE {inbox} SET handler = $1 WHERE ctid = (SELECT ctid FROM {inbox} \
+     WHERE handler = ANY($3) AND key = $2 \
+     AND NOT EXISTS (SELECT 1 FROM {inbox} WHERE handler = $1 AND key = $2) \
+     ORDER BY CASE status WHEN 'completed' THEN 0 WHEN 'dead' THEN 1 ELSE 2 END LIMIT 1)";
+
 impl Backend for Postgres {
     const NAME: &'static str = "postgres";
 
@@ -195,6 +213,11 @@ impl Backend for Postgres {
             ),
             release_dead: names.render(RELEASE_DEAD),
             purge_expired: names.render(PURGE_EXPIRED),
+            purge_stale_pending: names.render(PURGE_STALE_PENDING),
+            alias_keys: names.render(
+                "SELECT key, 0::bigint FROM {inbox} WHERE handler = ANY($1) AND key = ANY($2)",
+            ),
+            adopt: names.render(ADOPT),
             claim_fresh: names.render(CLAIM_FRESH),
             claim_fresh_many: names.render(CLAIM_FRESH_MANY),
             claim_new_many: names.render(CLAIM_NEW_MANY),
@@ -209,7 +232,7 @@ impl Backend for Postgres {
         pool: &'a Pool<Self>,
         names: &'a TableNames,
     ) -> BoxFuture<'a, Result<(), Error>> {
-        Box::pin(super::postgres_migrations::migrate(pool, names))
+        Box::pin(super::migrations::postgres(pool, names))
     }
 
     fn lock_namespace<'a>(
@@ -268,6 +291,11 @@ impl Backend for Postgres {
         lock_ids: &'a [i64],
     ) -> BoxFuture<'a, Result<Vec<Claim>, sqlx::Error>> {
         Box::pin(async move {
+            if !names.aliases.is_empty() {
+                for item in items {
+                    flow::adopt::<Self>(conn, names, handler, item.key).await?;
+                }
+            }
             let keys: Vec<&str> = items.iter().map(|i| i.key).collect();
             let hashes: Vec<&str> = items.iter().map(|i| i.hash).collect();
             let attempts: Vec<i32> = items.iter().map(|i| attempt_number(i.attempt)).collect();
@@ -355,10 +383,16 @@ impl Backend for Postgres {
         retention: Duration,
     ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(async move {
-            let args = claim_arguments(handler, items, retention)?;
-            sqlx::query_scalar_with(&names.sql.claim_fresh_many, args)
-                .fetch_all(conn)
-                .await
+            let (items, mut taken) = flow::without_alias_keys::<Self>(conn, names, items).await?;
+            if !items.is_empty() {
+                let args = claim_arguments(handler, &items, retention)?;
+                let had_rows: Vec<String> =
+                    sqlx::query_scalar_with(&names.sql.claim_fresh_many, args)
+                        .fetch_all(conn)
+                        .await?;
+                taken.extend(had_rows);
+            }
+            Ok(taken)
         })
     }
 
@@ -370,11 +404,14 @@ impl Backend for Postgres {
         retention: Duration,
     ) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(async move {
-            let args = claim_arguments(handler, items, retention)?;
-            sqlx::query_with(&names.sql.claim_new_many, args)
-                .execute(conn)
-                .await?;
-            Ok(Vec::new())
+            let (items, taken) = flow::without_alias_keys::<Self>(conn, names, items).await?;
+            if !items.is_empty() {
+                let args = claim_arguments(handler, &items, retention)?;
+                sqlx::query_with(&names.sql.claim_new_many, args)
+                    .execute(conn)
+                    .await?;
+            }
+            Ok(taken)
         })
     }
 

@@ -9,31 +9,9 @@ use sqlx::{Arguments, Connection, Pool, Row, Sqlite, SqliteConnection};
 
 use super::backend::Backend;
 use super::config::{Statements, TableNames};
-use super::dialect::{Arg, Clock, Dialect};
+use super::dialect::{Arg, Dialect};
 use super::entry::{EntryStatus, InboxEntry};
 use crate::Error;
-
-const MIGRATIONS: &[(i64, &str)] = &[
-    (1, include_str!("../../migrations/sqlite/0001_inbox.sql")),
-    (
-        2,
-        include_str!("../../migrations/sqlite/0002_log_marks.sql"),
-    ),
-    (
-        3,
-        include_str!("../../migrations/sqlite/0003_retried_to.sql"),
-    ),
-    (
-        4,
-        include_str!("../../migrations/sqlite/0004_copy_scope.sql"),
-    ),
-    (5, include_str!("../../migrations/sqlite/0005_outbox.sql")),
-    (6, include_str!("../../migrations/sqlite/0006_replies.sql")),
-    (
-        7,
-        include_str!("../../migrations/sqlite/0007_dead_letters.sql"),
-    ),
-];
 
 /// `now` (Unix milliseconds) plus `d`.
 fn after(now: i64, d: Duration) -> i64 {
@@ -61,7 +39,7 @@ impl Backend for Sqlite {
         pool: &'a Pool<Self>,
         names: &'a TableNames,
     ) -> BoxFuture<'a, Result<(), Error>> {
-        Box::pin(migrate(pool, names))
+        Box::pin(super::migrations::sqlite(pool, names))
     }
 
     fn statements(names: &TableNames) -> Statements {
@@ -126,6 +104,25 @@ impl Backend for Sqlite {
                 "DELETE FROM {inbox} WHERE rowid IN (\
                  SELECT rowid FROM {inbox} WHERE (status = 'completed' AND expires_at < ?1) \
                  OR (status = 'dead' AND expires_at < ?1) LIMIT ?2)",
+            ),
+            // See `PURGE_STALE_PENDING` in the PostgreSQL backend.
+            purge_stale_pending: names.render(
+                "DELETE FROM {inbox} WHERE rowid IN (\
+                 SELECT rowid FROM {inbox} WHERE status = 'pending' \
+                 AND handler IN (SELECT value FROM json_each(?1)) AND updated_at < ?2 \
+                 AND (retry_due_at IS NULL OR retry_due_at < ?3) LIMIT ?4)",
+            ),
+            alias_keys: names.render(
+                "SELECT key, 0 FROM {inbox} WHERE handler IN (SELECT value FROM json_each(?1)) \
+                 AND key IN (SELECT value FROM json_each(?2))",
+            ),
+            // See `ADOPT` in the PostgreSQL backend.
+            adopt: names.render(
+                "UPDATE {inbox} SET handler = ?1 WHERE rowid = (SELECT rowid FROM {inbox} \
+                 WHERE handler IN (SELECT value FROM json_each(?3)) AND key = ?2 \
+                 AND NOT EXISTS (SELECT 1 FROM {inbox} WHERE handler = ?1 AND key = ?2) \
+                 ORDER BY CASE status WHEN 'completed' THEN 0 WHEN 'dead' THEN 1 ELSE 2 END \
+                 LIMIT 1)",
             ),
             claim_fresh: names.render(
                 "INSERT INTO {inbox} (handler, key, payload_hash, status, attempts, first_seen, \
@@ -234,38 +231,4 @@ impl Dialect for Sqlite {
         // IMMEDIATE: the write lock from the start, so the read sees the latest mark.
         conn.begin_with("BEGIN IMMEDIATE")
     }
-}
-
-async fn migrate(pool: &Pool<Sqlite>, names: &TableNames) -> Result<(), Error> {
-    let mut conn = pool.acquire().await?;
-    // IMMEDIATE takes the write lock up front: two starters serialise here.
-    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-    sqlx::query(&format!(
-        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)",
-        names.migrations
-    ))
-    .execute(&mut *tx)
-    .await?;
-    let current: Option<i64> =
-        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
-            .fetch_one(&mut *tx)
-            .await?;
-    for (version, sql) in MIGRATIONS {
-        if current.is_some_and(|c| c >= *version) {
-            continue;
-        }
-        let script = names.render(sql);
-        // A plain string runs unprepared, so the script may hold several statements.
-        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (version, applied_at) VALUES (?1, ?2)",
-            names.migrations
-        ))
-        .bind(version)
-        .bind(Clock::read().unix_ms())
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
-    Ok(())
 }

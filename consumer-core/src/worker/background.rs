@@ -2,6 +2,7 @@
 //! gauges, and the return of kept connections left unused.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use super::Worker;
 use crate::handler::Handler;
@@ -28,13 +29,16 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         self.inner.kept.clear();
     }
 
-    /// The task that purges expired inbox rows every [`WorkerConfig::retention_interval`](super::WorkerConfig::retention_interval).
+    /// The task that purges expired inbox rows every [`WorkerConfig::retention_interval`](super::WorkerConfig::retention_interval),
+    /// and the handler's pending rows past [`WorkerConfig::pending_retention`](super::WorkerConfig::pending_retention).
     fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
         let inbox = self.inner.inbox.clone();
         let batch = self.inner.retention_batch;
         let stats = self.inner.stats.clone();
+        let pending = self.inner.pending_retention;
+        let handlers: Arc<[String]> = self.inner.settings.names().into();
         every(self.inner.retention_interval?, move || {
-            let (inbox, stats) = (inbox.clone(), stats.clone());
+            let (inbox, stats, handlers) = (inbox.clone(), stats.clone(), handlers.clone());
             async move {
                 match inbox.purge_expired(batch).await {
                     Ok(0) => {}
@@ -43,6 +47,15 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                         tracing::debug!(deleted = n, "purged expired inbox rows");
                     }
                     Err(e) => tracing::warn!(error = %e, "inbox retention purge failed"),
+                }
+                let Some(retention) = pending else { return };
+                match inbox.purge_stale_pending(&handlers, retention, batch).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        stats.purged_pending.add(n);
+                        tracing::info!(deleted = n, "purged pending inbox rows no copy can reach");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "pending rows' retention purge failed"),
                 }
             }
         })

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::handler::{ConflictPolicy, HandlerOptions};
+use crate::inbox::{Backend, Inbox};
 use crate::key::KeyTemplate;
 use crate::retry::{ExponentialBackoff, Jitter};
 use crate::Error;
@@ -44,12 +45,26 @@ pub struct WorkerConfig {
     pub retention: Option<Duration>,
     /// How often expired inbox rows are purged (default 60s; `None` disables the task).
     pub retention_interval: Option<Duration>,
+    /// How long a pending key's row is kept once no copy of its message can still arrive
+    /// (default 7 days; `None` keeps pending rows until an attempt settles them). The
+    /// retention task deletes the handler's pending rows that nothing has updated for this
+    /// long and whose newest retry copy, if any, was due longer ago than this plus the
+    /// inbox's [`copy_grace`](crate::InboxConfig::copy_grace). A pending row holds no effect
+    /// (effects commit with the completion), so a message that still arrives afterwards
+    /// runs once, as new, with its attempts counted from one. Must be longer than the
+    /// handler's timeout, so that an attempt in flight never loses its row.
+    pub pending_retention: Option<Duration>,
     /// Rows deleted per purge statement (default 1000).
     pub retention_batch: u32,
     /// How often the inbox gauges (the handler's rows by status, the stalest pending key's
     /// age) are read from the database (default 30s; `None` disables the task). Each
     /// reading counts the handler's rows, so a very large inbox may want it slower.
     pub inbox_gauge_interval: Option<Duration>,
+    /// Lets the worker start although the handler's key template differs from the one the
+    /// inbox's keys under its name were made with (default `false`: [`Worker::run`](crate::Worker::run)
+    /// refuses, naming both templates). Each key made with the old template then runs again
+    /// once, with its new key.
+    pub allow_key_template_change: bool,
     /// Replaces the backoff's randomness (deterministic tests).
     pub jitter: Option<Arc<dyn Jitter>>,
     /// Payloads larger than this are dead-lettered (`payload_too_large`) without being
@@ -75,8 +90,10 @@ impl Default for WorkerConfig {
             handler_timeout: None,
             retention: None,
             retention_interval: Some(Duration::from_secs(60)),
+            pending_retention: Some(Duration::from_secs(7 * 24 * 3600)),
             retention_batch: 1000,
             inbox_gauge_interval: Some(Duration::from_secs(30)),
+            allow_key_template_change: false,
             jitter: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             batch: None,
@@ -119,6 +136,12 @@ impl WorkerConfig {
         self
     }
 
+    /// Sets [`WorkerConfig::pending_retention`] (`None`: pending rows are kept).
+    pub fn with_pending_retention(mut self, retention: Option<Duration>) -> Self {
+        self.pending_retention = retention;
+        self
+    }
+
     /// Sets [`WorkerConfig::inbox_gauge_interval`] (`None`: no gauge task).
     pub fn with_inbox_gauge_interval(mut self, interval: Option<Duration>) -> Self {
         self.inbox_gauge_interval = interval;
@@ -128,6 +151,12 @@ impl WorkerConfig {
     /// Sets [`WorkerConfig::retention_batch`].
     pub fn with_retention_batch(mut self, rows: u32) -> Self {
         self.retention_batch = rows;
+        self
+    }
+
+    /// Sets [`WorkerConfig::allow_key_template_change`].
+    pub fn with_allow_key_template_change(mut self, allow: bool) -> Self {
+        self.allow_key_template_change = allow;
         self
     }
 
@@ -174,8 +203,10 @@ impl std::fmt::Debug for WorkerConfig {
             .field("handler_timeout", &self.handler_timeout)
             .field("retention", &self.retention)
             .field("retention_interval", &self.retention_interval)
+            .field("pending_retention", &self.pending_retention)
             .field("retention_batch", &self.retention_batch)
             .field("inbox_gauge_interval", &self.inbox_gauge_interval)
+            .field("allow_key_template_change", &self.allow_key_template_change)
             .field("max_payload_bytes", &self.max_payload_bytes)
             .field("batch", &self.batch);
         #[cfg(feature = "fault-injection")]
@@ -235,6 +266,8 @@ impl Default for BatchConfig {
 #[derive(Debug)]
 pub(super) struct Settings {
     pub(super) name: String,
+    /// The names the handler had before (see [`HandlerOptions::alias`]).
+    pub(super) aliases: Vec<String>,
     pub(super) key: Option<KeyTemplate>,
     pub(super) payload_hash: bool,
     pub(super) max_attempts: u32,
@@ -243,6 +276,7 @@ pub(super) struct Settings {
     pub(super) timeout: Duration,
     pub(super) on_conflict: ConflictPolicy,
     pub(super) max_payload_bytes: usize,
+    pub(super) allow_key_template_change: bool,
 }
 
 impl Settings {
@@ -251,6 +285,18 @@ impl Settings {
     pub(super) fn validate(o: HandlerOptions, config: &WorkerConfig) -> Result<Self, Error> {
         consumer_options::check_handler_name(&o.name)
             .map_err(|reason| Error::config("name", reason.to_string()))?;
+        let mut aliases: Vec<String> = Vec::with_capacity(o.aliases.len());
+        for alias in &o.aliases {
+            consumer_options::check_handler_name(alias)
+                .map_err(|reason| Error::config("aliases", reason.to_string()))?;
+            if alias == &o.name || aliases.iter().any(|a| a == alias) {
+                return Err(Error::config(
+                    "aliases",
+                    format!("{alias:?} is listed twice (an alias is not the handler's own name)"),
+                ));
+            }
+            aliases.push(alias.to_string());
+        }
         let max_attempts = config.max_attempts.unwrap_or(o.max_attempts);
         if max_attempts == 0 {
             return Err(Error::config("max_attempts", "must be at least 1"));
@@ -278,6 +324,12 @@ impl Settings {
         if timeout.is_zero() {
             return Err(Error::config("timeout", "must be greater than zero"));
         }
+        if config.pending_retention.is_some_and(|r| r <= timeout) {
+            return Err(Error::config(
+                "pending_retention",
+                format!("must be longer than the handler's timeout ({timeout:?})"),
+            ));
+        }
         let mut backoff = ExponentialBackoff::new(o.backoff.0, o.backoff.1)?;
         if let Some(j) = &config.jitter {
             backoff = backoff.with_jitter(SharedJitter(j.clone()));
@@ -285,6 +337,7 @@ impl Settings {
         Ok(Settings {
             key: o.key.as_deref().map(KeyTemplate::parse).transpose()?,
             name: o.name.into_owned(),
+            aliases,
             payload_hash: o.payload_hash,
             max_attempts,
             backoff,
@@ -292,7 +345,31 @@ impl Settings {
             timeout,
             on_conflict: o.on_conflict,
             max_payload_bytes: config.max_payload_bytes,
+            allow_key_template_change: config.allow_key_template_change,
         })
+    }
+}
+
+impl Settings {
+    /// Checks the handler's key template against the one its inbox rows were made with, and
+    /// records it (see [`WorkerConfig::allow_key_template_change`]).
+    pub(super) async fn check_key_template<DB: Backend>(
+        &self,
+        inbox: &Inbox<DB>,
+    ) -> Result<(), Error> {
+        let template = self.key.as_ref().map_or("", KeyTemplate::as_str);
+        let allow = self.allow_key_template_change;
+        inbox
+            .check_key_template(&self.name, &self.aliases, template, allow)
+            .await
+    }
+
+    /// The handler's name, then its aliases: every name its inbox rows may be under.
+    pub(super) fn names(&self) -> Vec<String> {
+        std::iter::once(&self.name)
+            .chain(&self.aliases)
+            .cloned()
+            .collect()
     }
 }
 

@@ -20,8 +20,7 @@
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
-//! retention purge and the inbox gauges beside the pipeline; [`gather`] fills a batch from
-//! the transport within its window; [`spare`] keeps batch buffers.
+//! retention purge and the gauges; [`gather`] fills a batch; [`spare`] keeps batch buffers.
 
 mod attempt;
 mod background;
@@ -29,6 +28,7 @@ mod claim;
 mod config;
 mod dead_letters;
 mod execute;
+mod faults;
 mod gather;
 mod job;
 mod settle;
@@ -86,6 +86,7 @@ struct Inner<DB: Backend, H: Handler<DB>> {
     batch: Option<BatchConfig>,
     retention_interval: Option<std::time::Duration>,
     retention_batch: u32,
+    pending_retention: Option<std::time::Duration>,
     inbox_gauge_interval: Option<std::time::Duration>,
     stats: Arc<Stats>,
     freshness: Freshness<DB>,
@@ -123,7 +124,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             inner: Arc::new(Inner {
                 freshness: Freshness::new(inbox.clone(), settings.name.clone()),
                 kept: Kept::new(inbox.pool.clone(), config.concurrency),
-                inbox,
+                inbox: inbox.serving(&settings.aliases),
                 handler,
                 settings,
                 name,
@@ -131,6 +132,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 batch: config.batch,
                 retention_interval: config.retention_interval,
                 retention_batch: config.retention_batch,
+                pending_retention: config.pending_retention,
                 inbox_gauge_interval: config.inbox_gauge_interval,
                 stats,
                 turns: turn::Turns::default(),
@@ -170,11 +172,20 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// drops the transport and returns `Ok`. With the `fault-injection` feature, a fault
     /// point with `FaultAction::StopWorker` drops everything in flight unsettled, as a crash
     /// would, and returns `Error::Crashed`.
+    ///
+    /// Before anything starts it checks the handler's key template against the one the
+    /// inbox's keys under its name (and aliases) were made with, and records it: a change
+    /// while such keys exist returns `Error::Config` naming the handler and both templates
+    /// (see [`WorkerConfig::allow_key_template_change`]).
     pub async fn run<T: Transport>(
         &self,
         mut transport: T,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
+        self.inner
+            .settings
+            .check_key_template(&self.inner.inbox)
+            .await?;
         let permits = Arc::new(Semaphore::new(self.inner.concurrency));
         let (crash_tx, mut crash_rx) = watch::channel(None::<FaultPoint>);
         let mut tasks = JoinSet::new();
@@ -531,63 +542,6 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         }
         lease.release().await;
         Ok(())
-    }
-
-    /// The keys fault points are checked for, if fault injection is on.
-    fn fault_keys(&self, jobs: &[Job<H::Message>]) -> Vec<String> {
-        #[cfg(feature = "fault-injection")]
-        if self.faults.is_some() {
-            return jobs.iter().map(|j| j.key().to_owned()).collect();
-        }
-        let _ = jobs;
-        Vec::new()
-    }
-
-    /// A simulated crash at `point`: the turns stop first (see [`turn::Turns::stop`]), so
-    /// that no job of this worker takes another step while the crash unwinds.
-    fn crash(&self, point: FaultPoint) -> Crash {
-        self.turns.stop();
-        Crash(point)
-    }
-
-    /// Checks the fault point `point` for `key`: `Err` stops the worker, or the process is
-    /// aborted. Without the `fault-injection` feature, nothing.
-    #[inline]
-    fn fault(&self, point: FaultPoint, key: &str) -> Result<(), Crash> {
-        #[cfg(feature = "fault-injection")]
-        if let Some(faults) = &self.faults {
-            match faults.check(point, &self.name, key) {
-                None => {}
-                Some(crate::fault::FaultAction::Abort) => {
-                    tracing::error!(
-                        fault_point = point.as_str(),
-                        key,
-                        "fault point: aborting the process"
-                    );
-                    std::process::abort()
-                }
-                Some(crate::fault::FaultAction::StopWorker) => return Err(self.crash(point)),
-            }
-        }
-        let _ = (point, key);
-        Ok(())
-    }
-
-    /// DELIBERATELY BROKEN (see `WorkerConfig::broken_ack_before_commit`): acks the
-    /// delivery before anything runs, and hands on an acker that settles nothing.
-    #[cfg(feature = "fault-injection")]
-    async fn broken_early_ack(&self, incoming: Incoming) -> Incoming {
-        if !self.broken_ack_before_commit {
-            return incoming;
-        }
-        let _ = incoming
-            .acker
-            .settle(crate::delivery::Settlement::Ack)
-            .await;
-        Incoming {
-            delivery: incoming.delivery,
-            acker: Box::new(crate::fault::Settled),
-        }
     }
 }
 

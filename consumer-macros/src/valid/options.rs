@@ -21,6 +21,7 @@ const OPTIONS: &[&str] = &[
     "payload_hash",
     "on_conflict",
     "batch",
+    "aliases",
 ];
 
 /// The attribute's options, checked. `None` means "not given": `HandlerOptions::new`'s
@@ -38,6 +39,8 @@ pub(crate) struct Options {
     pub(crate) on_conflict: Option<ConflictPolicy>,
     /// The batch function's path, as written.
     pub(crate) batch: Option<String>,
+    /// The handler's former names, whose inbox keys it takes over.
+    pub(crate) aliases: Vec<String>,
 }
 
 /// `consumer_core::ConflictPolicy`, as named in the attribute.
@@ -70,6 +73,7 @@ pub(super) fn check_options(
     let mut batch = None;
     let mut name = None;
     let mut seen: Vec<String> = Vec::new();
+    let mut alias_lits: Vec<LitStr> = Vec::new();
     for meta in metas {
         let Some(option) = meta.path().get_ident() else {
             errors.spanned(
@@ -161,10 +165,24 @@ pub(super) fn check_options(
                 options.batch = Some(lit.value());
                 Ok(())
             }),
+            "aliases" => aliases(value, errors).map(|lits| alias_lits = lits),
             _ => unreachable!("`{key}` is in OPTIONS but not handled"),
         };
         if let Err(error) = checked {
             errors.push(error);
+        }
+    }
+    let own = name.clone().unwrap_or_else(|| fn_name.unraw().to_string());
+    for lit in alias_lits {
+        if lit.value() == own {
+            errors.spanned(
+                &lit,
+                format!(
+                    "`aliases` lists the handler's own name {own:?}: an alias is a former name"
+                ),
+            );
+        } else {
+            options.aliases.push(lit.value());
         }
     }
     options.name = match name {
@@ -201,6 +219,7 @@ fn example(option: &str) -> &'static str {
         "payload_hash" => "true",
         "on_conflict" => "\"dead_letter\"",
         "batch" => "\"insert_invoices\"",
+        "aliases" => "[\"old_name\"]",
         _ => "...",
     }
 }
@@ -225,6 +244,32 @@ fn wrong_type(value: &Expr, what: &str, option: &str) -> syn::Error {
         value,
         format!("expected {what}, as in `{option} = {}`", example(option)),
     )
+}
+
+/// `["old_name", ...]`: each a valid handler name, none twice. A bad element's error is
+/// pushed on its literal and the others still checked; `Err` only when the value is no list.
+fn aliases(value: &Expr, errors: &mut Errors) -> syn::Result<Vec<LitStr>> {
+    let Expr::Array(list) = value else {
+        return Err(wrong_type(value, "a list of names", "aliases"));
+    };
+    let mut names: Vec<LitStr> = Vec::new();
+    for element in &list.elems {
+        let checked = string(ungroup(element), "aliases").and_then(|lit| {
+            on(&lit, consumer_options::check_handler_name(&lit.value()))?;
+            if names.iter().any(|n| n.value() == lit.value()) {
+                return Err(syn::Error::new_spanned(
+                    &lit,
+                    format!("alias {:?} is listed twice", lit.value()),
+                ));
+            }
+            Ok(lit)
+        });
+        match checked {
+            Ok(name) => names.push(name),
+            Err(error) => errors.push(error),
+        }
+    }
+    Ok(names)
 }
 
 fn string(value: &Expr, option: &str) -> syn::Result<LitStr> {
@@ -306,6 +351,7 @@ mod tests {
             payload_hash = true,
             on_conflict = "skip",
             batch = "crate::billing::send_invoices",
+            aliases = ["send_invoice_v1", "billing.invoice"],
         ));
         assert_eq!(
             got,
@@ -320,6 +366,7 @@ mod tests {
                 timeout: Some(Duration::from_secs(30)),
                 on_conflict: Some(ConflictPolicy::Skip),
                 batch: Some("crate::billing::send_invoices".to_owned()),
+                aliases: vec!["send_invoice_v1".to_owned(), "billing.invoice".to_owned()],
             })
         );
     }
@@ -351,7 +398,7 @@ mod tests {
             "expected `true` or `false`, as in `payload_hash = true`",
             "unknown conflict policy",
             "`batch` names the batch function by its path, as in `batch = \"insert_invoices\"`",
-            "unknown option `colour`; valid options are `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`, `batch`",
+            "unknown option `colour`; valid options are `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`, `batch`, `aliases`",
             "duplicate option `key`",
             "duplicate option `payload_hash`",
         ];
@@ -372,7 +419,7 @@ mod tests {
             [
                 "expected `payload_hash = true`",
                 "expected `name = \"send_invoice\"`",
-                "expected an option name, one of `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`, `batch`",
+                "expected an option name, one of `name`, `key`, `max_attempts`, `backoff`, `retention`, `timeout`, `payload_hash`, `on_conflict`, `batch`, `aliases`",
             ]
         );
     }
@@ -437,6 +484,32 @@ mod tests {
             errors,
             ["invalid handler name \"größe\": 'ö' is not allowed; use letters, digits, `_`, `.` \
               and `-`; give the handler a name with `name = \"...\"`"]
+        );
+    }
+
+    #[test]
+    fn every_alias_error_is_reported_at_once() {
+        let errors = options(quote!(
+            aliases = ["bad name", "v1", "v1", 3, "send_invoice"]
+        ))
+        .expect_err("invalid");
+        let expected = [
+            "invalid handler name \"bad name\"",
+            "alias \"v1\" is listed twice",
+            "expected a string, as in `aliases = [\"old_name\"]`",
+            "`aliases` lists the handler's own name \"send_invoice\"",
+        ];
+        assert_eq!(errors.len(), expected.len(), "{errors:#?}");
+        for (error, expected) in errors.iter().zip(expected) {
+            assert!(
+                error.contains(expected),
+                "{error:?} should contain {expected:?}"
+            );
+        }
+        let errors = options(quote!(aliases = "v1")).expect_err("not a list");
+        assert_eq!(
+            errors,
+            ["expected a list of names, as in `aliases = [\"old_name\"]`"]
         );
     }
 

@@ -22,7 +22,8 @@ struct InvoiceJob {
     timeout = "30s",
     payload_hash = false,
     on_conflict = "dead_letter",
-    batch = "batches::send_invoices"
+    batch = "batches::send_invoices",
+    aliases = ["send_invoice_v1", "billing.invoice"]
 )]
 async fn send_invoice(ctx: &mut Context<'_, Postgres>, job: InvoiceJob) -> Result<(), HandlerError> {
     let _ = (ctx.key(), job.order_id);
@@ -73,6 +74,8 @@ fn main() {
             .retention(Duration::from_secs(7 * 24 * 3600))
             .timeout(Duration::from_secs(30))
             .payload_hash(false)
+            .alias("send_invoice_v1")
+            .alias("billing.invoice")
             .on_conflict(ConflictPolicy::DeadLetter),
     );
     same_options(
