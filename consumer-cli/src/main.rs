@@ -103,9 +103,10 @@ enum Command {
     /// Look at and repair the inbox.
     #[command(subcommand)]
     Inbox(InboxCommand),
-    /// List, show, replay and purge dead letters.
+    /// List, show, replay and purge dead letters. Boxed: its arguments (each broker's and
+    /// the inbox table's) make it several times larger than the other commands.
     #[command(subcommand)]
-    Dlq(DlqCommand),
+    Dlq(Box<DlqCommand>),
     /// Look at the outbox beside the inbox.
     #[command(subcommand)]
     Outbox(OutboxCommand),
@@ -323,7 +324,7 @@ async fn run(command: Command, out: &output::Output) -> anyhow::Result<()> {
     match command {
         Command::Migrate(db) => inbox::migrate(&db, out).await,
         Command::Inbox(c) => inbox::run(c, out).await,
-        Command::Dlq(c) => dlq::run(c, out).await,
+        Command::Dlq(c) => dlq::run(*c, out).await,
         Command::Outbox(c) => outbox::run(c, out).await,
     }
 }
