@@ -278,26 +278,10 @@ async fn a_duplicate_request_is_answered_with_the_same_reply() {
         broker.depth("replies").ready == 2
     })
     .await;
-    let replies: Vec<Message> = {
-        use futures::StreamExt;
-        let mut consumer = broker.consume("replies");
-        let mut out = Vec::new();
-        for _ in 0..2 {
-            let incoming = consumer.next().await.unwrap().unwrap();
-            let d = &incoming.delivery;
-            out.push(Message {
-                id: d.message_id.clone().map(String::from),
-                payload: d.payload.clone(),
-                headers: d.headers.to_map(),
-            });
-            incoming
-                .acker
-                .settle(consumer_core::Settlement::Ack)
-                .await
-                .unwrap();
-        }
-        out
-    };
+    let replies = [
+        the_reply(&broker, "replies").await,
+        the_reply(&broker, "replies").await,
+    ];
     assert_eq!(replies[0].payload, replies[1].payload, "byte-identical");
     assert_eq!(replies[0].id, replies[1].id);
     for r in &replies {
@@ -305,7 +289,7 @@ async fn a_duplicate_request_is_answered_with_the_same_reply() {
     }
 }
 
-/// The one reply waiting in `queue`.
+/// The next reply waiting in `queue`, acked.
 async fn the_reply(broker: &MemoryBroker, queue: &str) -> Message {
     use futures::StreamExt;
     let mut consumer = broker.consume(queue);

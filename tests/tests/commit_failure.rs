@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::{
-    handler, BatchConfig, Context, DeadLetterReason, EntryStatus, HandlerError, NoJitter, Origin,
-    Worker, WorkerConfig,
+    handler, BatchConfig, Context, DeadLetterReason, EntryStatus, HandlerError, Inbox, NoJitter,
+    Origin, Worker, WorkerConfig,
 };
 use consumer_tests::common::{self, run_until, PgEnv};
 use futures::StreamExt;
@@ -69,18 +69,8 @@ async fn failing_over() -> PgEnv {
 async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, redelivered: bool) {
     let env = failing_over().await;
     let inbox = env.inbox().await;
-    let broker = MemoryBroker::new();
-    let queue = common::unique("q");
     let ids = ["c1", "c2", "c3"];
-    for id in ids {
-        broker.publish(&queue, Message::json(id, &json!({ "id": id })));
-    }
-    let config = WorkerConfig::default()
-        .with_concurrency(4)
-        .with_retention_interval(None)
-        .with_jitter(std::sync::Arc::new(NoJitter))
-        .with_batch(batch);
-    let worker = Worker::with_config(inbox.clone(), record_once, config).unwrap();
+    let (broker, queue, worker) = jobs_and_worker(&inbox, &ids, batch);
     // The first deliveries as redeliveries: the counted path. The retries (attempt 2 and up)
     // come as the broker sends them.
     let deliveries = broker.consume(&queue).map(move |item| {
@@ -121,6 +111,26 @@ async fn a_failed_commit_is_not_a_failed_attempt(batch: Option<BatchConfig>, red
             "no attempt counted for the failed commit: {entry:?}"
         );
     }
+}
+
+/// A queue holding one job for each of `ids`, and a worker of `record_once` on `inbox`.
+fn jobs_and_worker(
+    inbox: &Inbox<Postgres>,
+    ids: &[&str],
+    batch: Option<BatchConfig>,
+) -> (MemoryBroker, String, Worker<Postgres, record_once>) {
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    for id in ids {
+        broker.publish(&queue, Message::json(*id, &json!({ "id": id })));
+    }
+    let config = WorkerConfig::default()
+        .with_concurrency(4)
+        .with_retention_interval(None)
+        .with_jitter(std::sync::Arc::new(NoJitter))
+        .with_batch(batch);
+    let worker = Worker::with_config(inbox.clone(), record_once, config).unwrap();
+    (broker, queue, worker)
 }
 
 const BATCHED: Option<BatchConfig> = Some(BatchConfig::new(8, Duration::from_millis(50)));
@@ -176,18 +186,8 @@ async fn refusing_bad_rows() -> PgEnv {
 async fn a_data_error_at_commit_is_the_handlers_failed_attempt(batch: Option<BatchConfig>) {
     let env = refusing_bad_rows().await;
     let inbox = env.inbox().await;
-    let broker = MemoryBroker::new();
-    let queue = common::unique("q");
     let ids = ["ok-1", "bad-1", "ok-2"];
-    for id in ids {
-        broker.publish(&queue, Message::json(id, &json!({ "id": id })));
-    }
-    let config = WorkerConfig::default()
-        .with_concurrency(4)
-        .with_retention_interval(None)
-        .with_jitter(std::sync::Arc::new(NoJitter))
-        .with_batch(batch);
-    let worker = Worker::with_config(inbox.clone(), record_once, config).unwrap();
+    let (broker, queue, worker) = jobs_and_worker(&inbox, &ids, batch);
     run_until(
         &worker,
         broker.consume(&queue),
