@@ -94,6 +94,10 @@ pub(crate) fn incoming(
             transport: "amqp",
             location: locations.of(&exchange, &routing_key),
         },
+        // The publisher's `timestamp` property, in seconds, if it set one.
+        published_at: properties
+            .timestamp()
+            .map(|secs| std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)),
     };
     Incoming {
         delivery,

@@ -110,6 +110,11 @@ pub struct Delivery {
     pub origin: Origin,
     /// Where it came from.
     pub source: Source,
+    /// When the message was first published, as far as the transport knows (a Kafka
+    /// record's timestamp, an AMQP message's `timestamp` property, the in-memory broker's
+    /// publish time); `None` if it does not. A delivery older than the handler's retention
+    /// may find its key's row purged: see [`crate::WorkerConfig::dead_letter_too_old`].
+    pub published_at: Option<std::time::SystemTime>,
 }
 
 /// What a transport knows of a delivery's past (see [`Delivery::origin`]).
@@ -208,6 +213,10 @@ pub enum DeadLetterReason {
     /// its producer accepts): the dead letter carries a reference to the original (where it
     /// still is) instead of its body, and the first reason in its error text.
     CopyTooLarge,
+    /// The message is older than the handler's retention, so its key's row may have been
+    /// purged and a run could repeat its effect; dead-lettered instead of run when the
+    /// worker is configured so ([`crate::WorkerConfig::dead_letter_too_old`]).
+    TooOld,
 }
 
 impl DeadLetterReason {
@@ -223,6 +232,7 @@ impl DeadLetterReason {
             DeadLetterReason::MaxAttemptsExceeded => "max_attempts_exceeded",
             DeadLetterReason::Quarantined => "quarantined",
             DeadLetterReason::CopyTooLarge => "copy_too_large",
+            DeadLetterReason::TooOld => "too_old",
         }
     }
 
@@ -232,7 +242,7 @@ impl DeadLetterReason {
     }
 
     /// Every reason, in a stable order.
-    pub(crate) const ALL: [DeadLetterReason; 9] = [
+    pub(crate) const ALL: [DeadLetterReason; 10] = [
         DeadLetterReason::Undecodable,
         DeadLetterReason::PayloadTooLarge,
         DeadLetterReason::MissingKey,
@@ -242,6 +252,7 @@ impl DeadLetterReason {
         DeadLetterReason::MaxAttemptsExceeded,
         DeadLetterReason::Quarantined,
         DeadLetterReason::CopyTooLarge,
+        DeadLetterReason::TooOld,
     ];
 }
 

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -31,6 +32,9 @@ pub struct Message {
     pub payload: Bytes,
     /// Headers.
     pub headers: BTreeMap<String, String>,
+    /// When it was first published: `None` takes the time of [`MemoryBroker::publish`]
+    /// (a test sets an older one to stand for a message published long ago).
+    pub published_at: Option<SystemTime>,
 }
 
 impl Message {
@@ -40,6 +44,7 @@ impl Message {
             id: Some(id.into()),
             payload: Bytes::from(payload.to_string()),
             headers: BTreeMap::new(),
+            published_at: None,
         }
     }
 }
@@ -80,6 +85,8 @@ struct Stored {
     headers: Headers,
     redelivered: bool,
     attempt: u32,
+    /// Kept by its retry copies.
+    published_at: SystemTime,
 }
 
 #[derive(Default)]
@@ -149,6 +156,7 @@ impl crate::outbox::Publisher for MemoryBroker {
                 id: message.message_id.clone(),
                 payload: message.payload.clone(),
                 headers: message.headers.clone(),
+                published_at: None,
             },
         );
         Box::pin(async { Ok(()) })
@@ -171,6 +179,7 @@ impl MemoryBroker {
                 payload: message.payload,
                 redelivered: false,
                 attempt: 1,
+                published_at: message.published_at.unwrap_or_else(SystemTime::now),
             },
         );
     }
@@ -288,6 +297,7 @@ fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, consumer: u64) -> Opti
             transport: "memory",
             location: Location::Text(names.queue.clone()),
         },
+        published_at: Some(stored.published_at),
     };
     q.unacked.insert(tag, (consumer, stored));
     Some(Incoming {
@@ -396,6 +406,7 @@ impl Acknowledger for MemoryAcker {
                                 id: stored.id.map(String::from),
                                 payload: stored.payload,
                                 headers: stored.headers.to_map(),
+                                published_at: Some(stored.published_at),
                             },
                             dead_letter,
                         });

@@ -145,6 +145,9 @@ counters! {
     /// Of those, quarantined: attempts used up by crashes (exported as the dead letters of
     /// reason `quarantined`).
     quarantined => none,
+    /// Deliveries older than the handler's retention (their key may have been purged):
+    /// run, or dead-lettered `too_old` ([`crate::WorkerConfig::dead_letter_too_old`]).
+    too_old => "consumer_too_old_total",
     /// Handler panics caught.
     panics => "consumer_handler_panics_total",
     /// Handler timeouts.

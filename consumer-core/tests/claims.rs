@@ -117,6 +117,7 @@ fn anonymous(payload: &str) -> Message {
         id: None,
         payload: Bytes::from(payload.to_owned()),
         headers: BTreeMap::new(),
+        published_at: None,
     }
 }
 

@@ -35,6 +35,7 @@ async fn an_undecodable_memory_message_is_kept_whole_in_the_sqlite_dead_letter_t
             id: Some("job-1".to_owned()),
             payload: Bytes::from_static(b"{\"n\": \"not a number\"}"),
             headers,
+            published_at: None,
         },
     );
     let worker = Worker::new(env.inbox.clone(), run_job).expect("worker");

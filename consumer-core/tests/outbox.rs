@@ -299,6 +299,7 @@ async fn the_reply(broker: &MemoryBroker, queue: &str) -> Message {
         id: d.message_id.clone().map(String::from),
         payload: d.payload.clone(),
         headers: d.headers.to_map(),
+        published_at: d.published_at,
     };
     incoming
         .acker

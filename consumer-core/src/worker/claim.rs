@@ -121,6 +121,7 @@ mod tests {
                 transport: "memory",
                 location: "q".into(),
             },
+            published_at: None,
         }
     }
 

@@ -65,6 +65,12 @@ pub struct WorkerConfig {
     /// refuses, naming both templates). Each key made with the old template then runs again
     /// once, with its new key.
     pub allow_key_template_change: bool,
+    /// Dead-letters (`too_old`) a delivery published longer ago than the handler's
+    /// retention instead of running it (default `false`: it runs, and is counted in
+    /// `consumer_too_old_total`). Its key's row may have been purged, so the inbox may not
+    /// know it ran: running it again could repeat its effect. Only deliveries whose
+    /// transport knows when they were published ([`Delivery::published_at`](crate::Delivery::published_at)) can be told.
+    pub dead_letter_too_old: bool,
     /// Replaces the backoff's randomness (deterministic tests).
     pub jitter: Option<Arc<dyn Jitter>>,
     /// Payloads larger than this are dead-lettered (`payload_too_large`) without being
@@ -94,6 +100,7 @@ impl Default for WorkerConfig {
             retention_batch: 1000,
             inbox_gauge_interval: Some(Duration::from_secs(30)),
             allow_key_template_change: false,
+            dead_letter_too_old: false,
             jitter: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             batch: None,
@@ -160,6 +167,12 @@ impl WorkerConfig {
         self
     }
 
+    /// Sets [`WorkerConfig::dead_letter_too_old`].
+    pub fn with_dead_letter_too_old(mut self, dead_letter: bool) -> Self {
+        self.dead_letter_too_old = dead_letter;
+        self
+    }
+
     /// Sets [`WorkerConfig::jitter`].
     pub fn with_jitter(mut self, jitter: Arc<dyn Jitter>) -> Self {
         self.jitter = Some(jitter);
@@ -207,6 +220,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("retention_batch", &self.retention_batch)
             .field("inbox_gauge_interval", &self.inbox_gauge_interval)
             .field("allow_key_template_change", &self.allow_key_template_change)
+            .field("dead_letter_too_old", &self.dead_letter_too_old)
             .field("max_payload_bytes", &self.max_payload_bytes)
             .field("batch", &self.batch);
         #[cfg(feature = "fault-injection")]
@@ -277,6 +291,7 @@ pub(super) struct Settings {
     pub(super) on_conflict: ConflictPolicy,
     pub(super) max_payload_bytes: usize,
     pub(super) allow_key_template_change: bool,
+    pub(super) dead_letter_too_old: bool,
 }
 
 impl Settings {
@@ -346,6 +361,7 @@ impl Settings {
             on_conflict: o.on_conflict,
             max_payload_bytes: config.max_payload_bytes,
             allow_key_template_change: config.allow_key_template_change,
+            dead_letter_too_old: config.dead_letter_too_old,
         })
     }
 }

@@ -204,6 +204,26 @@ pub(super) fn prepare<M: serde::de::DeserializeOwned>(
     }
 }
 
+/// How much older than the handler's retention `delivery` is, if it is: its key's row may
+/// have been purged (see [`WorkerConfig::dead_letter_too_old`](super::WorkerConfig::dead_letter_too_old)).
+/// `None` if it is younger, or its transport does not know when it was published.
+pub(super) fn past_retention(s: &Settings, delivery: &Delivery) -> Option<std::time::Duration> {
+    let age = delivery.published_at?.elapsed().ok()?;
+    age.checked_sub(s.retention).filter(|past| !past.is_zero())
+}
+
+/// The verdict on a delivery older than the handler's retention, when such are
+/// dead-lettered.
+pub(super) fn too_old(s: &Settings, delivery: &Delivery, past: std::time::Duration) -> Verdict {
+    let error = format!(
+        "published {past:?} longer ago than the handler's retention of {:?}: its key's row may \
+         have been purged, so a run could repeat its effect",
+        s.retention
+    );
+    let id = delivery.message_id.as_deref();
+    Verdict::dead_letter(&s.name, delivery, DeadLetterReason::TooOld, id, 0, error)
+}
+
 /// The message, key and payload hash of `delivery`, or the verdict on a message that cannot
 /// run.
 #[allow(clippy::result_large_err)]
@@ -281,6 +301,7 @@ mod tests {
                     transport: "test",
                     location: Location::from("q"),
                 },
+                published_at: None,
             },
             acker: Box::new(Unused),
         }

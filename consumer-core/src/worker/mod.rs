@@ -363,6 +363,16 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         for incoming in batch.drain(..) {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
+            if let Some(past) = job::past_retention(&self.settings, &incoming.delivery) {
+                self.stats.too_old.bump();
+                if self.settings.dead_letter_too_old {
+                    let verdict = job::too_old(&self.settings, &incoming.delivery, past);
+                    let (delivery, acker) = (&incoming.delivery, incoming.acker);
+                    settled.push(self.keep_dead_letter(delivery, acker, verdict));
+                    continue;
+                }
+                tracing::warn!(?past, "a delivery older than the handler's retention runs: its key may have been purged");
+            }
             match job::prepare::<H::Message>(&self.settings, incoming, lock_id) {
                 Err((incoming, verdict)) => {
                     let (delivery, acker) = (&incoming.delivery, incoming.acker);

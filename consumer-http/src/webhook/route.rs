@@ -163,6 +163,9 @@ fn delivery(s: &Settings, parts: &Parts, event_id: String, body: Bytes, t: i64) 
             transport: WEBHOOK_TRANSPORT,
             location: s.route.as_str().into(),
         },
+        // The signature's timestamp is when this send was signed, not when the event was
+        // first sent: a provider's resend is signed anew.
+        published_at: None,
     }
 }
 

@@ -182,6 +182,11 @@ impl Shared {
             message_id,
             attempt,
             own_copy,
+            published_at: m
+                .timestamp()
+                .to_millis()
+                .and_then(|ms| u64::try_from(ms).ok())
+                .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms)),
         });
         Fetched::Record {
             record,

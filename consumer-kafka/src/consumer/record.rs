@@ -46,6 +46,8 @@ pub(super) struct Record {
     pub(super) own_copy: bool,
     /// Payload, key and header bytes: what it counts against the partition's byte limit.
     pub(super) bytes: usize,
+    /// When the record was published (its timestamp), if it says.
+    pub(super) published_at: Option<std::time::SystemTime>,
 }
 
 /// Settled records that nothing else holds any more, kept by the poll thread to hold the
@@ -102,8 +104,7 @@ pub(super) enum IdSource {
 }
 
 impl Record {
-    /// A record of no message: what a kept acknowledger holds in its record's place (see
-    /// [`State::ackers`](super::partitions::State::ackers)), so that it holds no record.
+    /// A record of no message: a kept acknowledger's ([`super::partitions::State::ackers`]).
     pub(super) fn blank() -> Self {
         Record {
             tp: (Arc::from(""), -1),
@@ -118,6 +119,7 @@ impl Record {
             attempt: 1,
             own_copy: false,
             bytes: 0,
+            published_at: None,
         }
     }
 
@@ -139,14 +141,12 @@ impl Record {
         self.tp.1
     }
 
-    /// The topic its retry and dead-letter topics are named after: the topic a retry topic
-    /// retries, or its own.
+    /// The topic its retry and dead-letter topics are named after (a retry topic's origin).
     pub(super) fn origin(&self) -> &str {
         self.retried.as_deref().unwrap_or(&self.tp.0)
     }
 
-    /// Where it is: `topic/partition@offset`, shown by [`Location`]'s `Display` (the one
-    /// owner of that form).
+    /// Where it is: `topic/partition@offset` (the form [`Location`]'s `Display` owns).
     pub(super) fn place(&self) -> Location {
         Location::Record {
             topic: self.tp.0.clone(),
@@ -207,6 +207,7 @@ impl Record {
                 // Formatted only if shown: no text is built per delivery.
                 location: self.place(),
             },
+            published_at: self.published_at,
         }
     }
 
