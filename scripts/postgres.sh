@@ -22,7 +22,8 @@
 #
 # Knobs (all optional):
 #   CONSUMER_STATE_DIR       state root (default /tmp/consumer-test)
-#   CONSUMER_PG_PORT         first port to try for a new cluster (default 55432)
+#   CONSUMER_PG_PORT         first port to try for a new cluster (default 15432, below the
+#                            ephemeral range, as in scripts/kafka.sh)
 #   CONSUMER_PG_STOP_MODE    pg_ctl stop mode for stop/restart: fast (default),
 #                            smart, or immediate (crash-like, WAL recovery on start)
 #   CONSUMER_PG_BIN          directory with initdb/pg_ctl/postgres (default: newest
@@ -44,7 +45,7 @@ URL_FILE="$PG_DIR/database_url"
 ENV_FILE="$PG_DIR/env"
 # Included from postgresql.conf; rewritten on every start so the port can move.
 MANAGED_CONF="consumer.conf"
-FIRST_PORT="${CONSUMER_PG_PORT:-55432}"
+FIRST_PORT="${CONSUMER_PG_PORT:-15432}"
 STOP_MODE="${CONSUMER_PG_STOP_MODE:-fast}"
 DB_NAME=consumer
 DB_USER=consumer

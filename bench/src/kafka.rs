@@ -305,8 +305,7 @@ pub(crate) async fn outbox(
 }
 
 /// How many distinct events `topic` holds, read back from the start (by a consumer of its own
-/// group) until `n` have been read and no more come for 2 s; fails on a duplicate. (The
-/// watermarks will not do: tansu's can lag behind the records it has stored.)
+/// group) until `n` have been read and no more come for 2 s; fails on a duplicate.
 async fn events_in(brokers: &str, topic: &str, n: usize) -> anyhow::Result<u64> {
     let consumer = raw_consumer(brokers, topic, &format!("{topic}_check"), &[])?;
     let mut seen = std::collections::HashSet::with_capacity(n);

@@ -36,7 +36,7 @@
 //!
 //! It prints msgs/s, this process's CPU time per message (`CPU µs`), the CPU time of the
 //! local PostgreSQL server processes (`PG µs`) and broker processes (`broker`: RabbitMQ's
-//! `beam.smp`, tansu) per message (all such processes, so other load on the same servers
+//! `beam.smp`, Kafka's `java`) per message (all such processes, so other load on the same servers
 //! counts too), `all/slot`: the three together over the CPU time the machine's cores had
 //! per message at that rate (near 1, the arm is bound by the cores), p50/p99
 //! delivery-to-ack latency and the ratios (`report`), each the median over the repetitions
@@ -292,7 +292,7 @@ struct Figures {
     /// CPU time of the PostgreSQL server processes per message (all of them: backends,
     /// WAL writer, checkpointer), if readable.
     server_us_per_msg: f64,
-    /// CPU time of the broker processes (RabbitMQ's `beam.smp`, tansu) per message.
+    /// CPU time of the broker processes (RabbitMQ's `beam.smp`, Kafka's `java`) per message.
     broker_us_per_msg: f64,
     measured_latency: bool,
     /// The `+ outbox` arms': how fast they consumed, and how long the relay took after.
@@ -503,7 +503,7 @@ fn cpu_time() -> Duration {
 
 /// User + system CPU time of the local servers' processes, from /proc (zero where not
 /// readable): PostgreSQL's (the benchmark's database is local), and the brokers' (RabbitMQ
-/// runs in `beam.smp`; tansu), every such process on this machine, so another broker node
+/// runs in `beam.smp`; Kafka in `java`), every such process on this machine, so another broker node
 /// running beside the bench is counted too.
 #[derive(Debug, Clone, Copy)]
 struct ServersCpu {
@@ -528,7 +528,7 @@ impl ServersCpu {
                 };
                 let sum = match comm {
                     "postgres" => &mut postgres,
-                    "beam.smp" | "tansu" => &mut brokers,
+                    "beam.smp" | "java" => &mut brokers,
                     _ => continue,
                 };
                 let f: Vec<&str> = tail.split_whitespace().collect();

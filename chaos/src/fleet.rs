@@ -71,6 +71,9 @@ pub(crate) struct Fleet {
     fault_spec: Option<String>,
     seed: u64,
     slots: Vec<Slot>,
+    /// When set, each slot's worker is a static Kafka group member named after it
+    /// (`KAFKA_INSTANCE_ID=<prefix>-w<slot>`), the same name in every incarnation.
+    member_prefix: Option<String>,
     pub(crate) counts: Counts,
 }
 
@@ -89,8 +92,14 @@ impl Fleet {
             fault_spec,
             seed,
             slots: Vec::new(),
+            member_prefix: None,
             counts: Counts::default(),
         }
+    }
+
+    /// Names each slot's worker as a static group member (see `member_prefix`).
+    pub(crate) fn name_members(&mut self, prefix: &str) {
+        self.member_prefix = Some(prefix.to_owned());
     }
 
     /// Starts one more worker of `role`; returns its slot.
@@ -124,6 +133,9 @@ impl Fleet {
             .stderr(Stdio::from(stderr))
             .kill_on_drop(true);
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Some(prefix) = &self.member_prefix {
+            cmd.env("KAFKA_INSTANCE_ID", format!("{prefix}-w{i}"));
+        }
         if let Some(spec) = &self.fault_spec {
             // A different, reproducible fault sequence per worker and incarnation.
             let seed = self

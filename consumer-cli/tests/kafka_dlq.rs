@@ -198,7 +198,9 @@ async fn a_broker_or_topic_that_does_not_work_is_named() {
 async fn replaying_a_copy_too_large_letter_republishes_the_original_record() {
     let env = KafkaEnv::new("clihuge", 1).await;
     let dlq = format!("{}.dlq", env.topic);
-    // Only the test's own producer is raised, to write the record in the first place.
+    // Only the topic's broker limit and the test's own producer are raised, to write the
+    // record in the first place.
+    kafka::set_topic_config(&env.topic, "max.message.bytes", "4000000").await;
     let mut props = consumer_kafka::ClientProperties::new();
     props.set("message.max.bytes", "4000000");
     let publisher =

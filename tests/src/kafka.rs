@@ -12,6 +12,8 @@ use consumer_core::{
 };
 use consumer_kafka::{ClientProperties, KafkaConfig, KafkaConsumer, KafkaObserver, KafkaPublisher};
 use futures::StreamExt;
+use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -32,6 +34,40 @@ pub fn brokers() -> String {
         "KAFKA_BROKERS is not set: start the broker with `eval \"$(scripts/kafka.sh env)\"` \
          (and PostgreSQL with `eval \"$(scripts/postgres.sh env)\"`)",
     )
+}
+
+/// The consumer group protocol a test's members use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupProtocol {
+    /// The classic protocol: the members assign the partitions (librdkafka's default).
+    Classic,
+    /// KIP-848's consumer protocol: the broker assigns them, incrementally.
+    Consumer,
+}
+
+/// The group protocol of this run: `KAFKA_GROUP_PROTOCOL=consumer` (KIP-848) or `classic`
+/// (the default).
+pub fn group_protocol() -> GroupProtocol {
+    match std::env::var("KAFKA_GROUP_PROTOCOL").as_deref() {
+        Ok("consumer") => GroupProtocol::Consumer,
+        Ok("classic") | Err(_) => GroupProtocol::Classic,
+        Ok(other) => panic!("KAFKA_GROUP_PROTOCOL={other}: use classic or consumer"),
+    }
+}
+
+/// Sets a topic-level configuration (e.g. `max.message.bytes`) of `topic` on the broker.
+pub async fn set_topic_config(topic: &str, name: &str, value: &str) {
+    let admin: AdminClient<DefaultClientContext> =
+        plain_client(None).create().expect("admin client");
+    let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = admin
+        .alter_configs([&change], &options)
+        .await
+        .expect("alter the topic's configuration");
+    for r in results {
+        r.unwrap_or_else(|e| panic!("setting {name}={value} on {topic}: {e:?}"));
+    }
 }
 
 /// A test job; its fields script the handler.
@@ -140,15 +176,24 @@ impl KafkaEnv {
         pool.close().await;
     }
 
-    /// The transport configuration for this test: short session timeout (tansu joins take
-    /// about half of it), frequent commits.
+    /// The transport configuration for this test: the group protocol of
+    /// [`group_protocol`], a short session timeout (classic; the consumer protocol's is the
+    /// broker's), frequent commits.
     pub fn config(&self) -> KafkaConfig {
         let mut c = KafkaConfig::new(brokers(), self.group.clone(), [self.topic.clone()]);
         c.consumer_properties
-            .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "500")
             .set("fetch.wait.max.ms", "100")
             .set("topic.metadata.refresh.interval.ms", "2000");
+        match group_protocol() {
+            GroupProtocol::Classic => {
+                c.consumer_properties
+                    .set("session.timeout.ms", "6000")
+                    .set("heartbeat.interval.ms", "500");
+            }
+            GroupProtocol::Consumer => {
+                c.consumer_properties.set("group.protocol", "consumer");
+            }
+        }
         if let Ok(debug) = std::env::var("KAFKA_TEST_DEBUG") {
             // librdkafka's own debug contexts, e.g. `cgrp` (logged with RUST_LOG=librdkafka=debug).
             c.consumer_properties.set("debug", debug);
@@ -253,9 +298,7 @@ pub async fn committed_offsets(group: &str, topic: &str, partitions: i32) -> Vec
 /// Reads every record of `topic` (all partitions from offset 0) until `expect` arrived or
 /// `limit` passed, with a throwaway client.
 ///
-/// From offset 0, not `Offset::Beginning`: tansu 0.6 can answer the earliest offset past
-/// one that exists (`scripts/kafka.sh` says why). A test topic is fresh and nothing is
-/// deleted from it, so its log starts at 0.
+/// A test topic is fresh and nothing is deleted from it, so its log starts at offset 0.
 pub async fn read_topic(
     topic: &str,
     partitions: i32,
@@ -297,8 +340,7 @@ pub fn header(m: &OwnedMessage, name: &str) -> Option<String> {
 /// Publishes jobs `(key, id, payload)` in order, with up to 64 awaiting their report.
 /// Returns one past the last offset written to each partition (the end offsets).
 ///
-/// The ends come from the delivery reports: tansu 0.6's ListOffsets answers the base offset
-/// of the last batch as the high watermark, which undercounts batched partitions.
+/// The ends come from the delivery reports, so no second request can race a later write.
 pub async fn publish_all(
     publisher: &KafkaPublisher,
     topic: &str,

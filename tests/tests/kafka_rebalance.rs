@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::ProcessingOrder;
-use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{
+    group_protocol, publish_all, wait_for, worker_config, GroupProtocol, KafkaEnv, Running,
+};
 use serde_json::json;
 
 fn jobs(range: std::ops::Range<usize>) -> Vec<(String, String, serde_json::Value)> {
@@ -26,7 +28,8 @@ fn jobs(range: std::ops::Range<usize>) -> Vec<(String, String, serde_json::Value
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_join_and_leave_without_losing_duplicating_or_committing_foreign_partitions() {
-    // librdkafka's default (range,roundrobin): every rebalance revokes every partition.
+    // librdkafka's default (range,roundrobin): every rebalance revokes every partition
+    // (classic protocol; the consumer protocol is incremental).
     // An original member leaves.
     let dropped = join_and_leave(None, 0).await;
     assert!(
@@ -37,12 +40,9 @@ async fn members_join_and_leave_without_losing_duplicating_or_committing_foreign
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cooperative_rebalancing_gives_the_same_guarantees() {
-    // Incremental: only the partitions that move are revoked, in two rounds. Here the member
-    // that joined leaves again: tansu 0.6 never completes a rebalance when the group leader
-    // (the first member) leaves while the second, cooperative round is still running; its
-    // SyncGroup answers "rebalance in progress" forever. With eager rebalancing (above) an
-    // original member leaves.
-    join_and_leave(Some("cooperative-sticky"), 2).await;
+    // Incremental: only the partitions that move are revoked, in two rounds. The first
+    // member (the classic group's leader, which computes the assignment) leaves.
+    join_and_leave(Some("cooperative-sticky"), 0).await;
 }
 
 /// Runs the scenario and checks it; returns how many settlements were dropped because
@@ -52,7 +52,9 @@ async fn join_and_leave(strategy: Option<&str>, leaving: usize) -> usize {
     let publisher = env.publisher();
     let mut config = env.config();
     config.order = ProcessingOrder::Key;
-    if let Some(s) = strategy {
+    // Under KIP-848's consumer protocol the broker assigns, always incrementally: the
+    // strategy is the classic protocol's alone.
+    if let (Some(s), GroupProtocol::Classic) = (strategy, group_protocol()) {
         config
             .consumer_properties
             .set("partition.assignment.strategy", s);
@@ -75,8 +77,7 @@ async fn join_and_leave(strategy: Option<&str>, leaving: usize) -> usize {
     let ends_b = publish_all(&publisher, &env.topic, 3, jobs(300..600)).await;
     let ends: Vec<i64> = ends_a.iter().zip(&ends_b).map(|(a, b)| *a.max(b)).collect();
     // Let the join finish (with cooperative-sticky that takes a second round) before a
-    // member leaves: tansu 0.6 does not recover when the group leader leaves in the middle
-    // of a rebalance (SyncGroup answers "rebalance in progress" forever).
+    // member leaves, so that the leave is a rebalance of its own.
     let joined = [&w1, &w2, &w3];
     wait_for(
         "all six partitions spread over the three members",
@@ -222,8 +223,8 @@ async fn revoke_with_records_taken(
         || async { first.observer.revocations() >= 1 },
     )
     .await;
-    // The rebalance ends before the first member (the group's leader) leaves: tansu 0.6
-    // does not recover when the leader leaves in the middle of one.
+    // The rebalance ends (the partition has an owner again) before the revocations are
+    // read.
     let main = (env.topic.clone(), 0);
     wait_for(
         "the partition assigned again",

@@ -522,7 +522,9 @@ async fn producer_supplied_original_headers_are_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copy_too_large_is_dead_lettered_with_a_reference() {
     let env = KafkaEnv::new("toolarge", 1).await;
-    // Only the test's own producer is raised, to write the records in the first place.
+    // Only the main topic's broker limit and the test's own producer are raised, to write
+    // the records in the first place; the retry and dead-letter topics keep the defaults.
+    kafka::set_topic_config(&env.topic, "max.message.bytes", "4000000").await;
     let mut props = consumer_kafka::ClientProperties::new();
     props.set("message.max.bytes", "4000000");
     let publisher =

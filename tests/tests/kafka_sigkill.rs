@@ -7,18 +7,25 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use consumer_tests::common;
-use consumer_tests::kafka::{brokers, publish_all, wait_for, KafkaEnv};
+use consumer_tests::kafka::{
+    brokers, group_protocol, publish_all, wait_for, GroupProtocol, KafkaEnv,
+};
 use serde_json::json;
 
 fn spawn_worker(env: &KafkaEnv) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_kafka_worker"))
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_kafka_worker"));
+    match group_protocol() {
+        GroupProtocol::Classic => worker
+            .env("KAFKA_CONSUMER_PROPERTY_SESSION_TIMEOUT_MS", "6000")
+            .env("KAFKA_CONSUMER_PROPERTY_HEARTBEAT_INTERVAL_MS", "500"),
+        GroupProtocol::Consumer => worker.env("KAFKA_CONSUMER_PROPERTY_GROUP_PROTOCOL", "consumer"),
+    };
+    worker
         .env("KAFKA_BROKERS", brokers())
         .env("KAFKA_GROUP_ID", &env.group)
         .env("KAFKA_TOPICS", &env.topic)
         .env("KAFKA_ORDER", "key")
         .env("KAFKA_COMMIT_INTERVAL_MS", "100")
-        .env("KAFKA_CONSUMER_PROPERTY_SESSION_TIMEOUT_MS", "6000")
-        .env("KAFKA_CONSUMER_PROPERTY_HEARTBEAT_INTERVAL_MS", "500")
         .env("KAFKA_CONSUMER_PROPERTY_FETCH_WAIT_MAX_MS", "100")
         .env("DATABASE_URL", common::database_url())
         .env("WORKER_SCHEMA", &env.pg.schema)

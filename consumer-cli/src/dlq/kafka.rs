@@ -2,10 +2,8 @@
 //!
 //! **Reading.** A throwaway consumer (no group offsets committed) is assigned every
 //! partition of the dead-letter topic from offset 0 and reads until each partition reports
-//! its end (`enable.partition.eof`). From offset 0 rather than the low watermark, because
-//! tansu answers the earliest offset by storage order (see `scripts/kafka.sh`); a topic
-//! whose head was deleted by retention starts past 0, which Kafka resolves through
-//! `auto.offset.reset=earliest`.
+//! its end (`enable.partition.eof`). From offset 0: a topic whose head was deleted by
+//! retention starts past 0, which Kafka resolves through `auto.offset.reset=earliest`.
 //!
 //! **Settling.** A record cannot be deleted from a topic, so a replayed or purged record is
 //! recorded in `<inbox table>_dlq_settled` (topic, partition, offset), next to the inbox,

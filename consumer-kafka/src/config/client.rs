@@ -50,6 +50,9 @@ impl KafkaConfig {
         c.set("statistics.interval.ms", STATISTICS_INTERVAL_MS);
         self.properties.apply(&mut c);
         self.consumer_properties.apply(&mut c);
+        if let Some(id) = &self.instance_id {
+            c.set("group.instance.id", id);
+        }
         // Last, so nothing above can override them (validate rejects them anyway).
         c.set(
             "enable.auto.commit",

@@ -28,6 +28,7 @@ impl KafkaConfig {
     /// | `KAFKA_COMMIT_INTERVAL_MS`, `KAFKA_REVOKE_TIMEOUT_MS`, `KAFKA_PRODUCE_TIMEOUT_MS` | durations |
     /// | `KAFKA_MAX_BUFFERED_PER_PARTITION` | `max_buffered_per_partition` |
     /// | `KAFKA_MAX_BUFFERED_BYTES_PER_PARTITION` | `max_buffered_bytes_per_partition` |
+    /// | `KAFKA_INSTANCE_ID` | `instance_id` (static membership) |
     /// | `KAFKA_PROPERTY_<NAME>` | `properties` |
     /// | `KAFKA_CONSUMER_PROPERTY_<NAME>` | `consumer_properties` |
     /// | `KAFKA_PRODUCER_PROPERTY_<NAME>` | `producer_properties` |
@@ -92,6 +93,7 @@ impl KafkaConfig {
                 "KAFKA_RETRY_TOPIC_SUFFIX" => c.retry_topic_suffix = value.to_owned(),
                 "KAFKA_DLQ_TOPIC_SUFFIX" => c.dead_letter_topic_suffix = value.to_owned(),
                 "KAFKA_MESSAGE_ID_HEADER" => c.message_id_header = value.to_owned(),
+                "KAFKA_INSTANCE_ID" => c.instance_id = Some(value.to_owned()),
                 "KAFKA_OFFSET_MESSAGE_IDS" => {
                     c.offset_message_ids = value
                         .parse()
@@ -153,6 +155,7 @@ mod tests {
             ("KAFKA_ORDER", "key"),
             ("KAFKA_RETRY_MODE", "blocking"),
             ("KAFKA_OFFSET_MESSAGE_IDS", "true"),
+            ("KAFKA_INSTANCE_ID", "invoices-0"),
             ("KAFKA_PROPERTY_SECURITY_PROTOCOL", "SASL_PLAINTEXT"),
             ("KAFKA_PROPERTY_SASL_PASSWORD", "pw"),
             ("KAFKA_CONSUMER_PROPERTY_SESSION_TIMEOUT_MS", "6000"),
@@ -164,6 +167,7 @@ mod tests {
         assert_eq!(c.order, ProcessingOrder::Key);
         assert_eq!(c.retry, RetryMode::Blocking);
         assert!(c.offset_message_ids);
+        assert_eq!(c.instance_id.as_deref(), Some("invoices-0"));
         assert_eq!(
             c.properties.get("security.protocol"),
             Some("SASL_PLAINTEXT")

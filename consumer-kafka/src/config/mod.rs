@@ -115,6 +115,18 @@ pub struct KafkaConfig {
     pub revoke_timeout: Duration,
     /// Longest wait for a retry or dead-letter copy's delivery report (default 30s).
     pub produce_timeout: Duration,
+    /// Static group membership (`group.instance.id`, KIP-345): a name this worker keeps
+    /// across restarts, unique in its group, e.g. a StatefulSet pod's name or a process
+    /// slot. Off by default (`None`).
+    ///
+    /// With it, a worker that restarts within the session timeout takes its partitions
+    /// back at once, without a rebalance of the group; without it, a killed worker's
+    /// partitions wait for the session timeout, then for a rebalance. The price: a static
+    /// member that stops, even cleanly, does not leave the group, so its partitions wait
+    /// for the session timeout when it does not come back; and two live workers with the
+    /// same name fence each other (the older one is told `FENCED_INSTANCE_ID` and stops
+    /// with an error).
+    pub instance_id: Option<String>,
 }
 
 impl KafkaConfig {
@@ -143,6 +155,7 @@ impl KafkaConfig {
             max_buffered_bytes_per_partition: 1 << 20,
             revoke_timeout: Duration::from_secs(10),
             produce_timeout: Duration::from_secs(30),
+            instance_id: None,
         }
     }
 

@@ -16,6 +16,7 @@ const RESERVED: &[(&str, &str)] = &[
     ("bootstrap.servers", "set `brokers` instead"),
     ("metadata.broker.list", "set `brokers` instead"),
     ("group.id", "set `group_id` instead"),
+    ("group.instance.id", "set `instance_id` instead"),
     (
         "enable.auto.commit",
         "set `commit` instead (offsets are committed only up to the last contiguous settled record)",
@@ -37,6 +38,9 @@ impl KafkaConfig {
     pub fn validate(&self) -> Result<(), Error> {
         validate_brokers(&self.brokers)?;
         validate_group(&self.group_id)?;
+        if let Some(id) = &self.instance_id {
+            validate_instance_id(id)?;
+        }
         if self.topics.is_empty() {
             return Err(Error::config("topics", "at least one topic is required"));
         }
@@ -180,6 +184,23 @@ fn validate_group(group: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// A static member's name: a stable, printable name, like a group's.
+fn validate_instance_id(id: &str) -> Result<(), Error> {
+    if id.trim().is_empty() || id.trim() != id {
+        return Err(Error::config(
+            "instance_id",
+            "must not be empty nor start or end with whitespace",
+        ));
+    }
+    if id.len() > 249 || id.chars().any(char::is_control) {
+        return Err(Error::config(
+            "instance_id",
+            "must be at most 249 characters without control characters",
+        ));
+    }
+    Ok(())
+}
+
 /// Kafka's own rule: 1..=249 of `[a-zA-Z0-9._-]`, not `.` or `..`.
 pub(crate) fn validate_topic(field: &str, topic: &str) -> Result<(), Error> {
     let ok = !topic.is_empty()
@@ -275,6 +296,12 @@ mod tests {
         let mut c = valid();
         c.group_id = " ".into();
         assert_eq!(field_of(&c), "group_id");
+        let mut c = valid();
+        c.instance_id = Some(" worker-1".into());
+        assert_eq!(field_of(&c), "instance_id");
+        let mut c = valid();
+        c.consumer_properties.set("group.instance.id", "worker-1");
+        assert_eq!(field_of(&c), "consumer_properties.group.instance.id");
         let mut c = valid();
         c.message_id_header = String::new();
         assert_eq!(field_of(&c), "message_id_header");

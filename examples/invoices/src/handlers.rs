@@ -20,8 +20,8 @@ static SIMULATED_WORK_MS: AtomicU64 = AtomicU64::new(0);
 static SLOW_JOB_MS: AtomicU64 = AtomicU64::new(0);
 
 /// Makes the handlers sleep `slow` on each slow job ([`InvoiceJob::is_slow`]; the
-/// `SLOW_JOB_MS` setting, 0 = off): the chaos suite uses it to outlast Kafka's
-/// `max.poll.interval.ms`.
+/// `SLOW_JOB_MS` setting, 0 = off): the chaos suite uses it to outlast the Kafka
+/// transport's revoke timeout, so records are in flight across rebalances.
 pub fn set_slow_jobs(slow: Duration) {
     let ms = u64::try_from(slow.as_millis()).unwrap_or(u64::MAX);
     SLOW_JOB_MS.store(ms, Ordering::Relaxed);

@@ -1,0 +1,93 @@
+//! The Kafka transport across a broker restart: the broker started by `scripts/kafka.sh`
+//! is restarted (same port, same log) while a worker consumes; records keep flowing once
+//! it is back, none is lost or takes effect twice, and the offsets are committed again.
+//!
+//! Its own test binary: it restarts the broker every Kafka test shares, and cargo runs
+//! one test binary at a time.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use consumer_kafka::ProcessingOrder;
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use serde_json::json;
+
+fn jobs(range: std::ops::Range<usize>) -> Vec<(String, String, serde_json::Value)> {
+    range
+        .map(|i| {
+            let id = format!("job-{i}");
+            let body = json!({ "id": id, "sleep_ms": 10 });
+            (format!("key-{}", i % 13), id, body)
+        })
+        .collect()
+}
+
+/// `scripts/kafka.sh restart`: a clean stop, then a start on the same port and data.
+async fn restart_broker() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(script).arg("restart").output()
+    })
+    .await
+    .expect("the restart's task")
+    .expect("run scripts/kafka.sh restart");
+    assert!(
+        out.status.success(),
+        "scripts/kafka.sh restart failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_keep_flowing_across_a_broker_restart_without_loss_or_duplicates() {
+    let env = KafkaEnv::new("brokerrestart", 3).await;
+    let mut config = env.config();
+    config.order = ProcessingOrder::Key;
+    let ends_a = publish_all(&env.publisher(), &env.topic, 3, jobs(0..300)).await;
+    let running = Running::start(&env, config, worker_config(4)).await;
+    wait_for(
+        "50 effects before the restart",
+        Duration::from_secs(60),
+        || async { env.effect_count().await >= 50 },
+    )
+    .await;
+    let committed_before = env.committed().await;
+
+    restart_broker().await;
+    let before = env.effect_count().await;
+    // Published after the restart: the producer reconnects as the consumer does.
+    let ends_b = publish_all(&env.publisher(), &env.topic, 3, jobs(300..600)).await;
+    let ends: Vec<i64> = ends_a.iter().zip(&ends_b).map(|(a, b)| *a.max(b)).collect();
+    wait_for(
+        "all 600 effects and every offset committed after the restart",
+        Duration::from_secs(120),
+        || async { env.effect_count().await >= 600 && env.committed_up_to(&ends).await },
+    )
+    .await;
+    let stats = running.stop().await;
+
+    let effects = env.effects().await;
+    let mut per_job: HashMap<&str, usize> = HashMap::new();
+    for (job, _) in &effects {
+        *per_job.entry(job.as_str()).or_default() += 1;
+    }
+    assert_eq!(per_job.len(), 600, "every job took effect ({stats:?})");
+    let twice: Vec<_> = per_job.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "jobs with more than one effect: {twice:?}"
+    );
+    assert!(
+        before < 600,
+        "the restart came after the last effect ({before}): it interrupted nothing"
+    );
+    let committed_after = env.committed().await;
+    assert!(
+        committed_after
+            .iter()
+            .zip(&committed_before)
+            .any(|(after, before)| after > before),
+        "no commit after the restart: {committed_before:?} -> {committed_after:?}"
+    );
+}

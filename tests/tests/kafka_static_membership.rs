@@ -1,0 +1,111 @@
+//! The Kafka transport with static membership (`KafkaConfig::instance_id`): a worker that
+//! crashes and comes back under the same name takes its own partitions back at once, with
+//! no rebalance of the group, long before its session would have expired; every job takes
+//! effect exactly once.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use consumer_kafka::ProcessingOrder;
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
+use serde_json::json;
+
+/// Longer than the restart may take: without static membership the dead member's
+/// partitions would wait this long (classic protocol; the consumer protocol's session is
+/// the broker's, `scripts/kafka.sh`).
+const SESSION_TIMEOUT_MS: &str = "45000";
+
+/// How soon the restarted member must own its partitions again.
+const TAKEN_BACK_WITHIN: Duration = Duration::from_secs(8);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_static_member_takes_its_partitions_back_at_once() {
+    let env = KafkaEnv::new("static", 4).await;
+    let mut config = env.config();
+    config.order = ProcessingOrder::Key;
+    if config
+        .consumer_properties
+        .get("session.timeout.ms")
+        .is_some()
+    {
+        config
+            .consumer_properties
+            .set("session.timeout.ms", SESSION_TIMEOUT_MS);
+    }
+    let named = |name: &str| {
+        let mut c = config.clone();
+        c.instance_id = Some(format!("{}-{name}", env.group));
+        c
+    };
+    let jobs = |range: std::ops::Range<usize>| -> Vec<_> {
+        range
+            .map(|i| {
+                let id = format!("job-{i}");
+                let body = json!({ "id": id, "sleep_ms": 20 });
+                (format!("key-{}", i % 17), id, body)
+            })
+            .collect()
+    };
+    let ends_a = publish_all(&env.publisher(), &env.topic, 4, jobs(0..200)).await;
+
+    let a = Running::start(&env, named("a"), worker_config(4)).await;
+    let b = Running::start(&env, named("b"), worker_config(4)).await;
+    // Every partition the member owns, of the main topic and its retry topic (the
+    // consumer protocol's assignor may give one member all of one topic).
+    let owned =
+        |w: &Running| -> Vec<(String, i32)> { w.observer.assignment().into_iter().collect() };
+    wait_for(
+        "the eight partitions spread over both members, and 50 effects",
+        Duration::from_secs(60),
+        || async {
+            let (pa, pb) = (owned(&a), owned(&b));
+            !pa.is_empty()
+                && !pb.is_empty()
+                && pa.len() + pb.len() == 8
+                && env.effect_count().await >= 50
+        },
+    )
+    .await;
+    let owned_by_a = owned(&a);
+    let b_revocations = b.observer.revocations();
+
+    // A crash: nothing in flight settles, the member does not leave the group.
+    a.kill().await;
+    let restarted = Instant::now();
+    let a2 = Running::start(&env, named("a"), worker_config(4)).await;
+    wait_for(
+        "the restarted member to own its partitions again",
+        TAKEN_BACK_WITHIN,
+        || async { owned(&a2) == owned_by_a },
+    )
+    .await;
+    let took = restarted.elapsed();
+    assert_eq!(
+        b.observer.revocations(),
+        b_revocations,
+        "the other member was not rebalanced"
+    );
+
+    let ends_b = publish_all(&env.publisher(), &env.topic, 4, jobs(200..400)).await;
+    let ends: Vec<i64> = ends_a.iter().zip(&ends_b).map(|(x, y)| *x.max(y)).collect();
+    wait_for(
+        "all 400 effects and every offset committed",
+        Duration::from_secs(90),
+        || async { env.effect_count().await >= 400 && env.committed_up_to(&ends).await },
+    )
+    .await;
+    a2.stop().await;
+    b.stop().await;
+
+    let mut per_job: HashMap<String, usize> = HashMap::new();
+    for (job, _) in env.effects().await {
+        *per_job.entry(job).or_default() += 1;
+    }
+    assert_eq!(per_job.len(), 400, "every job took effect");
+    let twice: Vec<_> = per_job.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "jobs with more than one effect: {twice:?}"
+    );
+    eprintln!("static membership: partitions {owned_by_a:?} taken back after {took:?}");
+}
