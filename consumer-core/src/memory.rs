@@ -1,11 +1,13 @@
 //! An in-memory broker with real at-least-once behaviour, for the embedded default and fast
-//! tests: unacked deliveries of a dropped consumer are redelivered (flagged `redelivered`),
-//! retries come back after their delay without blocking anything, and dead letters are kept
-//! with their reason, in memory ([`MemoryBroker::dead_letters`]) and, since that memory ends
-//! with the process, by the runtime in the inbox's dead-letter table
+//! tests: unacked deliveries of a dropped consumer, or of one whose connection is lost
+//! ([`Connection::lose`]), are redelivered (flagged `redelivered`), retries come back after
+//! their delay without blocking anything, and dead letters are kept with their reason, in
+//! memory ([`MemoryBroker::dead_letters`]) and, since that memory ends with the process, by
+//! the runtime in the inbox's dead-letter table
 //! ([`Inbox::dead_letters`](crate::Inbox::dead_letters)).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
@@ -105,6 +107,35 @@ struct State {
     next_consumer: u64,
 }
 
+impl State {
+    /// An id no consumer or connection had: what a delivery's acker must still match.
+    fn new_consumer_id(&mut self) -> u64 {
+        self.next_consumer += 1;
+        self.next_consumer
+    }
+}
+
+impl Queue {
+    /// Returns the unsettled deliveries of `consumer` to the front of the queue, in delivery
+    /// order, flagged redelivered: their tags can no longer be settled.
+    fn requeue(&mut self, consumer: u64) {
+        let mut mine: Vec<u64> = self
+            .unacked
+            .iter()
+            .filter(|(_, (c, _))| *c == consumer)
+            .map(|(t, _)| *t)
+            .collect();
+        // Back in delivery order, ahead of newer messages.
+        mine.sort_unstable();
+        for tag in mine.into_iter().rev() {
+            if let Some((_, mut stored)) = self.unacked.remove(&tag) {
+                stored.redelivered = true;
+                self.ready.push_front(stored);
+            }
+        }
+    }
+}
+
 struct Shared {
     state: Mutex<State>,
     notify: Notify,
@@ -197,11 +228,13 @@ impl MemoryBroker {
     /// Starts a consumer on `queue`. Dropping it returns its unsettled deliveries to the front
     /// of the queue, flagged redelivered, like a closed AMQP channel.
     pub fn consume(&self, queue: &str) -> MemoryConsumer {
-        let id = {
+        let link = {
             let mut state = self.shared.lock();
             state.queues.entry(queue.to_owned()).or_default();
-            state.next_consumer += 1;
-            state.next_consumer
+            Arc::new(Link {
+                id: AtomicU64::new(state.new_consumer_id()),
+                lost: AtomicBool::new(false),
+            })
         };
         let shared = self.shared.clone();
         // Shared by every delivery and acknowledger of this consumer.
@@ -209,7 +242,7 @@ impl MemoryBroker {
             queue: Arc::from(queue),
             scope: format!("memory:{}/{queue}", self.shared.id),
         });
-        let stream = futures::stream::unfold((), move |()| {
+        let stream = futures::stream::unfold(link.clone(), move |link| {
             let shared = shared.clone();
             let names = names.clone();
             async move {
@@ -217,8 +250,12 @@ impl MemoryBroker {
                     let notified = shared.notify.notified();
                     futures::pin_mut!(notified);
                     notified.as_mut().enable();
-                    if let Some(incoming) = take(&shared, &names, id) {
-                        return Some((Ok(incoming), ()));
+                    if link.lost.swap(false, Ordering::AcqRel) {
+                        let lost = TransportError::msg("the connection to the broker was lost");
+                        return Some((Err(lost), link));
+                    }
+                    if let Some(incoming) = take(&shared, &names, &link) {
+                        return Some((Ok(incoming), link));
                     }
                     notified.await;
                 }
@@ -226,9 +263,11 @@ impl MemoryBroker {
         })
         .boxed();
         MemoryConsumer {
-            shared: self.shared.clone(),
-            queue: queue.to_owned(),
-            id,
+            connection: Connection {
+                shared: self.shared.clone(),
+                queue: queue.to_owned(),
+                link,
+            },
             stream,
         }
     }
@@ -279,9 +318,19 @@ struct ConsumerNames {
     scope: String,
 }
 
-fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, consumer: u64) -> Option<Incoming> {
+/// A consumer's connection: its current id (a new one after each loss: the deliveries of a
+/// lost connection keep the old one, which no longer settles), and whether its stream is yet
+/// to report a loss.
+struct Link {
+    /// Changed only under the broker's lock, and read under it by [`take`].
+    id: AtomicU64,
+    lost: AtomicBool,
+}
+
+fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, link: &Link) -> Option<Incoming> {
     let queue = &*names.queue;
     let mut state = shared.lock();
+    let consumer = link.id.load(Ordering::Acquire);
     state.next_tag += 1;
     let tag = state.next_tag;
     let q = state.queues.get_mut(queue)?;
@@ -315,17 +364,23 @@ fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, consumer: u64) -> Opti
 
 /// A consumer of one queue: a [`crate::Transport`].
 pub struct MemoryConsumer {
-    shared: Arc<Shared>,
-    queue: String,
-    id: u64,
+    connection: Connection,
     stream: BoxStream<'static, Result<Incoming, TransportError>>,
+}
+
+impl MemoryConsumer {
+    /// A handle on this consumer's connection, to lose it while the consumer is in use (see
+    /// [`Connection::lose`]).
+    pub fn connection(&self) -> Connection {
+        self.connection.clone()
+    }
 }
 
 impl std::fmt::Debug for MemoryConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryConsumer")
-            .field("queue", &self.queue)
-            .field("id", &self.id)
+            .field("queue", &self.connection.queue)
+            .field("id", &self.connection.link.id.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -343,23 +398,50 @@ impl Stream for MemoryConsumer {
 
 impl Drop for MemoryConsumer {
     fn drop(&mut self) {
+        self.connection.requeue(false);
+    }
+}
+
+/// The connection of a [`MemoryConsumer`], to make it fail as a broker connection does.
+#[derive(Clone)]
+pub struct Connection {
+    shared: Arc<Shared>,
+    queue: String,
+    link: Arc<Link>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Connection {
+    /// Loses the connection, as a RabbitMQ connection loss does: the consumer's unsettled
+    /// deliveries go back to the front of the queue, flagged redelivered, and can no longer
+    /// be settled (settling one fails, as a delivery tag of a closed channel does). The
+    /// consumer's stream then yields one [`TransportError`] and consumes again on a new
+    /// connection, as `consumer-amqp`'s consumer reconnects; a transport that does not
+    /// reconnect ends its stream there instead.
+    pub fn lose(&self) {
+        self.requeue(true);
+    }
+
+    /// Requeues the unsettled deliveries of the current connection; with `reconnect`, the
+    /// consumer goes on under a new one and reports the loss.
+    fn requeue(&self, reconnect: bool) {
         {
             let mut state = self.shared.lock();
+            let old = self.link.id.load(Ordering::Acquire);
+            if reconnect {
+                let new = state.new_consumer_id();
+                self.link.id.store(new, Ordering::Release);
+                self.link.lost.store(true, Ordering::Release);
+            }
             if let Some(q) = state.queues.get_mut(&self.queue) {
-                let mut mine: Vec<u64> = q
-                    .unacked
-                    .iter()
-                    .filter(|(_, (c, _))| *c == self.id)
-                    .map(|(t, _)| *t)
-                    .collect();
-                // Back in delivery order, ahead of newer messages.
-                mine.sort_unstable();
-                for tag in mine.into_iter().rev() {
-                    if let Some((_, mut stored)) = q.unacked.remove(&tag) {
-                        stored.redelivered = true;
-                        q.ready.push_front(stored);
-                    }
-                }
+                q.requeue(old);
             }
         }
         self.shared.notify.notify_waiters();
@@ -455,68 +537,4 @@ impl Acknowledger for MemoryAcker {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
-
-    fn msg(id: &str) -> Message {
-        Message::json(id, &serde_json::json!({"id": id}))
-    }
-
-    #[tokio::test]
-    async fn unacked_deliveries_of_a_dropped_consumer_come_back_redelivered() {
-        let broker = MemoryBroker::new();
-        broker.publish("q", msg("a"));
-        broker.publish("q", msg("b"));
-        let mut c1 = broker.consume("q");
-        let a = c1.next().await.unwrap().unwrap();
-        assert!(!a.delivery.redelivered);
-        drop(a);
-        drop(c1);
-        let mut c2 = broker.consume("q");
-        let again = c2.next().await.unwrap().unwrap();
-        assert_eq!(again.delivery.message_id.as_deref(), Some("a"));
-        assert!(again.delivery.redelivered);
-        again.acker.settle(Settlement::Ack).await.unwrap();
-        let b = c2.next().await.unwrap().unwrap();
-        assert_eq!(b.delivery.message_id.as_deref(), Some("b"));
-        b.acker.settle(Settlement::Ack).await.unwrap();
-        assert!(broker.depth("q").is_drained());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn retry_comes_back_after_its_delay_without_blocking_others() {
-        let broker = MemoryBroker::new();
-        broker.publish("q", msg("slow"));
-        let mut c = broker.consume("q");
-        let first = c.next().await.unwrap().unwrap();
-        first
-            .acker
-            .settle(Settlement::Retry {
-                delay: Duration::from_secs(5),
-                attempt: 2,
-            })
-            .await
-            .unwrap();
-        broker.publish("q", msg("fast"));
-        let fast = c.next().await.unwrap().unwrap();
-        assert_eq!(fast.delivery.message_id.as_deref(), Some("fast"));
-        assert_eq!(broker.depth("q").delayed, 1);
-        let start = tokio::time::Instant::now();
-        let retried = c.next().await.unwrap().unwrap();
-        assert!(start.elapsed() >= Duration::from_secs(4));
-        assert_eq!(retried.delivery.attempt, 2);
-        assert_eq!(retried.delivery.headers.get(ATTEMPT_HEADER), Some("2"));
-    }
-
-    #[tokio::test]
-    async fn stale_tags_cannot_be_settled() {
-        let broker = MemoryBroker::new();
-        broker.publish("q", msg("a"));
-        let mut c1 = broker.consume("q");
-        let a = c1.next().await.unwrap().unwrap();
-        drop(c1);
-        assert!(a.acker.settle(Settlement::Ack).await.is_err());
-        assert_eq!(broker.depth("q").ready, 1);
-    }
-}
+mod tests;

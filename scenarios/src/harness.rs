@@ -43,10 +43,40 @@ pub struct Harness<DB: Backend, H> {
     /// PostgreSQL terminates one of the harness's server processes (a worker's connection
     /// lost mid-statement, mid-commit or idle in its pool). `None` on SQLite.
     pub db_fault: Option<DbFault>,
+    /// Commits the model test makes fail, where the backend has a hook for it: given jobs
+    /// (by id) and how each fails, the next commit that writes a job's ledger row fails
+    /// that way, once; the retry of the same job commits. PostgreSQL: a deferred constraint
+    /// trigger on the ledger. `None` on SQLite.
+    pub commit_fault: Option<CommitFault>,
 }
 
 /// See [`Harness::db_fault`].
 pub type DbFault = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// See [`Harness::commit_fault`].
+pub type CommitFault = Arc<dyn CommitFaults>;
+
+/// Failures of chosen jobs' commits (see [`Harness::commit_fault`]).
+pub trait CommitFaults: Send + Sync {
+    /// Arms a failure of the next commit that writes each listed job's effect, once.
+    fn arm(&self, jobs: Vec<(String, CommitFailure)>) -> BoxFuture<'_, ()>;
+
+    /// How many of `jobs` (armed before) have had their commit fail: what shows that the
+    /// faults were made, not only armed.
+    fn tripped(&self, jobs: Vec<String>) -> BoxFuture<'_, usize>;
+}
+
+/// How a commit armed by [`Harness::commit_fault`] fails. Neither refuses the handler's
+/// writes: the runtime must take both as the database's failure, give the attempt back and
+/// retry the delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitFailure {
+    /// The session's connection is lost at the commit (its server process terminated):
+    /// whether the commit happened is unknown to the worker.
+    LostConnection,
+    /// The commit fails with a serialization failure (SQLSTATE 40001).
+    SerializationFailure,
+}
 
 /// A fresh SQLite file with the per-delivery record handler.
 pub async fn sqlite_harness(batch: Option<BatchConfig>) -> Harness<Sqlite, record_sqlite> {
@@ -97,6 +127,7 @@ pub async fn sqlite_harness_with<H>(handler: H, batch: Option<BatchConfig>) -> H
             })
         },
         db_fault: None,
+        commit_fault: None,
     }
 }
 

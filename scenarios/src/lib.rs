@@ -27,9 +27,9 @@
 //! - `http` (feature `http`): an HTTP answer read whole, for the tests of HTTP routes.
 //! - [`ignored_errors`]: a handler that ignores a failed statement and returns `Ok` (which
 //!   aborts a PostgreSQL transaction, not an SQLite one).
-//! - [`model`]: the randomized model test: seeded jobs, duplicates, redeliveries, crashes
-//!   and database faults, checked by one oracle (instantiated apart from the matrix, by
-//!   [`model!`]).
+//! - [`model`]: the randomized model test: seeded jobs, duplicates, redeliveries, crashes,
+//!   lost broker connections, failed commits and database faults, checked by one oracle
+//!   (instantiated apart from the matrix, by [`model!`]).
 //! - [`keys`]: a key's life in the inbox (guards, retention, batches, lost and overdue
 //!   copies, inboxes that share no locks, dead keys released).
 
@@ -48,7 +48,8 @@ pub mod model;
 pub mod runs;
 
 pub use harness::{
-    sqlite_bulk_harness, sqlite_harness, sqlite_harness_with, DbFault, Harness, BATCHED,
+    sqlite_bulk_harness, sqlite_harness, sqlite_harness_with, CommitFailure, CommitFault,
+    CommitFaults, DbFault, Harness, BATCHED,
 };
 
 /// Instantiates every scenario as a `#[tokio::test]` in a module named `$backend`:

@@ -5,22 +5,37 @@
 //! transiently a few times, fails every time, fails permanently, panics, times out, runs
 //! slowly, ignores a failed statement), how often it is published (duplicates) and in what
 //! order, which of its deliveries come as redeliveries (the counted path) rather than as
-//! first deliveries (the fresh path), and whether its worker crashes at a fault point
-//! (before the commit, after it, after the ack). Where the backend has a hook for it
-//! ([`Harness::db_fault`]: PostgreSQL), backends are terminated while the workers run.
-//! Workers are restarted after each crash until the queue is drained.
+//! first deliveries (the fresh path), and the faults:
+//!
+//! - a worker crash at a fault point (before the commit, after it, after the ack), for some
+//!   of the jobs that succeed at once;
+//! - lost broker connections
+//!   ([`Connection::lose`](consumer_core::memory::Connection::lose)), up to two a seed
+//!   (`MAX_DISCONNECTS`), each after a drawn delivery: the deliveries in flight can no
+//!   longer be settled and come back redelivered; the worker's stream either goes on, as a
+//!   consumer that reconnects, or ends there, and the worker is started again;
+//! - where the backend has hooks for them (PostgreSQL; SQLite has neither):
+//!   - a failed commit ([`Harness::commit_fault`]) for some of the jobs that succeed at
+//!     once: the first commit that writes the job's effect fails, by a lost connection or a
+//!     serialization failure, which must give the attempt back and retry;
+//!   - terminated backends ([`Harness::db_fault`]) while the workers run.
+//!
+//! Workers are restarted after each crash or ended stream until the queue is drained.
 //!
 //! The oracle, for every job: its effect committed exactly once (one ledger row, its key
 //! completed), or it is dead-lettered with the reason its behaviour calls for (no ledger
 //! row, its key dead, every dead letter with that reason, one row in the inbox's
 //! dead-letter table); no key is left pending. A job that fails every time may instead be
-//! quarantined when a crash or a database fault used up its last attempt.
+//! quarantined when a crash, a lost connection or a database fault used up its last
+//! attempt. Each seed also checks that its faults were made: every drawn connection loss
+//! happened, and every armed commit failed.
 //!
 //! [`model_seeds`] reads the seeds to run: `MODEL_SEED=S` runs seed S alone,
 //! `MODEL_SEEDS=N` runs N seeds from a random start; otherwise a fixed set. A failing seed
 //! is named in the failure, to be run again with `MODEL_SEED`.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,7 +46,7 @@ use futures::{FutureExt, StreamExt};
 use serde_json::json;
 
 use crate::env::{unique, DEADLINE};
-use crate::harness::{msg, Harness};
+use crate::harness::{msg, CommitFailure, Harness};
 
 /// The seeds CI runs in each mode: fixed, so a run is reproducible.
 const FIXED_SEEDS: [u64; 6] = [1, 2, 3, 5, 8, 13];
@@ -43,6 +58,9 @@ const MAX_ATTEMPTS: u32 = 8;
 
 /// Crashes in one seed, at most.
 const MAX_CRASHES: usize = 2;
+
+/// Lost broker connections in one seed, at most.
+const MAX_DISCONNECTS: u64 = 2;
 
 /// The handler's timeout in the model: a `Timeout` job sleeps past it.
 const HANDLER_TIMEOUT: Duration = Duration::from_millis(250);
@@ -117,7 +135,10 @@ impl Behaviour {
             Behaviour::Permanent => json!({ "id": id, "permanent": true }),
             Behaviour::Panics => json!({ "id": id, "panic": true }),
             Behaviour::TimesOut => {
-                let ms = HANDLER_TIMEOUT.as_millis() as u64 + 150;
+                // Far past the timeout, which cuts every attempt short, so this costs no
+                // time: a worker thread stalled past the sleep (a loaded machine) would see
+                // the handler finish in the poll where the timeout is due, and commit it.
+                let ms = HANDLER_TIMEOUT.as_millis() as u64 + 10_000;
                 json!({ "id": id, "sleep_ms": ms })
             }
             Behaviour::Slow => json!({ "id": id, "sleep_ms": 20 }),
@@ -152,6 +173,19 @@ struct Job {
     /// Where its worker crashes, once (only jobs that succeed at once get one, so that a
     /// crash never decides their outcome).
     crash: Option<FaultPoint>,
+    /// How its first commit fails, if it does (only jobs that succeed at once get one; where
+    /// the harness has no hook, it commits).
+    commit_fault: Option<CommitFailure>,
+}
+
+/// A lost broker connection.
+#[derive(Debug, Clone, Copy)]
+struct Disconnect {
+    /// The delivery after which it is lost, counted from 1 over the seed's workers.
+    after: u32,
+    /// The worker's stream ends there (the worker returns and a new one starts), rather
+    /// than go on as a consumer that reconnects does.
+    ends: bool,
 }
 
 /// One seed's draw: the jobs, the order of the publications, which deliveries come as
@@ -165,6 +199,8 @@ struct Plan {
     redelivered_percent: u64,
     /// Backends to terminate while the workers run (where the harness can).
     db_faults: u32,
+    /// Lost broker connections, in delivery order.
+    disconnects: Vec<Disconnect>,
 }
 
 impl Plan {
@@ -187,11 +223,19 @@ impl Plan {
                         FaultPoint::AfterAck,
                     ][rng.below(3) as usize]
                 });
+                let commit_fault = (succeeds_at_once && rng.chance(20)).then(|| {
+                    if rng.chance(50) {
+                        CommitFailure::LostConnection
+                    } else {
+                        CommitFailure::SerializationFailure
+                    }
+                });
                 Job {
                     id: format!("s{seed}-j{i}"),
                     behaviour,
                     copies,
                     crash,
+                    commit_fault,
                 }
             })
             .collect();
@@ -212,11 +256,22 @@ impl Plan {
         for i in (1..order.len()).rev() {
             order.swap(i, rng.below(i as u64 + 1) as usize);
         }
+        // Every publication is delivered at least once: each drawn loss happens.
+        let publications = order.len() as u64;
+        let mut disconnects: Vec<Disconnect> = (0..rng.below(MAX_DISCONNECTS + 1))
+            .map(|_| Disconnect {
+                after: 1 + rng.below(publications) as u32,
+                ends: rng.chance(50),
+            })
+            .collect();
+        disconnects.sort_by_key(|d| d.after);
+        disconnects.dedup_by_key(|d| d.after);
         Plan {
             jobs,
             order,
             redelivered_percent: [0, 30, 100][rng.below(3) as usize],
             db_faults: rng.below(4) as u32,
+            disconnects,
         }
     }
 }
@@ -263,7 +318,7 @@ pub async fn the_model_holds_for_every_seed<DB: Backend, H: Handler<DB> + Clone>
 }
 
 /// One seed: draws its plan, runs workers until the queue is drained (restarting each one
-/// that crashed), and checks the oracle.
+/// that crashed or whose stream ended), and checks the oracle.
 async fn run_seed<DB: Backend, H: Handler<DB> + Clone>(h: &Harness<DB, H>, seed: u64) {
     let plan = Plan::draw(seed);
     let broker = MemoryBroker::new();
@@ -277,6 +332,19 @@ async fn run_seed<DB: Backend, H: Handler<DB> + Clone>(h: &Harness<DB, H>, seed:
         .iter()
         .filter_map(|j| j.crash.map(|point| (point, j.id.clone())));
     let faults = Arc::new(CrashOnce::new(FaultAction::StopWorker, crashes));
+    let failing_commits: Vec<_> = plan
+        .jobs
+        .iter()
+        .filter_map(|j| j.commit_fault.map(|how| (j.id.clone(), how)))
+        .collect();
+    let commit_faults = match &h.commit_fault {
+        Some(faults) if !failing_commits.is_empty() => {
+            let armed: Vec<String> = failing_commits.iter().map(|(id, _)| id.clone()).collect();
+            faults.arm(failing_commits).await;
+            Some((faults, armed))
+        }
+        _ => None,
+    };
     let mut config = h
         .config()
         .with_max_attempts(MAX_ATTEMPTS)
@@ -289,7 +357,7 @@ async fn run_seed<DB: Backend, H: Handler<DB> + Clone>(h: &Harness<DB, H>, seed:
     // Each worker's inbox (a process of its own), opened before any database fault: a
     // fault during an inbox's opening fails it, as it would fail a process's start.
     let mut inboxes = Vec::new();
-    for _ in 0..=MAX_CRASHES {
+    for _ in 0..=MAX_CRASHES + plan.disconnects.len() {
         inboxes.push((h.new_inbox)().await);
     }
     let db_faults = match &h.db_fault {
@@ -307,34 +375,77 @@ async fn run_seed<DB: Backend, H: Handler<DB> + Clone>(h: &Harness<DB, H>, seed:
         _ => None,
     };
 
-    let mut restarts = 0;
+    let (mut restarts, mut failed_starts) = (0, 0);
+    // Deliveries so far, over every worker: when each drawn connection loss happens.
+    let delivered = Arc::new(AtomicU32::new(0));
+    let disconnects: Arc<[Disconnect]> = plan.disconnects.clone().into();
     loop {
-        let inbox = inboxes.pop().expect("an inbox for each crash");
-        let worker = Worker::with_config(inbox, h.handler.clone(), config.clone()).expect("worker");
+        let inbox = inboxes
+            .pop()
+            .expect("an inbox for each crash and ended stream");
+        let worker =
+            Worker::with_config(inbox.clone(), h.handler.clone(), config.clone()).expect("worker");
         let percent = plan.redelivered_percent;
         let mut flips = Rng::new(seed ^ (restarts + 1));
-        let deliveries = broker.consume(&queue).map(move |item| {
-            item.map(|mut incoming| {
-                if incoming.delivery.attempt == 1 && flips.chance(percent) {
-                    incoming.delivery.origin = Origin::Unknown;
-                    incoming.delivery.redelivered = true;
+        let consumer = broker.consume(&queue);
+        let connection = consumer.connection();
+        let (delivered, disconnects) = (delivered.clone(), disconnects.clone());
+        // Whether the stream ends at the next loss it reports.
+        let mut ends = false;
+        let deliveries = consumer.scan((), move |_, item| {
+            let item = match item {
+                Ok(mut incoming) => {
+                    if incoming.delivery.attempt == 1 && flips.chance(percent) {
+                        incoming.delivery.origin = Origin::Unknown;
+                        incoming.delivery.redelivered = true;
+                    }
+                    let n = delivered.fetch_add(1, Ordering::Relaxed) + 1;
+                    if let Some(d) = disconnects.iter().find(|d| d.after == n) {
+                        // Lost with this delivery in flight: it comes back redelivered.
+                        ends = d.ends;
+                        connection.lose();
+                    }
+                    Some(Ok(incoming))
                 }
-                incoming
-            })
+                Err(_) if ends => None,
+                Err(lost) => Some(Err(lost)),
+            };
+            futures::future::ready(item)
         });
         let ran = tokio::time::timeout(DEADLINE, worker.run(deliveries, broker.drained(&queue)))
             .await
             .unwrap_or_else(|_| panic!("the queue was not drained in {DEADLINE:?}: {plan:?}"));
         match ran {
-            Ok(()) => break,
-            Err(Error::Crashed(_)) => restarts += 1,
+            Ok(()) if broker.depth(&queue).is_drained() => break,
+            // The stream ended at a lost connection: a new worker, as after a crash.
+            Ok(()) | Err(Error::Crashed(_)) => restarts += 1,
+            // A terminated backend met by the worker's start (its check of the key template)
+            // fails it before it takes a delivery, as it would fail a process's start: the
+            // same process starts again, once for each fault at most.
+            Err(Error::Database(_)) if db_faults.is_some() && failed_starts < plan.db_faults => {
+                failed_starts += 1;
+                inboxes.push(inbox);
+            }
             Err(e) => panic!("the worker failed: {e}"),
         }
     }
-    let faulted = restarts > 0 || db_faults.is_some();
+    let faulted = restarts > 0
+        || db_faults.is_some()
+        || commit_faults.is_some()
+        || !plan.disconnects.is_empty();
     if let Some(task) = db_faults {
         task.abort();
         let _ = task.await;
+    }
+    // The faults drawn were made, not only drawn.
+    let lost = plan.disconnects.last().map_or(0, |d| d.after);
+    assert!(
+        delivered.load(Ordering::Relaxed) >= lost,
+        "every drawn connection loss happened: {plan:?}"
+    );
+    if let Some((faults, armed)) = commit_faults {
+        let tripped = faults.tripped(armed.clone()).await;
+        assert_eq!(tripped, armed.len(), "every armed commit failed: {armed:?}");
     }
     // A pool of its own, opened after the last fault.
     let inbox = (h.new_inbox)().await;
