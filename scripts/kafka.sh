@@ -252,10 +252,16 @@ start_node() {
     printf '%s\n' "$!" >"$dir/kafka.pid"
 }
 
+# The process started for node $1 is alive (it may not have become java yet).
+node_alive() {
+    local pid
+    pid=$(cat "$(node_dir "$1")/kafka.pid" 2>/dev/null) && kill -0 "$pid" 2>/dev/null
+}
+
 wait_node() {
     local i="$1" deadline=$((SECONDS + TIMEOUT))
     until node_ready "$i"; do
-        if ! node_pid "$i" >/dev/null; then
+        if ! node_alive "$i"; then
             tail -n 30 "$(node_dir "$i")/kafka.log" >&2 || true
             die "Kafka node $i exited during start"
         fi

@@ -27,11 +27,6 @@ const PUBLISHER_MAX_MESSAGE_BYTES: &str = "16777216";
 const MAX_POLL_INTERVAL_MS: u64 = 7_000;
 /// How long a revoke waits for records in flight before it gives them up.
 const REVOKE_TIMEOUT_MS: u64 = 500;
-/// Slow jobs outlast the revoke timeout three times over, so revokes give up on records in
-/// flight, yet finish in a worker's usual lifetime under the profile's kills and fault
-/// points (8 s jobs, longer than `max.poll.interval.ms`, did not: CHAOS.md). A handler
-/// longer than `max.poll.interval.ms` is the `kafka_poll_interval` test's.
-const SLOW_JOB_MS: u64 = 3 * REVOKE_TIMEOUT_MS;
 
 /// Where every partition of a run's topics starts: they are created for the run and nothing
 /// is deleted from them.
@@ -46,11 +41,6 @@ pub(crate) struct Kafka {
     /// Per handler: its topic's configuration (topic and group).
     configs: Vec<(Part, KafkaConfig)>,
     publisher: KafkaPublisher,
-}
-
-/// The environment that makes 1 % of jobs slower than `max.poll.interval.ms`.
-pub(crate) fn slow_job_env() -> Vec<(String, String)> {
-    vec![("SLOW_JOB_MS".to_owned(), SLOW_JOB_MS.to_string())]
 }
 
 impl Kafka {

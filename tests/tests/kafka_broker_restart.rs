@@ -44,7 +44,9 @@ async fn records_keep_flowing_across_a_broker_restart_without_loss_or_duplicates
     let env = KafkaEnv::new("brokerrestart", 3).await;
     let mut config = env.config();
     config.order = ProcessingOrder::Key;
-    let ends_a = publish_all(&env.publisher(), &env.topic, 3, jobs(0..300)).await;
+    // One producer throughout, as a service's: it must carry on after the restart.
+    let publisher = env.publisher();
+    let ends_a = publish_all(&publisher, &env.topic, 3, jobs(0..300)).await;
     let running = Running::start(&env, config, worker_config(4)).await;
     wait_for(
         "50 effects before the restart",
@@ -54,10 +56,25 @@ async fn records_keep_flowing_across_a_broker_restart_without_loss_or_duplicates
     .await;
     let committed_before = env.committed().await;
 
+    // Published one at a time while the broker stops and starts: records in flight at the
+    // restart are retried by the producer, which reconnects as the consumer does.
+    let publishing = tokio::spawn({
+        let (publisher, topic) = (publisher.clone(), env.topic.clone());
+        async move {
+            let mut ends = vec![0; 3];
+            for job in jobs(300..600) {
+                let w = publish_all(&publisher, &topic, 3, vec![job]).await;
+                for (end, w) in ends.iter_mut().zip(w) {
+                    *end = (*end).max(w);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            ends
+        }
+    });
     restart_broker().await;
     let before = env.effect_count().await;
-    // Published after the restart: the producer reconnects as the consumer does.
-    let ends_b = publish_all(&env.publisher(), &env.topic, 3, jobs(300..600)).await;
+    let ends_b = publishing.await.expect("the publishing task");
     let ends: Vec<i64> = ends_a.iter().zip(&ends_b).map(|(a, b)| *a.max(b)).collect();
     wait_for(
         "all 600 effects and every offset committed after the restart",

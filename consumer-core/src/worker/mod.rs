@@ -524,8 +524,15 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     }
                     Decision::Quarantine { attempts, error } => {
                         let reason = DeadLetterReason::Quarantined;
-                        self.record_failure(lease.conn(), job.key(), Some(reason), &error)
-                            .await;
+                        let (conn, delivery) = (lease.conn(), &job.delivery);
+                        let key = job.key();
+                        if let Err(verdict) = self
+                            .record_failure(conn, delivery, key, Some(reason), &error)
+                            .await
+                        {
+                            settled.push(self.settled(job, verdict));
+                            continue;
+                        }
                         self.stats.quarantined.bump();
                         let verdict = Verdict::dead_letter(
                             &self.name,

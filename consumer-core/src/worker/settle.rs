@@ -325,8 +325,13 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             AfterFailure::DeadLetter(reason) => Some(reason),
             AfterFailure::Retry { .. } => None,
         };
-        self.record_failure(conn, job.key(), reason, &error).await;
         tracing::warn!(key = job.key(), attempt = job.attempt, error = %error, "handler failed");
+        if let Err(verdict) = self
+            .record_failure(conn, &job.delivery, job.key(), reason, &error)
+            .await
+        {
+            return verdict;
+        }
         match next {
             AfterFailure::DeadLetter(reason) => Verdict::dead_letter(
                 &s.name,
@@ -347,21 +352,35 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     }
 
     /// Records a failed attempt's error in the key's row; with a `reason`, the key is dead.
+    ///
+    /// A key must be dead before its dead letter goes out: a dead letter whose key stayed
+    /// pending could never be replayed as dead, and the key would block its message for
+    /// ever. So when a dead state cannot be written (the database went away), the
+    /// delivery is retried as after any database error (`Err`, the verdict to settle with)
+    /// and its next delivery, its attempts used up, dead-letters it again. A retry's error
+    /// text that cannot be written is only logged.
     pub(super) async fn record_failure(
         &self,
         conn: &mut DB::Connection,
+        delivery: &Delivery,
         key: &str,
         reason: Option<DeadLetterReason>,
         error: &str,
-    ) {
+    ) -> Result<(), Verdict> {
         let text = dead_text(reason, error);
         let names = self.inbox.names();
         let (dead, retention) = (reason.is_some(), self.settings.retention);
-        if let Err(e) =
-            DB::record_failure(conn, names, &self.name, key, &text, dead, retention).await
-        {
-            self.stats.db_errors.bump();
-            tracing::warn!(error = %e, "could not record the failure in the inbox");
+        match DB::record_failure(conn, names, &self.name, key, &text, dead, retention).await {
+            Ok(()) => Ok(()),
+            Err(e) if dead => {
+                tracing::warn!(key, error = %e, "could not mark the key dead: retried instead of dead-lettered");
+                Err(self.retry_after_db_error(delivery, &e))
+            }
+            Err(e) => {
+                self.stats.db_errors.bump();
+                tracing::warn!(key, error = %e, "could not record the failure in the inbox");
+                Ok(())
+            }
         }
     }
 
