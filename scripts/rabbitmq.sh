@@ -13,6 +13,26 @@
 #
 # Exports: AMQP_URL=amqp://consumer:consumer@127.0.0.1:PORT/%2f
 #
+# A cluster of N nodes on this machine, beside the single node (which it never touches):
+#
+#   eval "$(scripts/rabbitmq.sh cluster 3)"  # start or reuse, export AMQP_CLUSTER_URLS
+#   scripts/rabbitmq.sh node stop|kill|start|restart|status I   # node I (1..N) alone;
+#                                       # kill = SIGKILL, crash-like
+#   scripts/rabbitmq.sh node ctl I ARGS...   # rabbitmqctl against node I
+#   scripts/rabbitmq.sh cluster-stop    # clean shutdown of every node
+#
+# Exports: AMQP_CLUSTER_URLS=amqp://consumer:consumer@127.0.0.1:5772/%2f,...:5773/%2f,...
+#
+# Node I is consumer-cI@localhost (with a checksum of the state dir in the name when
+# CONSUMER_STATE_DIR is not the default), AMQP port CONSUMER_RABBITMQ_CLUSTER_PORT + I - 1,
+# Erlang distribution port AMQP port + 20000; the nodes share one Erlang cookie. The nodes
+# start side by side (a node that was not the last one stopped waits for its peers at
+# boot); nodes 2..N then join node 1 (join_cluster) unless they are members already, so a
+# second `cluster N` reuses the running or stopped cluster. Quorum queues declared on it
+# get a replica on every node (the initial group size defaults to the cluster's size).
+# State: ${CONSUMER_STATE_DIR:-/tmp/consumer-test}/rabbitmq-cluster/nodeI (same layout as
+# the single node's, below), home/.erlang.cookie shared, env (the export line).
+#
 # The user consumer/consumer (administrator, full permissions on vhost /) is
 # created by the broker itself on first boot (default_user in rabbitmq.conf),
 # which needs no rabbitmqctl call; guest is not created.
@@ -35,21 +55,30 @@
 #                                 because it slows boot down
 #   CONSUMER_RABBITMQ_STOP_MODE   stop/restart: clean (default) or kill
 #                                 (SIGKILL, crash-like; recovery on next start)
+#   CONSUMER_RABBITMQ_CLUSTER_PORT  AMQP port of cluster node 1 (default 5772)
 set -euo pipefail
 
 # Absolute, because the broker and later callers run from other directories.
 STATE_DIR="$(realpath -m "${CONSUMER_STATE_DIR:-/tmp/consumer-test}")"
-RMQ_DIR="$STATE_DIR/rabbitmq"
-HOME_DIR="$RMQ_DIR/home"
-LOG_DIR="$RMQ_DIR/log"
-PID_FILE="$RMQ_DIR/rabbitmq.pid"
-PORT_FILE="$RMQ_DIR/port"
-URL_FILE="$RMQ_DIR/amqp_url"
-ENV_FILE="$RMQ_DIR/env"
-NODE_FILE="$RMQ_DIR/node"
+
+# Points the per-node variables at the node kept in directory $1, with its cookie in the
+# HOME directory $2: the functions below then act on that node.
+node_files() {
+    RMQ_DIR="$1"
+    HOME_DIR="$2"
+    LOG_DIR="$RMQ_DIR/log"
+    PID_FILE="$RMQ_DIR/rabbitmq.pid"
+    PORT_FILE="$RMQ_DIR/port"
+    URL_FILE="$RMQ_DIR/amqp_url"
+    ENV_FILE="$RMQ_DIR/env"
+    NODE_FILE="$RMQ_DIR/node"
+}
+node_files "$STATE_DIR/rabbitmq" "$STATE_DIR/rabbitmq/home"
 FIRST_PORT="${CONSUMER_RABBITMQ_PORT:-5672}"
 MANAGEMENT="${CONSUMER_RABBITMQ_MANAGEMENT:-0}"
 STOP_MODE="${CONSUMER_RABBITMQ_STOP_MODE:-clean}"
+CLUSTER_PORT="${CONSUMER_RABBITMQ_CLUSTER_PORT:-5772}"
+CLUSTER_DIR="$STATE_DIR/rabbitmq-cluster"
 RMQ_BIN=/usr/lib/rabbitmq/bin
 AMQP_USER=consumer
 AMQP_PASS=consumer
@@ -285,11 +314,117 @@ stop_rmq() {
     rm -f "$PID_FILE"
 }
 
+# ---- the cluster ----------------------------------------------------------------------
+
+# Points every per-node variable (RMQ_DIR, PID_FILE, NODE, ...) at cluster node $1; the
+# functions above then act on that node. HOME_DIR (the cookie) is shared by the nodes.
+use_node() {
+    local i="$1" sum=""
+    node_files "$CLUSTER_DIR/node$i" "$CLUSTER_DIR/home"
+    if [[ "$STATE_DIR" != /tmp/consumer-test ]]; then
+        sum="-$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1)"
+    fi
+    NODE="consumer-c$i$sum@localhost"
+    mkdir -p "$RMQ_DIR"
+    # A node keeps its port: the first start takes CLUSTER_PORT + I - 1.
+    [[ -s "$PORT_FILE" ]] || printf '%s\n' "$((CLUSTER_PORT + i - 1))" >"$PORT_FILE"
+}
+
+# The number of nodes of the cluster, as its last `cluster N` recorded it.
+cluster_size() {
+    [[ -s "$CLUSTER_DIR/size" ]] || die "no cluster here; run: scripts/rabbitmq.sh cluster 3"
+    cat "$CLUSTER_DIR/size"
+}
+
+# Node $1 (2..N) is a member of node 1's cluster, or becomes one (its own data is reset).
+join_node() {
+    local i="$1" first
+    use_node 1
+    first="$NODE"
+    use_node "$i"
+    if ctl -q cluster_status --formatter json | grep -q "\"$first\""; then
+        return 0
+    fi
+    log "node $i ($NODE) joins $first"
+    # The CLI's chatter (the app restarting) goes to the node's log dir.
+    {
+        ctl -q stop_app && ctl -q reset && ctl -q join_cluster "$first" && ctl -q start_app
+    } >>"$LOG_DIR/join.log" 2>&1 || { tail -n 20 "$LOG_DIR/join.log" >&2; die "node $i could not join $first"; }
+}
+
+start_cluster() {
+    local n="$1" i pids=() failed=0 urls=() started=$SECONDS
+    [[ "$n" =~ ^[1-9][0-9]?$ ]] || die "cluster size must be a number from 1 to 99, not ${n:-nothing}"
+    if [[ -s "$CLUSTER_DIR/size" && "$(cat "$CLUSTER_DIR/size")" != "$n" ]]; then
+        die "a cluster of $(cat "$CLUSTER_DIR/size") nodes is kept in $CLUSTER_DIR; stop it (cluster-stop) and remove that directory first"
+    fi
+    mkdir -p "$CLUSTER_DIR/home"
+    printf '%s\n' "$n" >"$CLUSTER_DIR/size"
+    if [[ ! -s "$CLUSTER_DIR/home/.erlang.cookie" ]]; then
+        (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CLUSTER_DIR/home/.erlang.cookie")
+        chmod 400 "$CLUSTER_DIR/home/.erlang.cookie"
+    fi
+    if [[ $EUID -eq 0 ]]; then
+        chown -R rabbitmq:rabbitmq "$CLUSTER_DIR"
+    fi
+    # Side by side: a node that was not the last one stopped waits for its peers at boot.
+    for ((i = 1; i <= n; i++)); do
+        (use_node "$i" && start_rmq keep) &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || { log "node $((i + 1)) did not start"; failed=1; }
+    done
+    ((failed == 0)) || die "the cluster did not start (logs: $CLUSTER_DIR/node*/log)"
+    for ((i = 2; i <= n; i++)); do
+        join_node "$i"
+    done
+    for ((i = 1; i <= n; i++)); do
+        use_node "$i"
+        urls+=("$(cat "$URL_FILE")")
+    done
+    (IFS=,; printf "export AMQP_CLUSTER_URLS='%s'\n" "${urls[*]}") >"$CLUSTER_DIR/env"
+    log "cluster of $n nodes ready in $((SECONDS - started)) s"
+}
+
+# `node stop|kill|start|restart|status|ctl I [ARGS...]`.
+node_cmd() {
+    local action="${1:-}" i="${2:-}" n
+    n=$(cluster_size)
+    [[ "$i" =~ ^[0-9]+$ ]] && ((i >= 1 && i <= n)) || die "node: the node must be 1..$n, not ${i:-nothing}"
+    shift 2
+    use_node "$i"
+    case "$action" in
+        stop) stop_rmq ;;
+        kill) STOP_MODE=kill stop_rmq ;;
+        start) start_rmq keep ;;
+        restart) stop_rmq && start_rmq keep ;;
+        status)
+            if rmq_running; then cat "$URL_FILE"; else log "node $i not running"; exit 3; fi
+            ;;
+        ctl)
+            exec 9>&-
+            ctl "$@"
+            ;;
+        *) log "node: unknown action ${action:-(none)}"; usage ;;
+    esac
+}
+
+stop_cluster() {
+    local n i
+    [[ -s "$CLUSTER_DIR/size" ]] || { log "no cluster here"; return 0; }
+    n=$(cat "$CLUSTER_DIR/size")
+    for ((i = n; i >= 1; i--)); do
+        use_node "$i"
+        stop_rmq
+    done
+}
+
 main() {
     local cmd="${1:-start}"
     [[ $# -gt 0 ]] && shift
     case "$cmd" in
-        start | env | stop | restart | status | ctl) ;;
+        start | env | stop | restart | status | ctl | cluster | node | cluster-stop) ;;
         -h | --help | help) usage ;;
         *) log "unknown command: $cmd"; usage ;;
     esac
@@ -304,11 +439,20 @@ main() {
         runuser -u rabbitmq -- test -x "$STATE_DIR" || die "user rabbitmq cannot access $STATE_DIR (check parent dir permissions)"
     fi
 
-    # Serialise concurrent callers (e.g. parallel test jobs all calling env).
-    exec 9>"$STATE_DIR/.rabbitmq.lock"
-    flock -w 300 9 || die "timed out waiting for $STATE_DIR/.rabbitmq.lock"
+    # Serialise concurrent callers (e.g. parallel test jobs all calling env); the cluster
+    # has its own lock, so the single node's callers never wait for it.
+    local lock="$STATE_DIR/.rabbitmq.lock"
+    case "$cmd" in cluster | node | cluster-stop) lock="$STATE_DIR/.rabbitmq-cluster.lock" ;; esac
+    exec 9>"$lock"
+    flock -w 300 9 || die "timed out waiting for $lock"
 
     case "$cmd" in
+        cluster)
+            start_cluster "${1:-3}"
+            cat "$CLUSTER_DIR/env"
+            ;;
+        node) node_cmd "$@" ;;
+        cluster-stop) stop_cluster ;;
         start | env)
             start_rmq any
             cat "$ENV_FILE"

@@ -30,6 +30,11 @@ cargo run --quiet -p quickstart
 echo "== promtool: the alert rules and their tests (monitoring/)"
 promtool check rules monitoring/alerts.yml
 promtool test rules monitoring/alerts_test.yml
+# The RabbitMQ failover and consumer_timeout tests run on a three-node cluster beside the
+# single node (AMQP_CLUSTER_URLS).
+echo "== the RabbitMQ cluster (scripts/rabbitmq.sh cluster 3)"
+cluster_lines=$(scripts/rabbitmq.sh cluster 3)
+eval "$cluster_lines"
 echo "== cargo test --workspace"
 cargo test --workspace "$@"
 # The first run's Kafka members use the classic group protocol (librdkafka's default).

@@ -268,7 +268,9 @@ impl AmqpAcker {
     /// (the broker keeps the unacked original, and redelivers it if the connection drops),
     /// and a held delivery occupies its worker slot and prefetch slot (a graceful stop waits
     /// for it, at most the delay): a retry queue that refuses copies slows the consumer down
-    /// rather than failing messages.
+    /// rather than failing messages. The hold is at most half the broker's consumer timeout
+    /// ([`AmqpConfig::broker_consumer_timeout`](crate::AmqpConfig::broker_consumer_timeout)),
+    /// which would otherwise close the channel under it.
     ///
     /// Any other failure (channel closed, no confirm in time) requeues at once: the
     /// connection is replaced, and its unacked deliveries return to the queue with it.
@@ -278,7 +280,7 @@ impl AmqpAcker {
         properties: BasicProperties,
         delay: std::time::Duration,
     ) -> Result<(), Error> {
-        let until = tokio::time::Instant::now() + delay;
+        let until = tokio::time::Instant::now() + delay.min(self.link.topology.max_hold);
         loop {
             let published = self
                 .link

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use futures::{FutureExt, Stream, StreamExt};
@@ -17,6 +17,7 @@ use consumer_core::{Incoming, TransportError};
 use crate::acker;
 use crate::config::AmqpConfig;
 use crate::link::{self, ConfirmChannel, Link};
+use crate::redacted_url::RedactedUrl;
 use crate::topology::{short, Topology};
 use crate::Error;
 
@@ -29,6 +30,8 @@ struct HealthCounters {
     connected: AtomicBool,
     sessions: AtomicU64,
     stale: AtomicU64,
+    /// The address of the current (or last) connection.
+    address: Mutex<Option<RedactedUrl>>,
     /// Set once the background task has ended (its connection closed).
     finished: watch::Sender<bool>,
     /// `connected`, exported (`consumer_amqp_connected`).
@@ -49,6 +52,7 @@ impl ConsumerHealth {
             connected: AtomicBool::new(false),
             sessions: AtomicU64::new(0),
             stale: AtomicU64::new(0),
+            address: Mutex::new(None),
             finished: watch::Sender::new(false),
             connected_gauge: metrics::gauge!("consumer_amqp_connected", "queue" => queue.to_owned()),
         }))
@@ -75,6 +79,20 @@ impl ConsumerHealth {
     /// reconnection.
     pub fn sessions(&self) -> u64 {
         self.0.sessions.load(Ordering::Acquire)
+    }
+
+    /// The address (one of [`AmqpConfig::addresses`]) of the current connection, or of the
+    /// last one while reconnecting; `None` before the first. Shown only redacted.
+    pub fn address(&self) -> Option<RedactedUrl> {
+        self.0
+            .address
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_address(&self, url: &RedactedUrl) {
+        *self.0.address.lock().unwrap_or_else(|p| p.into_inner()) = Some(url.clone());
     }
 
     /// Deliveries of a lost connection that were dropped before reaching the worker (the
@@ -141,12 +159,14 @@ impl AmqpConsumer {
         let config = Arc::new(config);
         let topology = Arc::new(Topology::new(&config));
         let health = ConsumerHealth::of_queue(&config.queue);
-        let session =
-            link::with_startup_retry(&config, "consumer", || Session::open(&config, &topology, 1))
-                .await?;
+        let session = link::with_startup_retry(&config, "consumer", || {
+            Session::open(&config, &topology, 1, 0)
+        })
+        .await?;
+        health.set_address(&session.url);
         health.0.sessions.store(1, Ordering::Release);
         health.0.set_connected(true);
-        tracing::info!(url = %config.url, queue = %config.queue, prefetch = config.prefetch, "consuming");
+        tracing::info!(url = %session.url, queue = %config.queue, prefetch = config.prefetch, "consuming");
         // One slot: an item carries every delivery the background task holds (at most
         // `prefetch`, the broker sends no more unacked).
         let (tx, rx) = mpsc::channel(1);
@@ -158,6 +178,23 @@ impl AmqpConsumer {
             health,
             queue: config.queue.clone(),
         })
+    }
+
+    /// [`AmqpConsumer::connect`] for `worker`, after checking that the worker's handler
+    /// timeout is below the broker's consumer timeout
+    /// ([`AmqpConfig::check_handler_timeout`]): a worker that could outlast it is refused,
+    /// the error naming `amqp.broker_consumer_timeout`.
+    pub async fn connect_for<DB, H>(
+        config: AmqpConfig,
+        worker: &consumer_core::Worker<DB, H>,
+    ) -> Result<Self, Error>
+    where
+        DB: consumer_core::Backend,
+        H: consumer_core::Handler<DB>,
+    {
+        config.validate()?;
+        config.check_handler_timeout(worker.handler_timeout())?;
+        Self::connect(config).await
     }
 
     /// A handle on the connection state that stays usable after the consumer is moved.
@@ -204,6 +241,9 @@ impl Stream for AmqpConsumer {
 /// consuming channel.
 struct Session {
     connection: Connection,
+    /// The address connected to, and its index in [`AmqpConfig::addresses`].
+    url: RedactedUrl,
+    index: usize,
     consumer: lapin::Consumer,
     link: Arc<Link>,
 }
@@ -213,11 +253,19 @@ impl Session {
         config: &AmqpConfig,
         topology: &Arc<Topology>,
         generation: u64,
+        start: usize,
     ) -> Result<Session, Error> {
-        let connection = link::connect(config, "consumer").await?;
-        match Self::start(config, topology, generation, &connection).await {
+        let (connection, index) = link::connect(config, start, "consumer").await?;
+        let url = config
+            .addresses()
+            .nth(index)
+            .cloned()
+            .unwrap_or_else(|| config.url.clone());
+        match Self::start(config, &url, topology, generation, &connection).await {
             Ok((consumer, link)) => Ok(Session {
                 connection,
+                url,
+                index,
                 consumer,
                 link,
             }),
@@ -230,14 +278,15 @@ impl Session {
 
     async fn start(
         config: &AmqpConfig,
+        url: &RedactedUrl,
         topology: &Arc<Topology>,
         generation: u64,
         connection: &Connection,
     ) -> Result<(lapin::Consumer, Arc<Link>), Error> {
-        let publisher = ConfirmChannel::open(connection, config).await?;
+        let publisher = ConfirmChannel::open(connection, url, config).await?;
         topology.declare(publisher.channel()).await?;
         let connect_error = |e: lapin::Error| Error::Connect {
-            url: config.url.clone(),
+            url: url.clone(),
             source: e.into(),
         };
         let channel = connection.create_channel().await.map_err(connect_error)?;
@@ -332,6 +381,8 @@ fn take_ready(
 }
 
 /// The background task: pump, and on any loss reconnect for as long as the consumer lives.
+/// Each reconnection attempt goes through the addresses from the one after the lost
+/// connection's (round-robin), so a worker whose node died moves to another node.
 async fn run(
     config: Arc<AmqpConfig>,
     topology: Arc<Topology>,
@@ -341,26 +392,31 @@ async fn run(
 ) {
     let _finished = FinishedOnDrop(health.clone());
     let queue = config.queue.as_str();
+    let addresses = config.addresses().count();
     loop {
         let stop = pump(&mut session, &tx, queue).await;
         health.0.set_connected(false);
         let generation = session.link.generation();
+        let lost = session.url.clone();
+        let mut next = (session.index + 1) % addresses;
+        // Retires the link first: no delivery of this connection is settled from now on,
+        // whatever connection comes next (the broker redelivers them).
         session.close("consumer stopping").await;
         let loss = match stop {
             Stop::Dropped => {
-                tracing::info!(url = %config.url, queue = %queue, "consumer dropped; connection closed");
+                tracing::info!(url = %lost, queue = %queue, "consumer dropped; connection closed");
                 return;
             }
             Stop::Lost(e) => {
-                tracing::warn!(url = %config.url, queue = %queue, error = %e, "connection lost; reconnecting");
-                format!("connection to {} lost: {e}", config.url)
+                tracing::warn!(url = %lost, queue = %queue, error = %e, "connection lost; reconnecting");
+                format!("connection to {lost} lost: {e}")
             }
             Stop::Cancelled => {
-                tracing::warn!(url = %config.url, queue = %queue, "the broker cancelled the consumer (queue deleted?); re-declaring and consuming again");
+                tracing::warn!(url = %lost, queue = %queue, "the broker cancelled the consumer (queue deleted?); re-declaring and consuming again");
                 format!("the broker cancelled the consumer of queue {queue:?}")
             }
             Stop::Reset => {
-                tracing::warn!(url = %config.url, queue = %queue, "a settlement could not publish; reconnecting and re-declaring the topology");
+                tracing::warn!(url = %lost, queue = %queue, "a settlement could not publish; reconnecting and re-declaring the topology");
                 "publishing a retry or dead-letter copy failed; reconnecting".to_owned()
             }
         };
@@ -378,23 +434,25 @@ async fn run(
                 _ = tokio::time::sleep(delay) => {}
             }
             attempts += 1;
-            match Session::open(&config, &topology, generation + 1).await {
+            match Session::open(&config, &topology, generation + 1, next).await {
                 Ok(s) => break s,
                 Err(e) => {
                     let error = e.chain();
                     if e.is_transient() {
-                        tracing::warn!(url = %config.url, queue = %queue, attempts, error, retry_in = ?delay, "reconnection failed");
+                        tracing::warn!(queue = %queue, attempts, error, retry_in = ?delay, "reconnection failed");
                     } else {
-                        tracing::error!(url = %config.url, queue = %queue, attempts, error, retry_in = ?delay, "reconnection failed; this looks permanent, retrying anyway");
+                        tracing::error!(queue = %queue, attempts, error, retry_in = ?delay, "reconnection failed; this looks permanent, retrying anyway");
                     }
+                    next = (next + 1) % addresses;
                     delay = (delay * 2).min(config.reconnect_max);
                 }
             }
         };
+        health.set_address(&session.url);
         health.0.sessions.fetch_add(1, Ordering::AcqRel);
         health.0.set_connected(true);
         metrics::counter!("consumer_amqp_reconnects_total", "queue" => queue.to_owned())
             .increment(1);
-        tracing::info!(url = %config.url, queue = %queue, attempts, generation = generation + 1, "reconnected; consuming again");
+        tracing::info!(url = %session.url, queue = %queue, attempts, generation = generation + 1, "reconnected; consuming again");
     }
 }

@@ -1,6 +1,6 @@
 //! RabbitMQ transport for `consumer-core`, on [lapin](https://docs.rs/lapin).
 //!
-//! - [`AmqpConfig`]: the broker URL, the queue and its topology, prefetch, retry delays,
+//! - [`AmqpConfig`]: the broker URL (or the addresses of a cluster's nodes), the queue and its topology, prefetch, retry delays,
 //!   reconnection. [`AmqpConfig::validate`] rejects a bad value at startup, naming the field
 //!   (`amqp.prefetch`, …). The URL is a [`RedactedUrl`]: credentials never reach a log line
 //!   or an error.
@@ -112,6 +112,32 @@
 //! returns [`Error::ChannelClosed`], the runtime logs it), so a stale delivery tag is never
 //! sent on a new channel, where it would ack a different message. The broker redelivers
 //! those messages, flagged `redelivered`, and the inbox skips the ones already processed.
+//!
+//! # Clusters: several addresses
+//!
+//! [`AmqpConfig::failover_urls`] (or [`AmqpConfig::with_addresses`], one comma-separated
+//! list) adds addresses of the same broker, e.g. every node of a RabbitMQ cluster. A
+//! connection goes to the first address that answers ([`AmqpConfig::addresses`] order);
+//! after a loss, each reconnection attempt starts with the address after the one lost and
+//! goes round the list, so a worker whose node died moves to another node at its next
+//! attempt. The line between connections above is what keeps this safe: the dead node's
+//! delivery tags are never acked on the new node's channel, the broker redelivers those
+//! messages (from a surviving replica of a quorum queue) and the inbox deduplicates them.
+//! [`AmqpPublisher`] goes round the same list. [`ConsumerHealth::address`] tells which
+//! address a consumer uses.
+//!
+//! # The broker's consumer timeout
+//!
+//! RabbitMQ closes a channel (`406 PRECONDITION_FAILED`) when one of its deliveries stays
+//! unacked longer than the broker's `consumer_timeout` (30 minutes by default; per node in
+//! 3.10, also per queue from 3.12). A client cannot read it, so
+//! [`AmqpConfig::broker_consumer_timeout`] says what it is: [`AmqpConsumer::connect_for`]
+//! refuses a worker whose handler timeout is not below it, and a delivery held unacked
+//! while the broker refuses its retry copy is held at most half of it. A delivery can still
+//! outlast it (waiting in the prefetch behind slow ones, or a broker set lower than the
+//! configuration): the channel closes, the consumer reconnects as after any loss, the
+//! delivery comes back and the inbox recognises it if its handler had completed. Nothing is
+//! lost or applied twice; the work on that channel is delayed.
 //!
 //! # Credentials
 //!

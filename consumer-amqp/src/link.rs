@@ -15,21 +15,51 @@ use tokio::time::Instant;
 
 use crate::ack_book::AckBook;
 use crate::config::AmqpConfig;
+use crate::redacted_url::RedactedUrl;
 use crate::topology::{short, Topology};
 use crate::Error;
 
-/// Opens a connection (no lapin auto-recovery: reconnection is ours, see the crate doc).
-pub(crate) async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, Error> {
+/// Opens a connection to the first of the configured addresses that answers, trying them
+/// in their order from `start` (wrapping around): the connection and the index of its
+/// address in [`AmqpConfig::addresses`]. With every address failing, the last one's error.
+/// (No lapin auto-recovery: reconnection is ours, see the crate doc.)
+pub(crate) async fn connect(
+    config: &AmqpConfig,
+    start: usize,
+    role: &str,
+) -> Result<(Connection, usize), Error> {
+    let addresses: Vec<&RedactedUrl> = config.addresses().collect();
+    let mut last = None;
+    for step in 0..addresses.len() {
+        let index = (start + step) % addresses.len();
+        match connect_to(config, addresses[index], role).await {
+            Ok(connection) => return Ok((connection, index)),
+            Err(e) => {
+                if addresses.len() > 1 {
+                    tracing::debug!(url = %addresses[index], error = %e.chain(), "{role}: address not reachable; trying the next");
+                }
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::config("amqp.url", "no address configured")))
+}
+
+/// Opens a connection to `url`.
+async fn connect_to(
+    config: &AmqpConfig,
+    url: &RedactedUrl,
+    role: &str,
+) -> Result<Connection, Error> {
     let name = format!(
         "{} ({role})",
         config.connection_name.as_deref().unwrap_or("consumer-amqp")
     );
     let mut properties = ConnectionProperties::default().with_connection_name(name.into());
-    let (uri, credentials) =
-        split_credentials(config.url.expose()).map_err(|reason| Error::Connect {
-            url: config.url.clone(),
-            source: reason.into(),
-        })?;
+    let (uri, credentials) = split_credentials(url.expose()).map_err(|reason| Error::Connect {
+        url: url.clone(),
+        source: reason.into(),
+    })?;
     if let Some(credentials) = credentials {
         properties = properties.with_auth_provider(credentials);
     }
@@ -37,11 +67,11 @@ pub(crate) async fn connect(config: &AmqpConfig, role: &str) -> Result<Connectio
     match tokio::time::timeout(config.connect_timeout, connecting).await {
         Ok(Ok(connection)) => Ok(connection),
         Ok(Err(e)) => Err(Error::Connect {
-            url: config.url.clone(),
+            url: url.clone(),
             source: e.into(),
         }),
         Err(_) => Err(Error::Connect {
-            url: config.url.clone(),
+            url: url.clone(),
             source: format!("no connection within {:?}", config.connect_timeout).into(),
         }),
     }
@@ -107,7 +137,7 @@ where
         match open().await {
             Ok(t) => return Ok(t),
             Err(e) if e.is_transient() && Instant::now() + delay < deadline => {
-                tracing::warn!(url = %config.url, error = %e.chain(), retry_in = ?delay, "{what}: broker not reachable yet");
+                tracing::warn!(addresses = config.addresses().count(), error = %e.chain(), retry_in = ?delay, "{what}: broker not reachable yet");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(config.reconnect_max);
             }
@@ -196,9 +226,13 @@ pub(crate) struct ConfirmChannel {
 
 impl ConfirmChannel {
     /// Opens a channel on `connection` and turns confirms on.
-    pub(crate) async fn open(connection: &Connection, config: &AmqpConfig) -> Result<Self, Error> {
+    pub(crate) async fn open(
+        connection: &Connection,
+        url: &RedactedUrl,
+        config: &AmqpConfig,
+    ) -> Result<Self, Error> {
         let connect_error = |e: lapin::Error| Error::Connect {
-            url: config.url.clone(),
+            url: url.clone(),
             source: e.into(),
         };
         let channel = connection.create_channel().await.map_err(connect_error)?;

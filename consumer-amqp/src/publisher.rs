@@ -1,6 +1,7 @@
 //! A publisher for users, tests and examples: confirmed, mandatory, reconnecting.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -36,6 +37,9 @@ pub struct AmqpPublisher {
     /// The topologies to (re-)declare on every connection.
     topologies: SyncMutex<Vec<Topology>>,
     link: Mutex<Option<Arc<PublisherLink>>>,
+    /// The index in [`AmqpConfig::addresses`] the next connection tries first: the one
+    /// after the last connection's, so a publisher whose node died moves to another.
+    next_address: AtomicUsize,
 }
 
 impl std::fmt::Debug for AmqpPublisher {
@@ -56,6 +60,7 @@ impl AmqpPublisher {
             topologies: SyncMutex::new(vec![Topology::new(&config)]),
             config: Arc::new(config),
             link: Mutex::new(None),
+            next_address: AtomicUsize::new(0),
         };
         let link =
             link::with_startup_retry(&publisher.config, "publisher", || publisher.open_link())
@@ -133,7 +138,7 @@ impl AmqpPublisher {
             match attempt.await {
                 Ok(()) => return Ok(()),
                 Err(e) if e.is_transient() && Instant::now() + delay < deadline => {
-                    tracing::warn!(url = %self.config.url, error = %e.chain(), retry_in = ?delay, "publish failed; reconnecting and publishing again");
+                    tracing::warn!(error = %e.chain(), retry_in = ?delay, "publish failed; reconnecting and publishing again");
                     // The channel may still look open (a confirm that never came): the next
                     // try goes through a new connection either way.
                     if let Some(link) = self.link.lock().await.take() {
@@ -163,9 +168,19 @@ impl AmqpPublisher {
     }
 
     async fn open_link(&self) -> Result<Arc<PublisherLink>, Error> {
-        let connection = link::connect(&self.config, "publisher").await?;
+        let start = self.next_address.load(Ordering::Relaxed);
+        let (connection, index) = link::connect(&self.config, start, "publisher").await?;
+        let count = self.config.addresses().count();
+        self.next_address
+            .store((index + 1) % count, Ordering::Relaxed);
+        let url = self
+            .config
+            .addresses()
+            .nth(index)
+            .cloned()
+            .unwrap_or_else(|| self.config.url.clone());
         let setup = async {
-            let channel = ConfirmChannel::open(&connection, &self.config).await?;
+            let channel = ConfirmChannel::open(&connection, &url, &self.config).await?;
             let topologies = self
                 .topologies
                 .lock()

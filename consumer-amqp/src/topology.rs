@@ -28,6 +28,9 @@ pub(crate) struct Topology {
     /// Signs the origin of this queue's copies and checks it on the retry copies that come
     /// back; `None`: no copy is taken for the framework's own.
     pub(crate) origin_secret: Option<OriginSecret>,
+    /// The longest a delivery is held unacked while the broker refuses its retry copy:
+    /// half the broker's consumer timeout, so the hold never has the channel closed.
+    pub(crate) max_hold: std::time::Duration,
     queue_type: QueueType,
     exchange: String,
     exchange_type: ExchangeType,
@@ -51,6 +54,7 @@ impl Topology {
             dead_letter_queue: config.dead_letter_queue_name(),
             copy_scope: format!("amqp:{}", config.queue),
             origin_secret: config.origin_secret.clone(),
+            max_hold: config.broker_consumer_timeout / 2,
             queue_type: config.queue_type,
             exchange: config.exchange.clone(),
             exchange_type: config.exchange_type,

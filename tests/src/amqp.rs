@@ -56,7 +56,13 @@ pub const ORIGIN_SECRET: &str = "consumer-tests-origin-secret-0123456789";
 /// A test configuration: short retry delays, quick reconnection, publishes that outlast a
 /// broker restart, copies signed with [`ORIGIN_SECRET`].
 pub fn config(queue: &str) -> AmqpConfig {
-    let mut c = AmqpConfig::new(amqp_url(), queue);
+    config_at(&amqp_url(), queue)
+}
+
+/// [`config`] on the comma-separated broker `addresses` (see
+/// [`AmqpConfig::with_addresses`]), e.g. the nodes of the test cluster.
+pub fn config_at(addresses: &str, queue: &str) -> AmqpConfig {
+    let mut c = AmqpConfig::with_addresses(addresses, queue);
     c.origin_secret = Some(OriginSecret::new(ORIGIN_SECRET).expect("a valid origin secret"));
     c.retry_delays = vec![Duration::from_millis(200), Duration::from_secs(1)];
     c.reconnect_min = Duration::from_millis(50);
@@ -223,22 +229,7 @@ impl Rabbit {
 
     /// Messages ready in `queue` (a passive declare: the queue must exist).
     pub async fn ready(queue: &str) -> u32 {
-        Self::with_connection("count messages", |conn| async move {
-            let channel = conn.create_channel().await?;
-            let q = channel
-                .queue_declare(
-                    queue.into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await?;
-            let _ = conn.close(200, "ok".into()).await;
-            Ok(q.message_count())
-        })
-        .await
+        Self::with_connection("count messages", |conn| ready_on(conn, queue)).await
     }
 
     /// Takes every message from `queue`.
@@ -344,6 +335,24 @@ impl Rabbit {
         })
         .await
     }
+}
+
+/// Messages ready in `queue`, through `conn` (a passive declare: the queue must exist),
+/// which it then closes.
+pub async fn ready_on(conn: Connection, queue: &str) -> lapin::Result<u32> {
+    let channel = conn.create_channel().await?;
+    let q = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = conn.close(200, "ok".into()).await;
+    Ok(q.message_count())
 }
 
 fn strings(table: Option<&FieldTable>) -> BTreeMap<String, String> {

@@ -5,6 +5,7 @@
 //! a worker, and the in-memory span exporter of the trace-context tests.
 
 pub mod amqp;
+pub mod amqp_cluster;
 pub mod common;
 pub mod gauge;
 pub mod harness;

@@ -108,6 +108,11 @@ impl FromStr for ExchangeType {
 pub struct AmqpConfig {
     /// `amqp://user:pass@host:5672/vhost` or `amqps://…`. Shown only redacted.
     pub url: RedactedUrl,
+    /// More addresses of the same broker, e.g. the other nodes of a RabbitMQ cluster
+    /// (default none). A connection goes to the first of `url`, then these, that answers;
+    /// after a lost connection the next attempt starts with the address after the lost
+    /// one, round-robin (see [`AmqpConfig::addresses`]). Shown only redacted.
+    pub failover_urls: Vec<RedactedUrl>,
     /// The work queue.
     pub queue: String,
     /// Classic (default) or quorum; applies to the work and dead-letter queues (the retry
@@ -151,6 +156,14 @@ pub struct AmqpConfig {
     /// its queue and the connection replaced, as for a lost connection, since the copy may
     /// or may not have arrived (the inbox deduplicates either way).
     pub confirm_timeout: Duration,
+    /// The broker's delivery acknowledgement timeout (RabbitMQ's `consumer_timeout`,
+    /// 30 minutes by default; default here the same). The broker closes the channel of a
+    /// delivery left unacked longer, and clients cannot read the setting: set this to the
+    /// broker's value. A worker whose handler timeout is not below it is refused at startup
+    /// ([`AmqpConfig::check_handler_timeout`], [`crate::AmqpConsumer::connect_for`]), and a
+    /// delivery held unacked while the broker refuses its retry copy is held at most half
+    /// of it. See the crate docs ("The broker's consumer timeout").
+    pub broker_consumer_timeout: Duration,
     /// A connection name shown in the management UI; `None` uses `consumer-amqp`.
     pub connection_name: Option<String>,
     /// The key that signs the origin of the retry and dead-letter copies, shared by every
@@ -165,6 +178,7 @@ impl fmt::Debug for AmqpConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AmqpConfig")
             .field("url", &self.url)
+            .field("failover_urls", &self.failover_urls)
             .field("queue", &self.queue)
             .field("queue_type", &self.queue_type)
             .field("exchange", &self.exchange)
@@ -180,6 +194,7 @@ impl fmt::Debug for AmqpConfig {
             .field("reconnect_max", &self.reconnect_max)
             .field("publish_timeout", &self.publish_timeout)
             .field("confirm_timeout", &self.confirm_timeout)
+            .field("broker_consumer_timeout", &self.broker_consumer_timeout)
             .field("connection_name", &self.connection_name)
             .field("origin_secret", &self.origin_secret)
             .finish()
@@ -192,6 +207,7 @@ impl AmqpConfig {
     pub fn new(url: impl Into<String>, queue: impl Into<String>) -> Self {
         AmqpConfig {
             url: RedactedUrl::new(url),
+            failover_urls: Vec::new(),
             queue: queue.into(),
             queue_type: QueueType::Classic,
             exchange: String::new(),
@@ -210,9 +226,53 @@ impl AmqpConfig {
             reconnect_max: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(30),
+            broker_consumer_timeout: Duration::from_secs(30 * 60),
             connection_name: None,
             origin_secret: None,
         }
+    }
+
+    /// A configuration for `queue` on the broker at the comma-separated `addresses`, e.g.
+    /// the nodes of a cluster (`amqp://u:p@node1:5672/%2f,amqp://u:p@node2:5672/%2f`): the
+    /// first is [`AmqpConfig::url`], the others [`AmqpConfig::failover_urls`]. Spaces
+    /// around each address are ignored; a comma inside a password must be percent-escaped
+    /// (`%2C`).
+    pub fn with_addresses(addresses: &str, queue: impl Into<String>) -> Self {
+        let mut urls = addresses.split(',').map(|a| RedactedUrl::new(a.trim()));
+        let mut config = AmqpConfig::new(
+            urls.next()
+                .map(|u| u.expose().to_owned())
+                .unwrap_or_default(),
+            queue,
+        );
+        config.failover_urls = urls.collect();
+        config
+    }
+
+    /// Every address a connection may go to, in the order they are tried: `url`, then
+    /// `failover_urls`.
+    pub fn addresses(&self) -> impl Iterator<Item = &RedactedUrl> {
+        std::iter::once(&self.url).chain(&self.failover_urls)
+    }
+
+    /// Refuses a handler timeout that is not below [`AmqpConfig::broker_consumer_timeout`]:
+    /// such a handler could outlast the broker's patience, which closes the channel and
+    /// redelivers what was unacked on it (nothing is lost, but the work repeats, and a
+    /// handler that always takes that long never completes). The error names
+    /// `amqp.broker_consumer_timeout`.
+    pub fn check_handler_timeout(&self, handler_timeout: Duration) -> Result<(), Error> {
+        if handler_timeout >= self.broker_consumer_timeout {
+            return Err(Error::config(
+                "amqp.broker_consumer_timeout",
+                format!(
+                    "the handler's timeout {handler_timeout:?} is not below the broker's consumer timeout {:?}: \
+                     the broker would close the channel of a delivery still running; lower the handler's \
+                     timeout, or raise consumer_timeout on the broker and here",
+                    self.broker_consumer_timeout
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The dead-letter queue's name.
@@ -243,6 +303,44 @@ mod tests {
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(!shown.contains("app:"), "{shown}");
         assert!(shown.contains("rabbit.internal"), "{shown}");
+    }
+
+    #[test]
+    fn a_list_of_addresses_is_the_url_then_the_failover_urls() {
+        let c = AmqpConfig::with_addresses(
+            "amqp://app:s3cret@n1:5672/%2f, amqp://app:s3cret@n2:5672/%2f,amqp://app:s3cret@n3/%2f",
+            "orders",
+        );
+        c.validate().unwrap();
+        let shown: Vec<String> = c.addresses().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            [
+                "amqp://***@n1:5672/%2f",
+                "amqp://***@n2:5672/%2f",
+                "amqp://***@n3/%2f"
+            ]
+        );
+        assert!(!format!("{c:?}").contains("s3cret"));
+        let single = AmqpConfig::with_addresses(URL, "orders");
+        assert_eq!(single.url.expose(), URL);
+        assert!(single.failover_urls.is_empty());
+    }
+
+    #[test]
+    fn a_handler_timeout_not_below_the_broker_consumer_timeout_is_refused() {
+        let mut c = AmqpConfig::new(URL, "orders");
+        c.check_handler_timeout(Duration::from_secs(30)).unwrap();
+        c.broker_consumer_timeout = Duration::from_secs(60);
+        for timeout in [Duration::from_secs(60), Duration::from_secs(61)] {
+            match c.check_handler_timeout(timeout).unwrap_err() {
+                Error::Config { field, reason } => {
+                    assert_eq!(field, "amqp.broker_consumer_timeout");
+                    assert!(reason.contains("60s"), "{reason}");
+                }
+                other => panic!("{other}"),
+            }
+        }
     }
 
     #[test]

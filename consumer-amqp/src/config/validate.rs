@@ -12,7 +12,16 @@ const MAX_TTL_MS: u128 = u32::MAX as u128;
 impl AmqpConfig {
     /// Checks every field; the error names the first bad one (`amqp.<field>`).
     pub fn validate(&self) -> Result<(), Error> {
-        validate_url(self.url.expose())?;
+        validate_url("amqp.url", self.url.expose())?;
+        for (i, url) in self.failover_urls.iter().enumerate() {
+            validate_url("amqp.failover_urls", url.expose())?;
+            if self.addresses().take(i + 1).any(|earlier| earlier == url) {
+                return Err(Error::config(
+                    "amqp.failover_urls",
+                    format!("{url} is listed twice"),
+                ));
+            }
+        }
         validate_queue_name("amqp.queue", &self.queue)?;
         if let Some(dlq) = &self.dead_letter_queue {
             validate_queue_name("amqp.dead_letter_queue", dlq)?;
@@ -78,6 +87,7 @@ impl AmqpConfig {
         positive("amqp.reconnect_min", self.reconnect_min)?;
         positive("amqp.publish_timeout", self.publish_timeout)?;
         positive("amqp.confirm_timeout", self.confirm_timeout)?;
+        positive("amqp.broker_consumer_timeout", self.broker_consumer_timeout)?;
         if self.reconnect_max < self.reconnect_min {
             return Err(Error::config(
                 "amqp.reconnect_max",
@@ -106,13 +116,12 @@ fn positive(field: &'static str, d: Duration) -> Result<(), Error> {
     Ok(())
 }
 
-fn validate_url(url: &str) -> Result<(), Error> {
-    const FIELD: &str = "amqp.url";
+fn validate_url(field: &'static str, url: &str) -> Result<(), Error> {
     const SHAPE: &str = "expected amqp://user:password@host:port/vhost or amqps://…";
     let scheme = url.split_once("://").map(|(s, _)| s);
     if !matches!(scheme, Some("amqp" | "amqps")) {
         return Err(Error::config(
-            FIELD,
+            field,
             format!("{} is not an AMQP URL: {SHAPE}", RedactedUrl::new(url)),
         ));
     }
@@ -126,7 +135,7 @@ fn validate_url(url: &str) -> Result<(), Error> {
             format!(" ({e})")
         };
         return Err(Error::config(
-            FIELD,
+            field,
             format!(
                 "{} is not a valid AMQP URL{detail}: {SHAPE}",
                 RedactedUrl::new(url)
@@ -260,6 +269,18 @@ mod tests {
         let cases: Vec<(&str, AmqpConfig)> = vec![
             ("amqp.url", AmqpConfig::new("http://u:p@h/", "orders")),
             ("amqp.url", AmqpConfig::new("", "orders")),
+            (
+                "amqp.failover_urls",
+                AmqpConfig::with_addresses(&format!("{URL},http://u:p@h/"), "orders"),
+            ),
+            (
+                "amqp.failover_urls",
+                AmqpConfig::with_addresses(&format!("{URL},"), "orders"),
+            ),
+            (
+                "amqp.failover_urls",
+                AmqpConfig::with_addresses(&format!("{URL},{URL}"), "orders"),
+            ),
             (
                 "amqp.url",
                 AmqpConfig::new("amqp://u:p@h:notaport/", "orders"),

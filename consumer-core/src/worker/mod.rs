@@ -161,6 +161,13 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
         &self.inner.settings.name
     }
 
+    /// The handler's timeout in effect: [`WorkerConfig::handler_timeout`], else the
+    /// handler's own. A transport whose broker limits how long a delivery may stay unacked
+    /// checks it at startup (e.g. RabbitMQ's `consumer_timeout`).
+    pub fn handler_timeout(&self) -> std::time::Duration {
+        self.inner.settings.timeout
+    }
+
     /// The inbox.
     pub fn inbox(&self) -> &Inbox<DB> {
         &self.inner.inbox

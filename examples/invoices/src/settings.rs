@@ -3,7 +3,7 @@
 //! | variable | default | meaning |
 //! | --- | --- | --- |
 //! | `TRANSPORT` | `amqp` | the broker (see [`crate::transport`]) |
-//! | `AMQP_URL` | required for `amqp` | e.g. `amqp://user:pass@localhost:5672/%2f` |
+//! | `AMQP_URL` | required for `amqp` | e.g. `amqp://user:pass@localhost:5672/%2f`; several comma-separated (a cluster's nodes: `consumer_amqp::AmqpConfig::with_addresses`) |
 //! | `AMQP_ORIGIN_SECRET` | unset | signs the origin of the retry and dead-letter copies (`consumer_amqp::OriginSecret`, at least 16 bytes, e.g. `openssl rand -hex 32`); the same for every worker and for `consumer dlq replay` |
 //! | `KAFKA_BROKERS` | required for `kafka` | e.g. `127.0.0.1:9092` |
 //! | `KAFKA_PARTITIONS` | `4` | partitions of the jobs topic when it is created (Kafka) |

@@ -62,7 +62,8 @@ pub fn flow(settings: &Settings, part: Part) -> (&str, &str) {
 pub fn amqp_config(settings: &Settings, part: Part) -> anyhow::Result<AmqpConfig> {
     let url = settings.amqp_url.as_ref().context("AMQP_URL is not set")?;
     let (exchange, queue) = flow(settings, part);
-    let mut config = AmqpConfig::new(url.expose(), queue);
+    // One address, or several comma-separated (the nodes of a cluster).
+    let mut config = AmqpConfig::with_addresses(url.expose(), queue);
     config.exchange = exchange.to_owned();
     config.exchange_type = ExchangeType::Fanout;
     config.queue_type = settings.queue_type;
