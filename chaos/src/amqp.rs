@@ -12,12 +12,17 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, ExchangeDeleteOptions, Qu
 use lapin::types::AMQPValue;
 use lapin::{Connection, ConnectionProperties};
 
+use crate::cluster;
 use crate::workload::{label, Outgoing};
 use crate::{DeadSeen, Names};
 
 /// The RabbitMQ side of a run.
 pub(crate) struct Amqp {
+    /// One address, or the cluster's, comma-separated.
     url: String,
+    /// On the three-node cluster (`AMQP_CLUSTER_URLS`): quorum queues, and a "restart"
+    /// kills a node.
+    cluster: bool,
     /// The run's own origin secret, shared by its workers and its publisher's settings.
     origin_secret: String,
     scripts: PathBuf,
@@ -28,15 +33,25 @@ pub(crate) struct Amqp {
 }
 
 impl Amqp {
-    pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
-        let url = std::env::var("AMQP_URL")
-            .context("AMQP_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
+    pub(crate) async fn connect(
+        names: &Names,
+        scripts: PathBuf,
+        cluster: bool,
+    ) -> anyhow::Result<Self> {
+        let (var, start) = if cluster {
+            ("AMQP_CLUSTER_URLS", "scripts/rabbitmq.sh cluster 3")
+        } else {
+            ("AMQP_URL", "scripts/servers.sh env")
+        };
+        let url = std::env::var(var)
+            .with_context(|| format!("{var} is not set: eval \"$({start})\" first"))?;
         // A secret of the run's own (its prefix is unique); a deployment uses a random one.
         let origin_secret = format!("chaos-origin-secret-{}", names.prefix);
         let settings = names.settings(&[
             ("TRANSPORT", "amqp".to_owned()),
             ("AMQP_URL", url.clone()),
             (ORIGIN_SECRET_VAR, origin_secret.clone()),
+            ("QUEUE_TYPE", queue_type(cluster).to_owned()),
         ])?;
         let mut configs = Vec::new();
         for part in [Part::Invoices, Part::Emails] {
@@ -53,6 +68,7 @@ impl Amqp {
         publisher.declare(&configs[1].1).await?;
         Ok(Amqp {
             url,
+            cluster,
             origin_secret,
             scripts,
             prefix: names.prefix.clone(),
@@ -67,6 +83,7 @@ impl Amqp {
             ("TRANSPORT".to_owned(), "amqp".to_owned()),
             ("AMQP_URL".to_owned(), self.url.clone()),
             (ORIGIN_SECRET_VAR.to_owned(), self.origin_secret.clone()),
+            ("QUEUE_TYPE".to_owned(), queue_type(self.cluster).to_owned()),
         ]
     }
 
@@ -81,21 +98,15 @@ impl Amqp {
     /// Messages in the run's work and retry queues, ready or unacked; `None` if the broker
     /// cannot say right now.
     pub(crate) async fn backlog(&self) -> Option<u64> {
-        let out = tokio::process::Command::new(self.scripts.join("rabbitmq.sh"))
-            .args([
-                "ctl",
+        let out = self
+            .ctl(&[
                 "list_queues",
                 "name",
                 "messages",
                 "-q",
                 "--no-table-headers",
             ])
-            .output()
-            .await
-            .ok()?;
-        if !out.status.success() {
-            return None;
-        }
+            .await?;
         let mut total = 0;
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let mut parts = line.split_whitespace();
@@ -109,13 +120,58 @@ impl Amqp {
         Some(total)
     }
 
+    /// Restarts the broker; on the cluster, kills the node leading the jobs queue (any node
+    /// if that cannot be read) and starts it again.
     pub(crate) async fn restart(&self) -> anyhow::Result<()> {
-        crate::script(&self.scripts.join("rabbitmq.sh"), &["restart"]).await
+        let script = self.scripts.join("rabbitmq.sh");
+        if self.cluster {
+            let queue = &self.configs[0].1.queue;
+            let node = cluster::rabbitmq_leader(&script, queue).await.unwrap_or(1);
+            return cluster::kill_and_restart(&script, node).await;
+        }
+        crate::script(&script, &["restart"]).await
+    }
+
+    /// `rabbitmqctl ARGS` through `scripts/rabbitmq.sh` (on the cluster, against the first
+    /// node that answers); `None` if none does.
+    async fn ctl(&self, args: &[&str]) -> Option<std::process::Output> {
+        let script = self.scripts.join("rabbitmq.sh");
+        let nodes: Vec<Vec<String>> = if self.cluster {
+            (1..=cluster::NODES)
+                .map(|i| vec!["node".to_owned(), "ctl".to_owned(), i.to_string()])
+                .collect()
+        } else {
+            vec![vec!["ctl".to_owned()]]
+        };
+        for node in nodes {
+            let out = tokio::process::Command::new(&script)
+                .args(&node)
+                .args(args)
+                .output()
+                .await
+                .ok()?;
+            if out.status.success() {
+                return Some(out);
+            }
+        }
+        None
+    }
+
+    /// A connection to the first address that answers.
+    async fn connection(&self) -> anyhow::Result<Connection> {
+        let mut last = None;
+        for url in self.url.split(',').map(str::trim) {
+            match Connection::connect(url, ConnectionProperties::default()).await {
+                Ok(conn) => return Ok(conn),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.map_or_else(|| anyhow::anyhow!("no AMQP address"), Into::into))
     }
 
     /// Takes every message from both dead-letter queues (the jobs' and the events').
     pub(crate) async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
-        let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+        let conn = self.connection().await?;
         let channel = conn.create_channel().await?;
         let mut out = Vec::new();
         for (part, config) in &self.configs {
@@ -151,7 +207,7 @@ impl Amqp {
     /// Deletes the run's queues and exchanges.
     pub(crate) async fn cleanup(&self) -> anyhow::Result<()> {
         self.publisher.close().await;
-        let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+        let conn = self.connection().await?;
         let channel = conn.create_channel().await?;
         for (_, config) in &self.configs {
             let mut queues = vec![config.queue.clone(), config.dead_letter_queue_name()];
@@ -174,5 +230,15 @@ impl Amqp {
         }
         let _ = conn.close(200, "ok".into()).await;
         Ok(())
+    }
+}
+
+/// The run's queue type: quorum on the cluster (replicated, so a node's loss loses
+/// nothing), the example's default elsewhere.
+fn queue_type(cluster: bool) -> &'static str {
+    if cluster {
+        "quorum"
+    } else {
+        "classic"
     }
 }

@@ -16,6 +16,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
+use crate::cluster;
 use crate::workload::{label, Outgoing};
 use crate::{DeadSeen, Names};
 
@@ -36,6 +37,9 @@ const LOG_START: i64 = 0;
 pub(crate) struct Kafka {
     scripts: PathBuf,
     brokers: String,
+    /// On the three-node cluster (`KAFKA_CLUSTER_BROKERS`): topics replicated three times,
+    /// and a "restart" kills a node.
+    cluster: bool,
     /// The jobs topic.
     topic: String,
     /// Per handler: its topic's configuration (topic and group).
@@ -44,9 +48,19 @@ pub(crate) struct Kafka {
 }
 
 impl Kafka {
-    pub(crate) async fn connect(names: &Names, scripts: PathBuf) -> anyhow::Result<Self> {
-        let brokers = std::env::var("KAFKA_BROKERS")
-            .context("KAFKA_BROKERS is not set: eval \"$(scripts/servers.sh env)\" first")?;
+    pub(crate) async fn connect(
+        names: &Names,
+        scripts: PathBuf,
+        cluster: bool,
+    ) -> anyhow::Result<Self> {
+        let (var, start) = if cluster {
+            ("KAFKA_CLUSTER_BROKERS", "scripts/kafka.sh cluster 3")
+        } else {
+            ("KAFKA_BROKERS", "scripts/servers.sh env")
+        };
+        let brokers = std::env::var(var)
+            .with_context(|| format!("{var} is not set: eval \"$({start})\" first"))?;
+        let replication = if cluster { 3 } else { 1 };
         let settings = names.settings(&[
             ("TRANSPORT", "kafka".to_owned()),
             ("KAFKA_BROKERS", brokers.clone()),
@@ -54,7 +68,7 @@ impl Kafka {
         let mut configs = Vec::new();
         for part in [Part::Invoices, Part::Emails] {
             let config = invoices::transport::kafka_config(&settings, part)?;
-            consumer_kafka::create_topics(&config, settings.kafka_partitions, 1).await?;
+            consumer_kafka::create_topics(&config, settings.kafka_partitions, replication).await?;
             raise_record_limit(&brokers, &config.topics).await?;
             configs.push((part, config));
         }
@@ -66,6 +80,7 @@ impl Kafka {
         Ok(Kafka {
             scripts,
             brokers,
+            cluster,
             topic: names.exchange.clone(),
             configs,
             publisher,
@@ -97,9 +112,17 @@ impl Kafka {
         .collect()
     }
 
-    /// Restarts the broker (same port, same data).
+    /// Restarts the broker (same port, same data); on the cluster, kills the node leading
+    /// the jobs topic's partition 0 (any node if that cannot be read) and starts it again.
     pub(crate) async fn restart(&self) -> anyhow::Result<()> {
-        crate::script(&self.scripts.join("kafka.sh"), &["restart"]).await
+        let script = self.scripts.join("kafka.sh");
+        if self.cluster {
+            let node = cluster::kafka_leader(&self.brokers, &self.topic)
+                .await
+                .unwrap_or(1);
+            return cluster::kill_and_restart(&script, node).await;
+        }
+        crate::script(&script, &["restart"]).await
     }
 
     pub(crate) async fn publish(&self, m: &Outgoing) -> anyhow::Result<()> {

@@ -23,6 +23,7 @@
 #![allow(clippy::print_stdout)]
 
 mod amqp;
+mod cluster;
 mod fleet;
 mod kafka;
 mod oracle;
@@ -72,6 +73,8 @@ struct Profile {
     drain_deadline: Duration,
     /// Kafka: add or remove a group member this often.
     member_every: Duration,
+    /// Against the three-node cluster: each broker restart kills a node (CHAOS.md).
+    cluster: bool,
 }
 
 impl Profile {
@@ -93,6 +96,13 @@ impl Profile {
                 // about 40 s in the invoice handler's retries before their dead letter).
                 drain_deadline: Duration::from_secs(420),
                 member_every: Duration::from_secs(10),
+                cluster: false,
+            },
+            "cluster" => Profile {
+                name: "cluster",
+                broker_restarts: restarts(3),
+                cluster: true,
+                ..Profile::new("ci", broker)?
             },
             "full" => Profile {
                 name: "full",
@@ -107,8 +117,9 @@ impl Profile {
                 fault_rate: 0.01,
                 drain_deadline: Duration::from_secs(600),
                 member_every: Duration::from_secs(15),
+                cluster: false,
             },
-            other => bail!("--profile {other:?}: use ci or full"),
+            other => bail!("--profile {other:?}: use ci, cluster or full"),
         }
         .for_broker(broker))
     }
@@ -189,6 +200,9 @@ enum ProfileName {
     /// 10,000 jobs (and 50 poison ones) published over 480 s, three broker restarts and
     /// a PostgreSQL restart.
     Full,
+    /// The `ci` profile against the three-node cluster, where each of three broker
+    /// restarts is a node (the jobs' leader) SIGKILLed and started again.
+    Cluster,
 }
 
 fn at_least_two(s: &str) -> Result<usize, String> {
@@ -232,6 +246,7 @@ impl Args {
         let name = match cli.profile {
             ProfileName::Ci => "ci",
             ProfileName::Full => "full",
+            ProfileName::Cluster => "cluster",
         };
         let mut profile = Profile::new(name, cli.broker)?;
         if let Some(s) = cli.publish_secs {
@@ -539,8 +554,12 @@ async fn run() -> anyhow::Result<bool> {
     invoices::schema::place_orders(&pool, &workload.orders).await?;
 
     let broker = match args.broker {
-        BrokerKind::Amqp => Broker::Amqp(amqp::Amqp::connect(&names, scripts.clone()).await?),
-        BrokerKind::Kafka => Broker::Kafka(kafka::Kafka::connect(&names, scripts.clone()).await?),
+        BrokerKind::Amqp => {
+            Broker::Amqp(amqp::Amqp::connect(&names, scripts.clone(), p.cluster).await?)
+        }
+        BrokerKind::Kafka => {
+            Broker::Kafka(kafka::Kafka::connect(&names, scripts.clone(), p.cluster).await?)
+        }
     };
     let database_url = std::env::var("DATABASE_URL")?;
     let mut env = broker.worker_env();

@@ -205,7 +205,12 @@ impl KafkaEnv {
 
     /// A publisher on the broker.
     pub fn publisher(&self) -> KafkaPublisher {
-        KafkaPublisher::connect(&brokers(), &ClientProperties::new()).expect("publisher")
+        let mut props = ClientProperties::new();
+        if let Ok(debug) = std::env::var("KAFKA_TEST_PRODUCER_DEBUG") {
+            // librdkafka's own debug contexts for the test's producer, e.g. `msg,topic`.
+            props.set("debug", debug);
+        }
+        KafkaPublisher::connect(&brokers(), &props).expect("publisher")
     }
 
     /// `(job_id, attempt)` of every effect, in commit order.

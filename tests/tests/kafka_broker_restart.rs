@@ -62,12 +62,12 @@ async fn records_keep_flowing_across_a_broker_restart_without_loss_or_duplicates
         let (publisher, topic) = (publisher.clone(), env.topic.clone());
         async move {
             let mut ends = vec![0; 3];
-            for job in jobs(300..600) {
-                let w = publish_all(&publisher, &topic, 3, vec![job]).await;
+            for chunk in jobs(300..600).chunks(10) {
+                let w = publish_all(&publisher, &topic, 3, chunk.to_vec()).await;
                 for (end, w) in ends.iter_mut().zip(w) {
                     *end = (*end).max(w);
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
             ends
         }
