@@ -42,13 +42,13 @@ echo "== the Kafka tests again, with KIP-848's consumer group protocol"
 KAFKA_GROUP_PROTOCOL=consumer cargo test -p consumer-tests --test 'kafka_*' --test outbox_kafka "$@"
 
 # The chaos suite (chaos/, CHAOS.md): real worker processes killed and restarted, fault
-# points that abort them, broker restarts (RabbitMQ); passes only with 0 lost, 0 duplicated,
+# points that abort them, broker restarts (a cluster's nodes killed); passes only with 0 lost, 0 duplicated,
 # 0 unexpected effects and exactly the expected dead letters. The seed is random and
 # printed; CHAOS_SEED=N reproduces a run's fault schedule.
 # The dev profile, as the tests above: the workers share most of their build with the
 # tests, and the CI profile's load (about 35 jobs a second) is far below what an unoptimised
 # worker handles, so a release build would only add minutes (CHAOS.md: the release runs).
-chaos=(cargo run --quiet -p chaos -- --profile ci ${CHAOS_SEED:+--seed "$CHAOS_SEED"})
+chaos=(cargo run --quiet -p chaos -- ${CHAOS_SEED:+--seed "$CHAOS_SEED"})
 # The runs share no names (each has its own schema, queues, topics and groups), each
 # restarts its broker (a restart by one run is one more fault for the others on that
 # broker), and the runs mostly wait on retry delays: the two Kafka runs go in the
@@ -56,7 +56,14 @@ chaos=(cargo run --quiet -p chaos -- --profile ci ${CHAOS_SEED:+--seed "$CHAOS_S
 # is reported before the script fails.
 echo "== chaos suite: building the runner and the workers"
 cargo build --quiet -p chaos -p invoices --bins
-kafka_runs=("Kafka" "Kafka, batched mode (64 per transaction)")
+# The Kafka runs go against the three-node Kafka cluster (their broker restarts kill a
+# node); the RabbitMQ cluster served the tests above and is stopped to give the runs the
+# cores.
+scripts/rabbitmq.sh cluster-stop || echo "== the RabbitMQ cluster did not stop; going on"
+echo "== the Kafka cluster (scripts/kafka.sh cluster 3)"
+kafka_cluster_lines=$(scripts/kafka.sh cluster 3)
+eval "$kafka_cluster_lines"
+kafka_runs=("Kafka cluster" "Kafka cluster, batched mode (64 per transaction)")
 kafka_args=("" "--batch 64")
 kafka_logs=()
 kafka_pids=()
@@ -66,24 +73,24 @@ for i in "${!kafka_runs[@]}"; do
     # shellcheck disable=SC2086 # the extra arguments are words
     (
         set -e
-        echo "== chaos suite, CI profile, ${kafka_runs[$i]}"
-        "${chaos[@]}" --broker kafka ${kafka_args[$i]}
+        echo "== chaos suite, cluster profile, ${kafka_runs[$i]}"
+        "${chaos[@]}" --profile cluster --broker kafka ${kafka_args[$i]}
     ) >"$log" 2>&1 &
     kafka_pids+=($!)
 done
 
 failed=()
 echo "== chaos suite, CI profile, RabbitMQ (the Kafka runs meanwhile, in the background)"
-"${chaos[@]}" --broker amqp || failed+=("RabbitMQ")
+"${chaos[@]}" --profile ci --broker amqp || failed+=("RabbitMQ")
 
 echo "== chaos suite, CI profile, RabbitMQ, batched mode (64 per transaction)"
-"${chaos[@]}" --broker amqp --batch 64 || failed+=("RabbitMQ batched")
+"${chaos[@]}" --profile ci --broker amqp --batch 64 || failed+=("RabbitMQ batched")
 
 # The suite can fail: with the test-only ack-before-commit switch the runner
 # must report a violation (exit status 3), not pass and not crash.
 echo "== chaos suite, deliberately broken build (ack before commit): must fail"
 rc=0
-"${chaos[@]}" --broker amqp --broken || rc=$?
+"${chaos[@]}" --profile ci --broker amqp --broken || rc=$?
 if [[ $rc -ne 3 ]]; then
     echo "chaos: the --broken run exited $rc, expected 3 (a detected violation)" >&2
     failed+=("RabbitMQ broken (exit $rc, expected 3)")
@@ -102,7 +109,7 @@ done
 
 echo "== chaos suite, deliberately broken build (ack before commit) on Kafka: must fail"
 rc=0
-"${chaos[@]}" --broker kafka --broken || rc=$?
+"${chaos[@]}" --profile ci --broker kafka --broken || rc=$?
 if [[ $rc -ne 3 ]]; then
     echo "chaos: the Kafka --broken run exited $rc, expected 3 (a detected violation)" >&2
     failed+=("Kafka broken (exit $rc, expected 3)")
