@@ -8,6 +8,7 @@
 #   scripts/kafka.sh start            # same as env
 #   scripts/kafka.sh status           # exit 0 and print the address if running
 #   scripts/kafka.sh restart          # same port, same data (topics and offsets kept)
+#   scripts/kafka.sh restart kill     # the same after a SIGKILL (a crash, no controlled shutdown)
 #   scripts/kafka.sh kill             # SIGKILL, crash-like (the next start recovers its log)
 #   scripts/kafka.sh stop
 #
@@ -344,7 +345,11 @@ main() {
             use_single
             case "$cmd" in
                 start | env) start_all any KAFKA_BROKERS; cat "$ENV_FILE" ;;
-                restart) stop_node 1; start_all keep KAFKA_BROKERS; cat "$ENV_FILE" ;;
+                restart)
+                    stop_node 1 "${1:-term}"
+                    start_all keep KAFKA_BROKERS
+                    cat "$ENV_FILE"
+                    ;;
                 kill) stop_node 1 kill ;;
                 stop) stop_node 1 ;;
                 status)

@@ -112,7 +112,8 @@ impl Kafka {
         .collect()
     }
 
-    /// Restarts the broker (same port, same data); on the cluster, kills the node leading
+    /// Restarts the broker after a SIGKILL (same port, same data; not a graceful stop:
+    /// CHAOS.md says why); on the cluster, kills the node leading
     /// the jobs topic's partition 0 (any node if that cannot be read) and starts it again.
     pub(crate) async fn restart(&self) -> anyhow::Result<()> {
         let script = self.scripts.join("kafka.sh");
@@ -122,7 +123,7 @@ impl Kafka {
                 .unwrap_or(1);
             return cluster::kill_and_restart(&script, node).await;
         }
-        crate::script(&script, &["restart"]).await
+        crate::script(&script, &["restart", "kill"]).await
     }
 
     pub(crate) async fn publish(&self, m: &Outgoing) -> anyhow::Result<()> {
