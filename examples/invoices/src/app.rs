@@ -132,7 +132,10 @@ pub async fn prepare_db(settings: &Settings) -> anyhow::Result<(PgPool, Inbox<Po
         .await;
         match prepared {
             Ok(inbox) => return Ok((pool, inbox)),
-            Err(e) if database_gone(&e) && tokio::time::Instant::now() + delay < deadline => {
+            Err(e)
+                if e.is_database_unavailable()
+                    && tokio::time::Instant::now() + delay < deadline =>
+            {
                 tracing::warn!(error = %e, retry_in = ?delay, "the database went away while starting");
                 pool.close().await;
                 tokio::time::sleep(delay).await;
@@ -140,15 +143,6 @@ pub async fn prepare_db(settings: &Settings) -> anyhow::Result<(PgPool, Inbox<Po
             }
             Err(e) => return Err(e.into()),
         }
-    }
-}
-
-/// A start's database error that says nothing about the start itself: the connection
-/// went away or the database could not serve it just then.
-fn database_gone(e: &consumer_core::Error) -> bool {
-    match e {
-        consumer_core::Error::Database(e) => not_reachable_yet(e),
-        _ => false,
     }
 }
 
