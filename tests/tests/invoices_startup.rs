@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use consumer_tests::common::{database_url, unique, DEADLINE};
+use consumer_tests::common::{database_url, terminate_when_waiting_for_a_lock, unique};
 use invoices::settings::Settings;
 use sqlx::{Connection as _, PgConnection};
 
@@ -105,31 +105,7 @@ async fn worker_start_survives_its_session_being_terminated() {
     let starting = invoices::app::prepare_db(&settings);
     let terminate_it = async {
         // The worker's session waits for the lock: terminate it there.
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        let pid: i32 = loop {
-            let waiting = sqlx::query_scalar(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
-                 AND wait_event_type = 'Lock'",
-            )
-            .bind(&application)
-            .fetch_optional(&mut locker)
-            .await
-            .expect("read pg_stat_activity");
-            if let Some(pid) = waiting {
-                break pid;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the start never waited for the migration's lock"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-            .bind(pid)
-            .fetch_one(&mut locker)
-            .await
-            .expect("terminate");
-        assert!(terminated, "the waiting session was terminated");
+        terminate_when_waiting_for_a_lock(&mut locker, &application).await;
         sqlx::query(&format!("SELECT pg_advisory_unlock({LOCK})"))
             .execute(&mut locker)
             .await

@@ -131,31 +131,7 @@ async fn the_startup_check_outlasts_a_terminated_session() {
     let worker = Worker::with_config(inbox.clone(), before, config).unwrap();
     let run = worker.run(broker.consume(&queue), broker.drained(&queue));
     let terminate_the_check = async {
-        let deadline = tokio::time::Instant::now() + common::DEADLINE;
-        let pid: i32 = loop {
-            let waiting = sqlx::query_scalar(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
-                 AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()",
-            )
-            .bind(&env.schema)
-            .fetch_optional(&mut *tx)
-            .await
-            .unwrap();
-            if let Some(pid) = waiting {
-                break pid;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the startup check never waited for the lock"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-            .bind(pid)
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
-        assert!(terminated, "the check's session was terminated");
+        common::terminate_when_waiting_for_a_lock(&mut tx, &env.schema).await;
         tx.rollback().await.unwrap();
     };
     let (ran, ()) = tokio::time::timeout(Duration::from_secs(60), async {
