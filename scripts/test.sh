@@ -42,7 +42,9 @@ echo "== the Kafka tests again, with KIP-848's consumer group protocol"
 KAFKA_GROUP_PROTOCOL=consumer cargo test -p consumer-tests --test 'kafka_*' --test outbox_kafka "$@"
 
 # The chaos suite (chaos/, CHAOS.md): real worker processes killed and restarted, fault
-# points that abort them, broker restarts (a cluster's nodes killed); passes only with 0 lost, 0 duplicated,
+# points that abort them, broker restarts (a cluster's nodes killed), database faults
+# (sessions terminated, an immediate PostgreSQL restart, every free connection slot held
+# for a while); passes only with 0 lost, 0 duplicated,
 # 0 unexpected effects and exactly the expected dead letters. The seed is random and
 # printed; CHAOS_SEED=N reproduces a run's fault schedule.
 # The dev profile, as the tests above: the workers share most of their build with the

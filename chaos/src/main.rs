@@ -1,6 +1,7 @@
 //! The chaos suite: runs the invoice example's workers (the invoice handler with the
 //! outbox's relay, the email handler, and both in one process) as real processes against a
 //! real broker and PostgreSQL, kills them, stops them, restarts the broker and the database,
+//! terminates their database sessions and holds every free connection slot for a while,
 //! lets fault points abort them (in the handlers and in the relay), and then checks that
 //! every job's effects happened exactly once, across the outbox's publish too.
 //!
@@ -17,13 +18,15 @@
 //! passes, 3 on any violation ([`VIOLATION`]), 1 when the run itself could not be done.
 //!
 //! Layout: `workload` (what is published), `fleet` (the worker processes), `amqp` and
-//! `kafka` (the brokers), `oracle` (the checks and figures).
+//! `kafka` (the brokers), `database` (the database faults), `oracle` (the checks and
+//! figures).
 
 // A command-line tool: its report is its standard output.
 #![allow(clippy::print_stdout)]
 
 mod amqp;
 mod cluster;
+mod database;
 mod fleet;
 mod kafka;
 mod oracle;
@@ -31,15 +34,14 @@ mod rng;
 mod workload;
 
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
 use invoices::Part;
 
+use crate::database::{Db, DbFigures, StopMode};
 use crate::fleet::{Fleet, Role};
 use crate::rng::Rng;
 use crate::workload::Workload;
@@ -68,7 +70,13 @@ struct Profile {
     stop_every: Duration,
     stop_for: Duration,
     broker_restarts: u32,
-    db_restarts: u32,
+    /// PostgreSQL restarts, in this order, spread over the publishing window.
+    db_restarts: &'static [StopMode],
+    /// Terminate one of the run's worker backends about this often.
+    terminate_every: Duration,
+    /// Pool-exhaustion windows (spread over the publishing window) and their length.
+    exhaust_windows: u32,
+    exhaust_for: Duration,
     fault_rate: f64,
     drain_deadline: Duration,
     /// Kafka: add or remove a group member this often.
@@ -90,7 +98,10 @@ impl Profile {
                 stop_every: Duration::from_secs(20),
                 stop_for: Duration::from_secs(4),
                 broker_restarts: restarts(1),
-                db_restarts: 0,
+                db_restarts: &[StopMode::Immediate],
+                terminate_every: Duration::from_secs(3),
+                exhaust_windows: 1,
+                exhaust_for: Duration::from_secs(5),
                 fault_rate: 0.01,
                 // A deadline, not a wait: a run ends when it has drained (poison jobs spend
                 // about 40 s in the invoice handler's retries before their dead letter).
@@ -113,7 +124,10 @@ impl Profile {
                 stop_every: Duration::from_secs(20),
                 stop_for: Duration::from_secs(5),
                 broker_restarts: restarts(3),
-                db_restarts: 1,
+                db_restarts: &[StopMode::Fast, StopMode::Immediate],
+                terminate_every: Duration::from_secs(3),
+                exhaust_windows: 3,
+                exhaust_for: Duration::from_secs(8),
                 fault_rate: 0.01,
                 drain_deadline: Duration::from_secs(600),
                 member_every: Duration::from_secs(15),
@@ -195,10 +209,11 @@ struct Cli {
 /// The profiles, by name.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum ProfileName {
-    /// 2,000 jobs (and 20 poison ones) published over 60 s, one broker restart.
+    /// 2,000 jobs (and 20 poison ones) published over 60 s, one broker restart, an
+    /// immediate PostgreSQL restart and a pool-exhaustion window.
     Ci,
-    /// 10,000 jobs (and 50 poison ones) published over 480 s, three broker restarts and
-    /// a PostgreSQL restart.
+    /// 10,000 jobs (and 50 poison ones) published over 480 s, three broker restarts, a
+    /// fast and an immediate PostgreSQL restart and three pool-exhaustion windows.
     Full,
     /// The `ci` profile against the three-node cluster, where each of three broker
     /// restarts is a node (the jobs' leader) SIGKILLed and started again.
@@ -474,26 +489,12 @@ async fn unsettled(pool: &PgPool) -> Option<i64> {
     .ok()
 }
 
-async fn connect_db(schema: &str) -> anyhow::Result<PgPool> {
-    let url = std::env::var("DATABASE_URL")
-        .context("DATABASE_URL is not set: eval \"$(scripts/servers.sh env)\" first")?;
-    let options = PgConnectOptions::from_str(&url)
-        .context("DATABASE_URL")?
-        .options([("search_path", schema)]);
-    Ok(PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(60))
-        .connect_with(options)
-        .await?)
-}
-
 /// What happened during the run, besides what the fleet counts.
 #[derive(Debug, Default)]
 struct Happened {
     published: u64,
     publish_retries: u64,
     broker_restarts: u32,
-    db_restarts: u32,
     drained: bool,
     errors: Vec<String>,
 }
@@ -549,9 +550,16 @@ async fn run() -> anyhow::Result<bool> {
 
     let mut rng = Rng::new(args.seed);
     let workload = Workload::new(p.unique, p.poison, 3 * 1024 * 1024, &mut rng);
-    let pool = connect_db(&names.schema).await?;
-    invoices::schema::migrate(&pool, &names.schema).await?;
-    invoices::schema::place_orders(&pool, &workload.orders).await?;
+    let db = Db::from_env(&names.prefix, &names.schema)?;
+    let pool = db.runner_pool().await?;
+    database::patiently("create the schema", || {
+        invoices::schema::migrate(&pool, &names.schema)
+    })
+    .await?;
+    database::patiently("place the orders", || {
+        invoices::schema::place_orders(&pool, &workload.orders)
+    })
+    .await?;
 
     let broker = match args.broker {
         BrokerKind::Amqp => {
@@ -561,7 +569,9 @@ async fn run() -> anyhow::Result<bool> {
             Broker::Kafka(kafka::Kafka::connect(&names, scripts.clone(), p.cluster).await?)
         }
     };
-    let database_url = std::env::var("DATABASE_URL")?;
+    // The workers' connections carry the run's prefix as their application_name: the
+    // database faults target them and no other session.
+    let database_url = db.worker_url();
     let mut env = broker.worker_env();
     env.extend(names.vars().into_iter().map(|(k, v)| (k.to_owned(), v)));
     env.extend(
@@ -640,7 +650,22 @@ async fn run() -> anyhow::Result<bool> {
     let mut broker_restart_at: Vec<Duration> = (0..p.broker_restarts)
         .map(|k| at((f64::from(k) + 0.5) / f64::from(p.broker_restarts.max(1)) * 0.9))
         .collect();
-    let mut db_restart_at: Vec<Duration> = (0..p.db_restarts).map(|_| at(0.65)).collect();
+    let n = p.db_restarts.len() as f64;
+    let mut db_restart_at: Vec<(Duration, StopMode)> = (p.db_restarts.iter().enumerate())
+        .map(|(k, mode)| (at((k as f64 + 0.65) / n), *mode))
+        .collect();
+    let mut exhaust_at: Vec<Duration> = (0..p.exhaust_windows)
+        .map(|k| at((f64::from(k) + 0.35) / f64::from(p.exhaust_windows.max(1))))
+        .collect();
+    let mut exhausting: Option<tokio::task::JoinHandle<anyhow::Result<()>>> = None;
+    let db_figures = std::sync::Arc::new(DbFigures::default());
+    let terminator = database::spawn_terminator(
+        db.clone(),
+        pool.clone(),
+        p.terminate_every,
+        args.seed,
+        db_figures.clone(),
+    );
     let mut happened = Happened::default();
     let mut restarting: Option<tokio::task::JoinHandle<anyhow::Result<()>>> = None;
     let mut next_kill = p.kill_every;
@@ -683,15 +708,34 @@ async fn run() -> anyhow::Result<bool> {
                 eprintln!("chaos: [{:.0}s] restarting the broker", now.as_secs_f64());
                 let broker = broker.clone();
                 restarting = Some(tokio::spawn(async move { broker.restart().await }));
-            } else if db_restart_at.first().is_some_and(|t| now >= *t) {
-                db_restart_at.remove(0);
-                happened.db_restarts += 1;
-                eprintln!("chaos: [{:.0}s] restarting PostgreSQL", now.as_secs_f64());
-                let script = scripts.join("postgres.sh");
+            } else if db_restart_at.first().is_some_and(|(t, _)| now >= *t) {
+                let (_, mode) = db_restart_at.remove(0);
+                eprintln!(
+                    "chaos: [{:.0}s] restarting PostgreSQL ({mode:?})",
+                    now.as_secs_f64()
+                );
+                let (scripts, figures) = (scripts.clone(), db_figures.clone());
                 restarting = Some(tokio::spawn(async move {
-                    crate::script(&script, &["restart"]).await
+                    database::restart(&scripts, mode, &figures).await
                 }));
             }
+        }
+        if let Some(task) = exhausting.take_if(|t| t.is_finished()) {
+            if let Err(e) = task.await? {
+                happened.errors.push(format!("pool exhaustion: {e:#}"));
+            }
+        }
+        if exhausting.is_none() && exhaust_at.first().is_some_and(|t| now >= *t) {
+            exhaust_at.remove(0);
+            eprintln!(
+                "chaos: [{:.0}s] holding the free connection slots for {:?}",
+                now.as_secs_f64(),
+                p.exhaust_for
+            );
+            let (db, figures, hold) = (db.clone(), db_figures.clone(), p.exhaust_for);
+            exhausting = Some(tokio::spawn(
+                async move { db.exhaust(hold, &figures).await },
+            ));
         }
         if args.broker == BrokerKind::Kafka && published_at.is_none() && now >= next_member {
             next_member += p.member_every;
@@ -723,8 +767,11 @@ async fn run() -> anyhow::Result<bool> {
             continue;
         }
         next_check = now + Duration::from_secs(1);
-        let quiet =
-            restarting.is_none() && broker_restart_at.is_empty() && db_restart_at.is_empty();
+        let quiet = restarting.is_none()
+            && exhausting.is_none()
+            && broker_restart_at.is_empty()
+            && db_restart_at.is_empty()
+            && exhaust_at.is_empty();
         // Drained: the queues are empty (RabbitMQ's counts of quorum queues can lag a few
         // seconds, so a retry copy just confirmed into one may not show yet), no key in
         // the inbox is pending, i.e. none has an attempt counted without an outcome (every
@@ -756,13 +803,19 @@ async fn run() -> anyhow::Result<bool> {
             happened.errors.push(format!("{e:#}"));
         }
     }
+    if let Some(task) = exhausting {
+        if let Err(e) = task.await? {
+            happened.errors.push(format!("pool exhaustion: {e:#}"));
+        }
+    }
+    terminator.abort();
     let drained_after = start.elapsed();
     fleet.shutdown(Duration::from_secs(60)).await?;
     let elapsed = start.elapsed();
 
     let dead = broker.dead_letters().await?;
-    let verdict = oracle::check(&pool, &workload, &dead).await?;
-    let figures = oracle::worker_figures(&pool).await?;
+    let verdict = database::patiently("check", || oracle::check(&pool, &workload, &dead)).await?;
+    let figures = database::patiently("read the figures", || oracle::worker_figures(&pool)).await?;
     let c = &fleet.counts;
     let passed = verdict.passed() && happened.drained && c.unexpected_exits.is_empty();
 
@@ -781,7 +834,7 @@ async fn run() -> anyhow::Result<bool> {
             (figures.duplicates - 2 * copies).max(0) + figures.superseded
         }
     };
-    let rows: Vec<(&str, String)> = vec![
+    let mut rows: Vec<(&str, String)> = vec![
         ("broker", broker_name.to_owned()),
         ("profile / seed", format!("{} / {}", p.name, args.seed)),
         (
@@ -812,7 +865,6 @@ async fn run() -> anyhow::Result<bool> {
             format!("{} / {}", c.joined, c.left),
         ),
         ("broker restarts", happened.broker_restarts.to_string()),
-        ("DB restarts", happened.db_restarts.to_string()),
         ("fault-point aborts (SIGABRT)", c.aborts.to_string()),
         ("redeliveries seen", redeliveries.to_string()),
         ("duplicates skipped", figures.duplicates.to_string()),
@@ -853,6 +905,11 @@ async fn run() -> anyhow::Result<bool> {
         ),
         ("elapsed", format!("{:.0}s", elapsed.as_secs_f64())),
     ];
+    let at_db = rows
+        .iter()
+        .position(|(name, _)| *name == "fault-point aborts (SIGABRT)")
+        .unwrap_or(rows.len());
+    rows.splice(at_db..at_db, database::rows(&db_figures));
     println!();
     for (name, value) in rows {
         println!("{name:<32}{value:>12}");
@@ -879,9 +936,8 @@ async fn run() -> anyhow::Result<bool> {
     // A --broken run is expected to fail: nothing in it is worth keeping.
     if (passed || args.broken) && !args.keep {
         broker.cleanup().await?;
-        sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", names.schema))
-            .execute(&pool)
-            .await?;
+        let drop = format!("DROP SCHEMA \"{}\" CASCADE", names.schema);
+        database::patiently("drop the schema", || sqlx::query(&drop).execute(&pool)).await?;
         let _ = std::fs::remove_dir_all(&log_dir);
     }
     if passed {

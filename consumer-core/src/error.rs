@@ -32,6 +32,26 @@ pub enum Error {
 }
 
 impl Error {
+    /// A database error that says the database could not serve the request just then, not
+    /// that the request was wrong: the connection was lost or ended (an I/O error; a
+    /// session terminated by an administrator, SQLSTATE 57P01; a server shutting down or
+    /// crashed, 57P02; starting up, 57P03; a connection failure, class 08), no connection
+    /// slot was free (53300), or the pool timed out waiting for a connection. Worth trying
+    /// again once the database is back.
+    pub fn is_database_unavailable(&self) -> bool {
+        let Error::Database(e) = self else {
+            return false;
+        };
+        match e {
+            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+            sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "53300")
+                    || code.starts_with("08")
+            }),
+            _ => false,
+        }
+    }
+
     pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Self {
         Error::Config {
             field,

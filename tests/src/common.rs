@@ -88,3 +88,34 @@ pub fn init_tracing() {
         .with_test_writer()
         .try_init();
 }
+
+/// Waits, up to [`DEADLINE`], until a session named `application` (its
+/// `application_name`), other than `conn`'s own, waits for a lock, then terminates it with
+/// `pg_terminate_backend` through `conn`.
+pub async fn terminate_when_waiting_for_a_lock(conn: &mut sqlx::PgConnection, application: &str) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let pid: i32 = loop {
+        let waiting = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
+             AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()",
+        )
+        .bind(application)
+        .fetch_optional(&mut *conn)
+        .await
+        .expect("read pg_stat_activity");
+        if let Some(pid) = waiting {
+            break pid;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no session of {application} waited for a lock within {DEADLINE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("terminate the waiting session");
+    assert!(terminated, "the waiting session {pid} was terminated");
+}

@@ -94,3 +94,55 @@ async fn a_new_template_under_a_name_with_no_keys_is_recorded() {
     assert_eq!(deleted, 1);
     run(&inbox, after, WorkerConfig::default()).await.unwrap();
 }
+
+/// A worker whose database session ends during its startup check (terminated by an
+/// administrator, the server restarting) tries the check again instead of ending with
+/// "inbox database error": the chaos suite caught the invoices example's `App` stopping
+/// when PostgreSQL restarted at that moment. The check waits here on a lock the test holds
+/// on the templates' table, where the test terminates its session.
+#[tokio::test]
+async fn the_startup_check_outlasts_a_terminated_session() {
+    let env = PgEnv::new().await;
+    let inbox = env.inbox().await;
+    let pool = env.pool(1).await;
+    let table: String = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname LIKE '%key_templates%' AND c.relkind = 'r'",
+    )
+    .bind(&env.schema)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "LOCK TABLE \"{}\".\"{table}\" IN ACCESS EXCLUSIVE MODE",
+        env.schema
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+
+    let broker = MemoryBroker::new();
+    let queue = common::unique("q");
+    broker.publish(&queue, Message::json("m-1", &json!({ "id": "1" })));
+    let config = WorkerConfig::default()
+        .with_retention_interval(None)
+        .with_jitter(Arc::new(NoJitter));
+    let worker = Worker::with_config(inbox.clone(), before, config).unwrap();
+    let run = worker.run(broker.consume(&queue), broker.drained(&queue));
+    let terminate_the_check = async {
+        common::terminate_when_waiting_for_a_lock(&mut tx, &env.schema).await;
+        tx.rollback().await.unwrap();
+    };
+    let (ran, ()) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(run, terminate_the_check)
+    })
+    .await
+    .expect("ended within a minute");
+    ran.expect("the worker checks again once the database is back, then runs");
+    assert!(inbox
+        .entry("orders_by_key", "order-1")
+        .await
+        .unwrap()
+        .is_some());
+}

@@ -40,6 +40,7 @@ mod turn;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use tokio::sync::{watch, Semaphore};
@@ -183,22 +184,43 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// Before anything starts it checks the handler's key template against the one the
     /// inbox's keys under its name (and aliases) were made with, and records it: a change
     /// while such keys exist returns `Error::Config` naming the handler and both templates
-    /// (see [`WorkerConfig::allow_key_template_change`]).
+    /// (see [`WorkerConfig::allow_key_template_change`]). A database that cannot serve that
+    /// check just then ([`Error::is_database_unavailable`]: restarting, the session
+    /// terminated, no connection slot free) is waited for, with backoff, until it can or
+    /// shutdown is requested.
     pub async fn run<T: Transport>(
         &self,
         mut transport: T,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
-        self.inner
-            .settings
-            .check_key_template(&self.inner.inbox)
-            .await?;
+        let shutdown = shutdown.fuse();
+        futures::pin_mut!(shutdown);
+        // A database that is away (restarting, the session terminated, no slot free) is
+        // waited for, as the deliveries' settling waits for it; a refusal ends the run.
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self
+                .inner
+                .settings
+                .check_key_template(&self.inner.inbox)
+                .await
+            {
+                Ok(()) => break,
+                Err(e) if e.is_database_unavailable() => {
+                    tracing::warn!(handler = %self.inner.name, error = %e, retry_in = ?delay, "database unavailable at startup; checking again");
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = &mut shutdown => return Ok(()),
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
         let permits = Arc::new(Semaphore::new(self.inner.concurrency));
         let (crash_tx, mut crash_rx) = watch::channel(None::<FaultPoint>);
         let mut tasks = JoinSet::new();
         let background = self.spawn_background();
-        let shutdown = shutdown.fuse();
-        futures::pin_mut!(shutdown);
 
         let crashed = loop {
             let permit = tokio::select! {

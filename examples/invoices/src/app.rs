@@ -110,12 +110,53 @@ pub async fn connect_db(settings: &Settings) -> anyhow::Result<PgPool> {
     }
 }
 
+/// The database side of a start: a pool ([`connect_db`]), the example's tables
+/// ([`schema::migrate`]) and the inbox. A database that goes away midway (the session
+/// terminated by an administrator, the server shutting down or crashing, no connection
+/// slot free) is tried again from the start, with backoff, for up to a minute, as a
+/// database that cannot be reached yet: a worker restarted during a database fault waits
+/// it out instead of exiting.
+pub async fn prepare_db(settings: &Settings) -> anyhow::Result<(PgPool, Inbox<Postgres>)> {
+    let deadline = tokio::time::Instant::now() + DB_STARTUP_TIMEOUT;
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let pool = connect_db(settings).await?;
+        let prepared = async {
+            schema::migrate(&pool, &settings.schema).await?;
+            Inbox::new(
+                pool.clone(),
+                InboxConfig::in_schema(settings.schema.clone()),
+            )
+            .await
+        }
+        .await;
+        match prepared {
+            Ok(inbox) => return Ok((pool, inbox)),
+            Err(e)
+                if e.is_database_unavailable()
+                    && tokio::time::Instant::now() + delay < deadline =>
+            {
+                tracing::warn!(error = %e, retry_in = ?delay, "the database went away while starting");
+                pool.close().await;
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// A connection error that may go away by itself: the server is down, restarting or
-/// starting up (SQLSTATE 57P03), or the pool timed out waiting for it.
+/// starting up (SQLSTATE 57P03), shutting down or crashed (57P02) or ended the session
+/// (57P01, `pg_terminate_backend` or a fast shutdown), has no connection slot free
+/// (53300), or the pool timed out waiting for it.
 fn not_reachable_yet(e: &sqlx::Error) -> bool {
     match e {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
-        sqlx::Error::Database(db) => db.code().as_deref() == Some("57P03"),
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
+        sqlx::Error::Database(db) => matches!(
+            db.code().as_deref(),
+            Some("57P01" | "57P02" | "57P03" | "53300")
+        ),
         _ => false,
     }
 }
@@ -230,14 +271,8 @@ async fn start(settings: &Settings, parts: &[Part]) -> anyhow::Result<Started> {
         }
         None => None,
     };
-    let pool = connect_db(settings).await?;
-    schema::migrate(&pool, &settings.schema).await?;
+    let (pool, inbox) = prepare_db(settings).await?;
     EmailProvider::install(&settings.schema, pool.clone())?;
-    let inbox = Inbox::new(
-        pool.clone(),
-        InboxConfig::in_schema(settings.schema.clone()),
-    )
-    .await?;
     let switches = Switches::read(settings)?;
     let mut redelivered = Redelivered::new();
     let mut app = App::new(inbox);
