@@ -1,6 +1,12 @@
-//! The Kafka transport across a broker restart: the broker started by `scripts/kafka.sh`
-//! is restarted (same port, same log) while a worker consumes; records keep flowing once
-//! it is back, none is lost or takes effect twice, and the offsets are committed again.
+//! The Kafka transport across a broker crash: the broker started by `scripts/kafka.sh` is
+//! SIGKILLed and started again (same port, same log) while a worker consumes and a
+//! producer publishes; records keep flowing once it is back, none is lost or takes effect
+//! twice, and the offsets are committed again.
+//!
+//! A crash, not a controlled shutdown: after a graceful stop of the only broker,
+//! librdkafka 2.12.1's idempotent producer can keep a partition's leader unknown and time
+//! out on it for minutes (seen here in CI, and in the chaos suite: CHAOS.md); the
+//! framework does not yet work around that.
 //!
 //! Its own test binary: it restarts the broker every Kafka test shares, and cargo runs
 //! one test binary at a time.
@@ -23,18 +29,20 @@ fn jobs(range: std::ops::Range<usize>) -> Vec<(String, String, serde_json::Value
         .collect()
 }
 
-/// `scripts/kafka.sh restart`: a clean stop, then a start on the same port and data.
+/// `scripts/kafka.sh restart kill`: a SIGKILL, then a start on the same port and data.
 async fn restart_broker() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh");
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(script).arg("restart").output()
+        std::process::Command::new(script)
+            .args(["restart", "kill"])
+            .output()
     })
     .await
     .expect("the restart's task")
-    .expect("run scripts/kafka.sh restart");
+    .expect("run scripts/kafka.sh restart kill");
     assert!(
         out.status.success(),
-        "scripts/kafka.sh restart failed: {}",
+        "scripts/kafka.sh restart kill failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
