@@ -26,7 +26,10 @@ struct PublisherLink {
 /// Every publish is *mandatory*: a message no queue is bound for comes back as
 /// [`Error::Unroutable`] instead of vanishing. `publish` returns only once the broker
 /// confirmed the message (persistent, routed). On a lost connection it reconnects and
-/// publishes again, for up to `config.publish_timeout`; a publish whose confirm was lost
+/// publishes again, and a message the broker refused (a negative confirm: a quorum queue
+/// electing a new leader after its node died, a full queue that rejects publishes) is
+/// published again after a backoff, for up to `config.publish_timeout` in all; then the last
+/// error is returned. A publish whose confirm was lost
 /// with the connection may therefore arrive twice, with the same message id, which is what
 /// the consumer's inbox deduplicates.
 ///
@@ -129,27 +132,47 @@ impl AmqpPublisher {
         let deadline = Instant::now() + self.config.publish_timeout;
         let mut delay = self.config.reconnect_min;
         loop {
+            let mut used = None;
             let attempt = async {
                 let link = self.current_link().await?;
+                used = Some(link.clone());
                 link.channel
                     .publish(exchange, routing_key, payload, properties.clone())
                     .await
             };
-            match attempt.await {
+            let e = match attempt.await {
                 Ok(()) => return Ok(()),
-                Err(e) if e.is_transient() && Instant::now() + delay < deadline => {
-                    tracing::warn!(error = %e.chain(), retry_in = ?delay, "publish failed; reconnecting and publishing again");
-                    // The channel may still look open (a confirm that never came): the next
-                    // try goes through a new connection either way.
-                    if let Some(link) = self.link.lock().await.take() {
-                        link::close(&link.connection, "publish failed").await;
-                    }
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(self.config.reconnect_max);
-                }
-                Err(e) => return Err(e),
+                Err(e) => e,
+            };
+            // A refused message (a negative confirm: a quorum queue whose leader's node
+            // died, a full queue that rejects publishes) is sent again like one whose
+            // connection failed: a channel that published while its queue lost its leader
+            // can go on being refused (RabbitMQ 3.10 did, for minutes, in
+            // `tests/tests/amqp_cluster.rs`), and a new connection is not.
+            let retry = matches!(e, Error::Nacked { .. }) || e.is_transient();
+            if !retry || Instant::now() + delay >= deadline {
+                return Err(e);
             }
+            tracing::warn!(error = %e.chain(), retry_in = ?delay, "publish failed; reconnecting and publishing again");
+            // The channel may still look open (a confirm that never came): the next try
+            // goes through a new connection either way. Only the link this try used is
+            // replaced; one another task opened since then is kept.
+            if let Some(used) = used {
+                self.retire(&used).await;
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(self.config.reconnect_max);
         }
+    }
+
+    /// Closes `used` and clears it from the slot, unless the slot already holds another link.
+    async fn retire(&self, used: &Arc<PublisherLink>) {
+        let mut slot = self.link.lock().await;
+        if slot.as_ref().is_some_and(|l| Arc::ptr_eq(l, used)) {
+            *slot = None;
+        }
+        drop(slot);
+        link::close(&used.connection, "publish failed").await;
     }
 
     /// The open link, or a new one if the last one broke.

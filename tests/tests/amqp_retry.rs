@@ -209,7 +209,10 @@ async fn a_refused_retry_copy_waits_its_backoff() {
     let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
     let (stop_filling, mut stopped) = tokio::sync::watch::channel(false);
     let filling = {
-        let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+        // One try per filler: a refused one is not published again.
+        let mut once = cfg.clone();
+        once.publish_timeout = Duration::from_millis(50);
+        let publisher = AmqpPublisher::connect(once).await.unwrap();
         let queues: Vec<String> = cfg
             .retry_delays
             .iter()

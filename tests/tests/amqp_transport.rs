@@ -1,6 +1,7 @@
 //! The RabbitMQ transport on its own, without a worker: deliveries of a lost connection are
-//! never settled on the new one, a consumer cancelled by the broker comes back, and refused
-//! credentials fail at once without showing the password.
+//! never settled on the new one, a consumer cancelled by the broker comes back, refused
+//! credentials fail at once without showing the password, and the publisher waits out a
+//! confirm that never comes and a message the broker refuses.
 
 use std::time::{Duration, Instant};
 
@@ -337,5 +338,97 @@ async fn a_publisher_confirm_that_never_comes_times_out() {
     println!("publish ended after {:?}: {}", started.elapsed(), e);
     assert!(e.is_transient(), "{e}");
     assert!(!e.to_string().contains(cfg.url.expose()), "{e}");
+    Rabbit::delete_topology(&cfg).await;
+}
+
+/// A message the broker refuses (a negative confirm; here a full queue with
+/// `overflow: reject-publish`, as a quorum queue also answers while it elects a new leader
+/// after its node died) is published again until the queue takes it, within the publish
+/// timeout; past it, the refusal is returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_message_is_published_again_until_the_queue_takes_it() {
+    init_tracing();
+    let mut cfg = config(&amqp::unique_name("refused_publish"));
+    let policy = format!("{}-full", cfg.queue);
+    // The queue's name is letters, digits and `_` (unique_name): it is its own pattern.
+    let pattern = format!("^{}$", cfg.queue);
+    amqp::rabbitmq_sh(&[
+        "ctl",
+        "set_policy",
+        "--apply-to",
+        "queues",
+        "--priority",
+        "100",
+        &policy,
+        &pattern,
+        r#"{"max-length":1,"overflow":"reject-publish"}"#,
+    ])
+    .await;
+    cfg.publish_timeout = Duration::from_secs(1);
+    let short = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    wait_for("the policy to apply to the queue", LONG, || async {
+        short
+            .publish_json(&cfg.queue, "filler", &json!({"n": 0}))
+            .await
+            .unwrap();
+        // A second message is refused only once the queue is full under the policy.
+        let started = Instant::now();
+        match short
+            .publish_json(&cfg.queue, "probe", &json!({"n": 1}))
+            .await
+        {
+            Ok(()) => {
+                let _ = Rabbit::take_all(&cfg.queue).await;
+                false
+            }
+            Err(e) => {
+                // Refused on every try for the whole publish timeout, not on the first.
+                let took = started.elapsed();
+                println!("refused after {took:?}: {e}");
+                assert!(matches!(e, consumer_amqp::Error::Nacked { .. }), "{e}");
+                assert!(
+                    took >= Duration::from_millis(500),
+                    "refused at once: {took:?}"
+                );
+                true
+            }
+        }
+    })
+    .await;
+    short.close().await;
+
+    // With time to wait, the refused message gets in once the queue has room.
+    cfg.publish_timeout = Duration::from_secs(60);
+    let patient = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    let publishing = tokio::spawn({
+        let queue = cfg.queue.clone();
+        async move {
+            let published = patient
+                .publish_json(&queue, "waits", &json!({"n": 2}))
+                .await;
+            patient.close().await;
+            published
+        }
+    });
+    let taken: Vec<Option<String>> = Rabbit::take_all(&cfg.queue)
+        .await
+        .into_iter()
+        .map(|m| m.message_id)
+        .collect();
+    assert_eq!(taken.first(), Some(&Some("filler".to_owned())), "{taken:?}");
+    tokio::time::timeout(LONG, publishing)
+        .await
+        .expect("the publish ends")
+        .unwrap()
+        .expect("the refused message is taken once the queue has room");
+    // Taken with the filler if it got in while the queue was being read, else still there.
+    let with_filler = u32::from(taken.len() == 2);
+    assert!(taken.len() <= 2, "{taken:?}");
+    assert_eq!(
+        Rabbit::ready(&cfg.queue).await + with_filler,
+        1,
+        "{taken:?}"
+    );
+    amqp::rabbitmq_sh(&["ctl", "clear_policy", &policy]).await;
     Rabbit::delete_topology(&cfg).await;
 }

