@@ -71,7 +71,9 @@
 //! for settlement,
 //! `copies` for retry and dead-letter copies), `tracker` (one partition's records: which
 //! may be handed out, how far to commit; `keys` for ordering keys), `producer` (the
-//! framework's writes, the publisher, topic creation), `observer`, `headers`, `error`.
+//! client every write goes through, replaced after a write times out), `publisher`
+//! ([`KafkaPublisher`], also the outbox relay's), `topics` ([`create_topics`]),
+//! `observer`, `headers`, `error`.
 
 mod config;
 mod consumer;
@@ -79,6 +81,8 @@ mod error;
 pub mod headers;
 mod observer;
 mod producer;
+mod publisher;
+mod topics;
 mod tracker;
 
 pub use config::client::{COPY_HEADER_ROOM, COPY_MAX_BYTES};
@@ -87,4 +91,6 @@ pub use config::{CommitMode, KafkaConfig, ProcessingOrder, RetryMode};
 pub use consumer::KafkaConsumer;
 pub use error::Error;
 pub use observer::{KafkaObserver, OffsetEvent};
-pub use producer::{create_topics, KafkaPublisher, Published};
+pub use producer::Published;
+pub use publisher::KafkaPublisher;
+pub use topics::create_topics;

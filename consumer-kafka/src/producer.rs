@@ -1,12 +1,11 @@
-//! The framework's own writes: retry copies, dead letters, user publishing, topic creation.
-//! Every write goes through an idempotent producer ([`Producer`], with the thread that
-//! serves its delivery reports) and waits for its delivery report.
+//! The client every write of the framework goes through (retry copies, dead letters, the
+//! [`crate::KafkaPublisher`]'s records): an idempotent producer ([`Producer`], with the
+//! thread that serves its delivery reports); each write waits for its delivery report.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{DeliveryResult, Header, Message, OwnedHeaders};
@@ -15,9 +14,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
 use tokio::sync::oneshot;
 
-use crate::config::client::producer_client_config;
-use crate::config::validate::{validate_brokers, validate_properties, validate_topic};
-use crate::{ClientProperties, Error, KafkaConfig, RetryMode};
+use crate::Error;
 
 /// A client context that sends librdkafka's log lines to `tracing`; as the producer's,
 /// it also sends each delivery report to the write waiting for it.
@@ -78,9 +75,26 @@ const QUEUE_FULL_RETRY: Duration = Duration::from_millis(10);
 /// Not rdkafka's threaded producer: its thread polls in rounds of exactly 100 ms, and so
 /// ends every round busy for up to a millisecond (see [`REPORT_WAIT`]): 0.9 % of a core
 /// for an idle producer, as measured on the bench's machine.
+///
+/// A write whose record timed out in librdkafka replaces the client with a new one from the
+/// same configuration (writes already handed to the old one still get its reports). After a
+/// controlled shutdown of a broker, librdkafka 2.12.1's idempotent producer was seen to keep
+/// a partition's leader unknown, and to time out every write to it, for minutes, though the
+/// broker was back and new clients wrote to it at once; a new client starts from fresh
+/// metadata. The idempotence state starts over with it, so a record written again after the
+/// timeout may be stored twice: with the same message id, which the inbox drops.
 #[derive(Clone)]
 pub(crate) struct Producer {
-    shared: Arc<ProducerShared>,
+    slot: Arc<ProducerSlot>,
+}
+
+struct ProducerSlot {
+    /// What each client is created from.
+    config: ClientConfig,
+    /// The client new writes go through.
+    current: std::sync::Mutex<Arc<ProducerShared>>,
+    /// How many times the client was replaced.
+    replaced: std::sync::atomic::AtomicU64,
 }
 
 struct ProducerShared {
@@ -98,6 +112,31 @@ impl Drop for ProducerShared {
         }
         // The producer itself goes with the last handle (here): rdkafka purges what is
         // still queued, and its writes get their reports (failed) as it closes.
+    }
+}
+
+impl ProducerShared {
+    /// Creates a client and starts its report thread.
+    fn start(config: &ClientConfig) -> Result<Self, Error> {
+        let base: BaseProducer<LogContext> = config
+            .create_with_context(LogContext)
+            .map_err(|e| client_error("creating the producer", e))?;
+        let base = Arc::new(base);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (thread_base, thread_stop) = (base.clone(), stop.clone());
+        let reports = std::thread::Builder::new()
+            .name("kafka-reports".to_owned())
+            .spawn(move || {
+                while !thread_stop.load(Ordering::Relaxed) {
+                    thread_base.poll(REPORT_WAIT);
+                }
+            })
+            .map_err(|e| Error::client("starting the producer's report thread", e))?;
+        Ok(ProducerShared {
+            base,
+            stop,
+            reports: Some(reports),
+        })
     }
 }
 
@@ -123,27 +162,54 @@ impl ProducerContext for LogContext {
 impl Producer {
     /// Creates the producer and starts its report thread.
     fn start(config: &ClientConfig) -> Result<Self, Error> {
-        let base: BaseProducer<LogContext> = config
-            .create_with_context(LogContext)
-            .map_err(|e| client_error("creating the producer", e))?;
-        let base = Arc::new(base);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (thread_base, thread_stop) = (base.clone(), stop.clone());
-        let reports = std::thread::Builder::new()
-            .name("kafka-reports".to_owned())
-            .spawn(move || {
-                while !thread_stop.load(Ordering::Relaxed) {
-                    thread_base.poll(REPORT_WAIT);
-                }
-            })
-            .map_err(|e| Error::client("starting the producer's report thread", e))?;
+        let client = ProducerShared::start(config)?;
         Ok(Producer {
-            shared: Arc::new(ProducerShared {
-                base,
-                stop,
-                reports: Some(reports),
+            slot: Arc::new(ProducerSlot {
+                config: config.clone(),
+                current: std::sync::Mutex::new(Arc::new(client)),
+                replaced: std::sync::atomic::AtomicU64::new(0),
             }),
         })
+    }
+
+    /// The client new writes go through.
+    fn client(&self) -> Arc<ProducerShared> {
+        self.slot
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// How many times the client was replaced after a timed-out write.
+    #[cfg(test)]
+    fn replaced(&self) -> u64 {
+        self.slot.replaced.load(Ordering::Relaxed)
+    }
+
+    /// Replaces `used` with a new client, unless another write replaced it already. If the
+    /// new client cannot be created, the old one stays.
+    fn replace(&self, used: &Arc<ProducerShared>) {
+        let mut current = self.slot.current.lock().unwrap_or_else(|p| p.into_inner());
+        if !Arc::ptr_eq(&current, used) {
+            return;
+        }
+        match ProducerShared::start(&self.slot.config) {
+            Ok(client) => {
+                // Not the old client's last handle: `used` is one. It stops when the last
+                // write through it has its report.
+                *current = Arc::new(client);
+                drop(current);
+                let n = self.slot.replaced.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(
+                    replaced = n,
+                    "a write timed out in the Kafka producer; its client is replaced by a new one"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a write timed out in the Kafka producer; a new client could not be created, the old one is kept")
+            }
+        }
     }
 
     /// Hands `record` to librdkafka, trying again while its queue is full until `timeout`
@@ -155,8 +221,9 @@ impl Producer {
         timeout: Duration,
     ) -> Result<Published, KafkaError> {
         let start = Instant::now();
+        let client = self.client();
         loop {
-            match self.shared.base.send(record) {
+            match client.base.send(record) {
                 Ok(()) => break,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), again))
                     if start.elapsed() < timeout =>
@@ -169,7 +236,16 @@ impl Producer {
         }
         // librdkafka reports every record it took, within `message.timeout.ms` (see
         // `create`); a report lost anyway (the producer closed) is a failed write.
-        report.await.unwrap_or(Err(KafkaError::Canceled))
+        let reported = report.await.unwrap_or(Err(KafkaError::Canceled));
+        if matches!(
+            reported,
+            Err(KafkaError::MessageProduction(
+                RDKafkaErrorCode::MessageTimedOut
+            ))
+        ) {
+            self.replace(&client);
+        }
+        reported
     }
 }
 
@@ -241,225 +317,11 @@ pub struct Published {
     pub offset: i64,
 }
 
-/// Publishes records with an idempotent producer (`enable.idempotence=true`), each call
-/// returning only once the broker has acknowledged the record. Cheap to clone.
-#[derive(Clone)]
-pub struct KafkaPublisher {
-    producer: Producer,
-    message_id_header: String,
-    timeout: Duration,
-}
-
-impl std::fmt::Debug for KafkaPublisher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaPublisher")
-            .field("message_id_header", &self.message_id_header)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl KafkaPublisher {
-    /// A publisher for the brokers, common and producer properties and message id header of
-    /// `config` (its topics and group are not used).
-    pub fn new(config: &KafkaConfig) -> Result<Self, Error> {
-        validate_brokers(&config.brokers)?;
-        validate_properties("properties", &config.properties)?;
-        validate_properties("producer_properties", &config.producer_properties)?;
-        if config.message_id_header.trim().is_empty() {
-            return Err(Error::config("message_id_header", "must not be empty"));
-        }
-        let producer = create(&config.producer_client_config(), config.produce_timeout)?;
-        Ok(Self::from_producer(
-            producer,
-            config.message_id_header.clone(),
-            config.produce_timeout,
-        ))
-    }
-
-    /// A publisher for `brokers` with `properties` and the default message id header.
-    pub fn connect(brokers: &str, properties: &ClientProperties) -> Result<Self, Error> {
-        validate_brokers(brokers)?;
-        validate_properties("properties", properties)?;
-        let timeout = Duration::from_secs(30);
-        let producer = create(
-            &producer_client_config(brokers, properties, &ClientProperties::new()),
-            timeout,
-        )?;
-        Ok(Self::from_producer(
-            producer,
-            "message_id".to_owned(),
-            timeout,
-        ))
-    }
-
-    pub(crate) fn from_producer(
-        producer: Producer,
-        message_id_header: String,
-        timeout: Duration,
-    ) -> Self {
-        KafkaPublisher {
-            producer,
-            message_id_header,
-            timeout,
-        }
-    }
-
-    /// Writes one record to `topic` and waits for the broker's acknowledgement.
-    ///
-    /// `key` picks the partition (and, with [`crate::ProcessingOrder::Key`], the ordering
-    /// group); `message_id` goes in the message id header, which the inbox uses to recognise
-    /// a republished duplicate; `headers` are added as UTF-8 text.
-    pub async fn publish(
-        &self,
-        topic: &str,
-        key: Option<&[u8]>,
-        message_id: Option<&str>,
-        payload: &[u8],
-        headers: &[(&str, &str)],
-    ) -> Result<Published, Error> {
-        self.publish_raw(topic, key, message_id, Some(payload), headers)
-            .await
-    }
-
-    /// Like [`KafkaPublisher::publish`], with a null payload allowed (a tombstone).
-    pub async fn publish_raw(
-        &self,
-        topic: &str,
-        key: Option<&[u8]>,
-        message_id: Option<&str>,
-        payload: Option<&[u8]>,
-        headers: &[(&str, &str)],
-    ) -> Result<Published, Error> {
-        validate_topic("topic", topic)?;
-        let mut hs: Vec<(String, Option<Vec<u8>>)> = headers
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), Some(v.as_bytes().to_vec())))
-            .collect();
-        if let Some(id) = message_id {
-            hs.push((self.message_id_header.clone(), Some(id.as_bytes().to_vec())));
-        }
-        let record = OutgoingRecord {
-            key: key.map(<[u8]>::to_vec),
-            payload: payload.map(<[u8]>::to_vec),
-            headers: hs,
-        };
-        send(&self.producer, topic, &record, self.timeout).await
-    }
-}
-
-/// Creates the topics of `config`, and their retry (in [`RetryMode::RetryTopic`]) and
-/// dead-letter topics, with `partitions` partitions and `replication` replicas each. Topics
-/// that exist already are left as they are.
-pub async fn create_topics(
-    config: &KafkaConfig,
-    partitions: i32,
-    replication: i32,
-) -> Result<(), Error> {
-    validate_brokers(&config.brokers)?;
-    validate_properties("properties", &config.properties)?;
-    if partitions < 1 {
-        return Err(Error::config("partitions", "must be at least 1"));
-    }
-    if replication < 1 {
-        return Err(Error::config("replication", "must be at least 1"));
-    }
-    let mut names = Vec::new();
-    for t in &config.topics {
-        validate_topic("topics", t)?;
-        names.push(t.clone());
-        if config.retry == RetryMode::RetryTopic {
-            names.push(config.retry_topic(t));
-        }
-        names.push(config.dead_letter_topic(t));
-    }
-    let admin: AdminClient<LogContext> = config
-        .admin_client_config()
-        .create_with_context(LogContext)
-        .map_err(|e| client_error("creating the admin client", e))?;
-    let specs: Vec<NewTopic<'_>> = names
-        .iter()
-        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(replication)))
-        .collect();
-    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    let results = admin
-        .create_topics(specs.iter(), &options)
-        .await
-        .map_err(|e| client_error("creating topics", e))?;
-    for r in results {
-        match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((topic, code)) => {
-                return Err(Error::client(
-                    format!("creating topic {topic:?}"),
-                    KafkaError::AdminOp(code),
-                ))
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The outbox relay publishes a message to the topic named by its destination, with its
-/// ordering key as the record key (so one key's messages share a partition and keep their
-/// order), its id in the message id header and its headers as text. A bad topic name, a
-/// record too large, an unknown topic or a refused authorisation is reported as refused;
-/// anything else (a broker down, a timeout) as unavailable.
-impl consumer_core::Publisher for KafkaPublisher {
-    fn publish<'a>(
-        &'a self,
-        message: &'a consumer_core::OutboxMessage,
-    ) -> futures::future::BoxFuture<'a, Result<(), consumer_core::PublishError>> {
-        Box::pin(async move {
-            let headers: Vec<(&str, &str)> = message
-                .headers
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            let result = self
-                .publish(
-                    &message.destination,
-                    message.key.as_deref().map(str::as_bytes),
-                    message.message_id.as_deref(),
-                    &message.payload,
-                    &headers,
-                )
-                .await;
-            result.map(|_| ()).map_err(outbox_error)
-        })
-    }
-}
-
-/// How the relay should treat a failed publish (see the `Publisher` impl).
-fn outbox_error(e: Error) -> consumer_core::PublishError {
-    use consumer_core::PublishError;
-    let refused = match &e {
-        Error::Config { .. } => true,
-        Error::Produce { source, .. } => matches!(
-            source
-                .downcast_ref::<KafkaError>()
-                .and_then(KafkaError::rdkafka_error_code),
-            Some(
-                RDKafkaErrorCode::MessageSizeTooLarge
-                    | RDKafkaErrorCode::UnknownTopicOrPartition
-                    | RDKafkaErrorCode::UnknownTopic
-                    | RDKafkaErrorCode::TopicAuthorizationFailed
-                    | RDKafkaErrorCode::InvalidMessage
-                    | RDKafkaErrorCode::InvalidRecord
-            )
-        ),
-        Error::Client { .. } => false,
-    };
-    if refused {
-        PublishError::refused_by("kafka refused the message", e)
-    } else {
-        PublishError::unavailable("kafka did not take the message", e)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::client::producer_client_config;
+    use crate::ClientProperties;
 
     #[test]
     fn a_delivery_report_wait_is_bounded() {
@@ -475,6 +337,44 @@ mod tests {
             let e = create(&c, Duration::from_secs(7)).err().expect("refused");
             assert!(e.to_string().contains(name), "{e}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_write_that_times_out_replaces_the_client_for_the_next_writes() {
+        // No broker listens there: the record times out in librdkafka.
+        let mut c = producer_client_config(
+            "127.0.0.1:1",
+            &ClientProperties::new(),
+            &ClientProperties::new(),
+        );
+        c.set("message.timeout.ms", "200");
+        let producer = create(&c, Duration::from_secs(30)).expect("created");
+        let before = producer.client();
+        let record = OutgoingRecord {
+            key: None,
+            payload: Some(b"x".to_vec()),
+            headers: Vec::new(),
+        };
+        let sent = tokio::time::timeout(
+            Duration::from_secs(10),
+            send(&producer, "t", &record, Duration::from_secs(30)),
+        )
+        .await
+        .expect("reported within message.timeout.ms");
+        match sent {
+            Err(Error::Produce { source, .. }) => assert_eq!(
+                source.downcast_ref::<KafkaError>(),
+                Some(&KafkaError::MessageProduction(
+                    RDKafkaErrorCode::MessageTimedOut
+                ))
+            ),
+            other => panic!("expected a timed-out record, got {other:?}"),
+        }
+        assert_eq!(producer.replaced(), 1);
+        assert!(
+            !Arc::ptr_eq(&before, &producer.client()),
+            "the next writes go through a new client"
+        );
     }
 
     #[tokio::test]

@@ -88,9 +88,10 @@ fn quickstart_effects_match_the_unique_jobs() {
         get("deliveries") >= get("published") + get("retries"),
         "{stdout}"
     );
-    // Every unique job ran; the poison job ran out its 3 attempts; the job that crashed
-    // before its commit ran again.
-    let at_least = unique + 3 + 1;
+    // Every unique job ran, and the job that crashed before its commit ran again. The
+    // poison job ran out its 3 attempts, but a crash may have interrupted one after its
+    // claim counted it and before its handler started: it ran at least once.
+    let at_least = unique + 1 + 1;
     assert!(get("handler runs") >= at_least, "{stdout}");
     // The five republished jobs, and the job whose crash came after its commit, ran once:
     // their other deliveries are duplicates.
