@@ -423,3 +423,20 @@ pub async fn rabbitmq_sh(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Sets the policy `name` (priority 100, queues only) on the queues whose names match
+/// `pattern`, with `definition` (JSON), through `rabbitmqctl set_policy`.
+pub async fn set_queue_policy(name: &str, pattern: &str, definition: &str) {
+    rabbitmq_sh(&[
+        "ctl",
+        "set_policy",
+        "--apply-to",
+        "queues",
+        "--priority",
+        "100",
+        name,
+        pattern,
+        definition,
+    ])
+    .await;
+}

@@ -186,17 +186,11 @@ async fn a_refused_retry_copy_waits_its_backoff() {
     cfg.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     let policy = format!("{}-full", cfg.queue);
     let pattern = format!("^{}\\.retry\\.", regex_escape(&cfg.queue));
-    amqp::rabbitmq_sh(&[
-        "ctl",
-        "set_policy",
-        "--apply-to",
-        "queues",
-        "--priority",
-        "100",
+    amqp::set_queue_policy(
         &policy,
         &pattern,
         r#"{"max-length":0,"overflow":"reject-publish"}"#,
-    ])
+    )
     .await;
     let inbox = pg.inbox().await;
     let worker = Worker::with_config(inbox.clone(), flaky, worker_config(2)).unwrap();

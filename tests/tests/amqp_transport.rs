@@ -352,17 +352,11 @@ async fn a_refused_message_is_published_again_until_the_queue_takes_it() {
     let policy = format!("{}-full", cfg.queue);
     // The queue's name is letters, digits and `_` (unique_name): it is its own pattern.
     let pattern = format!("^{}$", cfg.queue);
-    amqp::rabbitmq_sh(&[
-        "ctl",
-        "set_policy",
-        "--apply-to",
-        "queues",
-        "--priority",
-        "100",
+    amqp::set_queue_policy(
         &policy,
         &pattern,
         r#"{"max-length":1,"overflow":"reject-publish"}"#,
-    ])
+    )
     .await;
     cfg.publish_timeout = Duration::from_secs(1);
     let short = AmqpPublisher::connect(cfg.clone()).await.unwrap();
