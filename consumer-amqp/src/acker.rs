@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -222,7 +222,7 @@ impl AmqpAcker {
             Settlement::Ack => self.ack().await,
             Settlement::Retry { delay, attempt } => {
                 let bucket = self.link.topology.retry_bucket(delay).clone();
-                let properties = self.retry_properties(attempt, now);
+                let properties = self.retry_properties(attempt, now, bucket.delay);
                 tracing::debug!(
                     tag = self.delivery_tag,
                     attempt,
@@ -397,7 +397,9 @@ impl AmqpAcker {
                     .iter()
                     .filter(|(k, _)| {
                         let k = k.as_str();
-                        !headers::DEAD_LETTER.contains(&k) && (own || !headers::ORIGIN.contains(&k))
+                        !headers::DEAD_LETTER.contains(&k)
+                            && k != headers::RETRY_DUE
+                            && (own || !headers::ORIGIN.contains(&k))
                     })
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect::<BTreeMap<_, _>>()
@@ -449,9 +451,12 @@ impl AmqpAcker {
         }
     }
 
-    fn retry_properties(&self, attempt: u32, now: SystemTime) -> BasicProperties {
+    /// A retry copy's properties: the copy's headers, its attempt, and when it is due (the
+    /// retry queue's `delay` after `now`).
+    fn retry_properties(&self, attempt: u32, now: SystemTime, delay: Duration) -> BasicProperties {
         let mut table = self.copy_headers(now);
         headers::set_int(&mut table, headers::ATTEMPT, attempt);
+        headers::set_millis(&mut table, headers::RETRY_DUE, now + delay);
         self.sign(CopyKind::Retry, &self.link.topology.queue, &mut table);
         headers::copy_properties(&self.properties, table)
     }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use futures::{FutureExt, Stream, StreamExt};
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
 use lapin::Connection;
 use tokio::sync::{mpsc, watch};
@@ -18,6 +18,7 @@ use crate::acker;
 use crate::config::AmqpConfig;
 use crate::link::{self, ConfirmChannel, Link};
 use crate::redacted_url::RedactedUrl;
+use crate::retry_queue;
 use crate::topology::{short, Topology};
 use crate::Error;
 
@@ -237,8 +238,9 @@ impl Stream for AmqpConsumer {
     }
 }
 
-/// One connection: a confirm channel (declarations, retry and dead-letter copies) and a
-/// consuming channel.
+/// One connection: a confirm channel (declarations, retry and dead-letter copies), a
+/// consuming channel, and a channel that returns the retry queues' due copies
+/// ([`retry_queue`]).
 struct Session {
     connection: Connection,
     /// The address connected to, and its index in [`AmqpConfig::addresses`].
@@ -285,15 +287,7 @@ impl Session {
     ) -> Result<(lapin::Consumer, Arc<Link>), Error> {
         let publisher = ConfirmChannel::open(connection, url, config).await?;
         topology.declare(publisher.channel()).await?;
-        let connect_error = |e: lapin::Error| Error::Connect {
-            url: url.clone(),
-            source: e.into(),
-        };
-        let channel = connection.create_channel().await.map_err(connect_error)?;
-        channel
-            .basic_qos(config.prefetch, BasicQosOptions { global: false })
-            .await
-            .map_err(connect_error)?;
+        let channel = link::consuming_channel(connection, url, config.prefetch).await?;
         let consumer = channel
             .basic_consume(
                 short(&config.queue),
@@ -307,6 +301,10 @@ impl Session {
                 source: e.into(),
             })?;
         let link = Arc::new(Link::new(generation, publisher, topology.clone()));
+        if let Err(e) = retry_queue::start(connection, url, config, &link).await {
+            link.retire();
+            return Err(e);
+        }
         Ok((consumer, link))
     }
 

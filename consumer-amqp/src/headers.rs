@@ -34,6 +34,11 @@ pub const ORIGINAL_EXCHANGE: &str = "x-original-exchange";
 /// The routing key the message was first published with.
 pub const ORIGINAL_ROUTING_KEY: &str = "x-original-routing-key";
 
+/// When a retry copy is due back in the work queue, in milliseconds since the Unix epoch:
+/// the time it was published plus its retry queue's delay. The worker that takes the copy
+/// from its retry queue holds it until then (see the crate docs, "Retries").
+pub const RETRY_DUE: &str = "x-retry-due";
+
 /// The signature over a copy's origin ([`crate::OriginSecret`]): the hex HMAC-SHA256 that
 /// proves the framework wrote [`ORIGINAL_EXCHANGE`], [`ORIGINAL_ROUTING_KEY`] and
 /// [`FIRST_FAILURE`]. Only with an origin secret configured.
@@ -148,10 +153,15 @@ fn value_to_json(v: &AMQPValue) -> serde_json::Value {
 /// The attempt number from [`ATTEMPT`]: any integer type or a decimal string; 1 when absent
 /// or unusable.
 pub(crate) fn attempt(table: Option<&FieldTable>) -> u32 {
-    let Some(v) = table.and_then(|t| t.inner().get(ATTEMPT)) else {
-        return 1;
-    };
-    let n: Option<i128> = match v {
+    integer(table, ATTEMPT)
+        .and_then(|n| u32::try_from(n).ok())
+        .filter(|n| *n >= 1)
+        .unwrap_or(1)
+}
+
+/// The header `name` as an integer: any integer type or a decimal string.
+fn integer(table: Option<&FieldTable>, name: &str) -> Option<i128> {
+    match table?.inner().get(name)? {
         AMQPValue::ShortShortInt(n) => Some((*n).into()),
         AMQPValue::ShortShortUInt(n) => Some((*n).into()),
         AMQPValue::ShortInt(n) => Some((*n).into()),
@@ -162,10 +172,7 @@ pub(crate) fn attempt(table: Option<&FieldTable>) -> u32 {
         AMQPValue::ShortString(s) => s.as_str().trim().parse().ok(),
         AMQPValue::LongString(s) => s.to_string().trim().parse().ok(),
         _ => None,
-    };
-    n.and_then(|n| u32::try_from(n).ok())
-        .filter(|n| *n >= 1)
-        .unwrap_or(1)
+    }
 }
 
 /// Sets a string header.
@@ -182,6 +189,22 @@ pub(crate) fn set_int(table: &mut FieldTable, name: &'static str, value: u32) {
         ShortString::from(name),
         AMQPValue::LongLongInt(i64::from(value)),
     );
+}
+
+/// Sets a time header, in milliseconds since the Unix epoch.
+pub(crate) fn set_millis(table: &mut FieldTable, name: &'static str, value: SystemTime) {
+    let millis = value
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0);
+    table.insert(ShortString::from(name), AMQPValue::LongLongInt(millis));
+}
+
+/// A time header in milliseconds since the Unix epoch (an integer of any type or a decimal
+/// string); `None` when absent, unusable or negative.
+pub(crate) fn millis(table: Option<&FieldTable>, name: &str) -> Option<SystemTime> {
+    let n = u64::try_from(integer(table, name)?).ok()?;
+    UNIX_EPOCH.checked_add(std::time::Duration::from_millis(n))
 }
 
 /// `s` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
@@ -281,6 +304,29 @@ mod tests {
         assert_eq!(rfc3339(t), "2000-02-29T00:00:00.000Z");
         let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799);
         assert_eq!(rfc3339(t), "2099-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn a_retry_copy_due_time_is_written_and_read_back_in_milliseconds() {
+        let mut t = FieldTable::default();
+        let due = UNIX_EPOCH + Duration::from_millis(1_714_564_800_123);
+        set_millis(&mut t, RETRY_DUE, due);
+        assert_eq!(millis(Some(&t), RETRY_DUE), Some(due));
+        // A producer's decimal string is read too; nonsense is no time.
+        t.insert(RETRY_DUE.into(), AMQPValue::LongString("1000".into()));
+        assert_eq!(
+            millis(Some(&t), RETRY_DUE),
+            Some(UNIX_EPOCH + Duration::from_secs(1))
+        );
+        for bad in [
+            AMQPValue::LongLongInt(-1),
+            AMQPValue::LongString("soon".into()),
+            AMQPValue::Boolean(true),
+        ] {
+            t.insert(RETRY_DUE.into(), bad);
+            assert_eq!(millis(Some(&t), RETRY_DUE), None);
+        }
+        assert_eq!(millis(None, RETRY_DUE), None);
     }
 
     #[test]

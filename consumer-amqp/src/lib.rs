@@ -37,9 +37,12 @@
 //! - `Retry { delay, attempt }`: a copy (same body, properties and message id, plus
 //!   [`headers::ATTEMPT`] = `attempt`, [`headers::FIRST_FAILURE`] and the original exchange
 //!   and routing key) is published to the retry queue for `delay`; once the broker
-//!   *confirmed* the copy, the original is acked. The copy waits out the queue's TTL and is
-//!   dead-lettered by the broker back to the work queue. Nothing in the process sleeps and
-//!   nothing blocks other messages.
+//!   *confirmed* the copy, the original is acked. The copy carries
+//!   [`headers::RETRY_DUE`] (when it is due back) and waits in its retry queue; every
+//!   consumer of the work queue also consumes the retry queues, holds each copy until it is
+//!   due, publishes it back to the work queue (confirmed) and then acks it (see "Why
+//!   per-delay retry queues" below). No handler slot waits and nothing blocks other
+//!   messages.
 //! - `DeadLetter`: the same, to the dead-letter queue (`<queue>.dlq` by default), with the
 //!   original body and properties plus [`headers::DEAD_LETTER_REASON`], [`headers::HANDLER`],
 //!   [`headers::KEY`], [`headers::ATTEMPTS`], [`headers::ERROR`],
@@ -56,12 +59,11 @@
 //!
 //! ## Why per-delay retry queues, and why buckets
 //!
-//! RabbitMQ has no native delayed delivery without a plugin. A per-message TTL in one
-//! shared queue does not work: the broker only expires messages at the head of a queue, so
-//! a 60s retry would hold back a 1s retry queued behind it. A queue whose TTL is the same
-//! for every message expires them in order. Hence one queue per delay, `<queue>.retry.<ms>`,
-//! with `x-message-ttl` = the delay, `x-dead-letter-exchange` = `""` and
-//! `x-dead-letter-routing-key` = the work queue.
+//! RabbitMQ has no native delayed delivery without a plugin, so a copy waits in a queue
+//! for its delay. Each delay has its own queue, `<queue>.delayed.<ms>`: every copy in it
+//! waits the same time, so the copies come due in the order they arrived, and the one at
+//! the head is always the next one due (in one shared queue a 60s retry would hold back a
+//! 1s retry queued behind it).
 //!
 //! The runtime's backoff is jittered, so exact delays would mean a queue per
 //! millisecond. Instead the delays are rounded *up* to a small fixed set,
@@ -69,12 +71,29 @@
 //! longest). Rounding up keeps the backoff's promise ("not before"), and a fixed set means
 //! every queue is declared at startup and after every reconnect, so there is no lazily
 //! declared queue to race with, and a copy is never published to a queue that does not
-//! exist yet. Choose buckets that match your handlers' backoff. The retry queues are quorum
-//! queues whatever [`AmqpConfig::queue_type`] says, with at-least-once dead-lettering, so a
-//! retry copy is not lost between the two queues: a classic queue moves an expired message
-//! at most once, and a broker stopping at that moment drops it after its original was acked
-//! (the chaos suite caught that with classic retry queues). This needs RabbitMQ 3.10 or
-//! newer, even with classic work queues.
+//! exist yet. Choose buckets that match your handlers' backoff.
+//!
+//! The copies come back through the workers, not through the broker: each connection of
+//! an [`AmqpConsumer`] consumes the retry queues too (up to [`AmqpConfig::prefetch`] copies
+//! per queue), holds each copy until [`headers::RETRY_DUE`], publishes it to the work queue
+//! with a publisher confirm and only then acks it. A copy is unacked in its retry queue
+//! until the work queue has it, so a killed worker, a lost connection or a dead node
+//! returns it to the retry queue and nothing is lost; a copy returned twice (its ack lost)
+//! is a duplicate the inbox recognises. A due time is the publishing worker's clock: keep
+//! the workers' clocks in sync (NTP), or a retry runs up to their difference early or late
+//! (never later than the queue's delay after a worker took the copy). A copy is held at
+//! most half of [`AmqpConfig::broker_consumer_timeout`] at a time; one due later goes to the
+//! tail of its own queue and waits again. The retry queues are quorum queues whatever
+//! [`AmqpConfig::queue_type`] says (replicated: a copy survives the node it was on), which
+//! needs RabbitMQ 3.8 or newer.
+//!
+//! A broker TTL with dead-lettering back to the work queue would need no worker, but it
+//! loses or strands copies: a classic queue moves an expired message at most once (a broker
+//! stopping at that moment drops a copy whose original was acked: the chaos suite caught
+//! that), and a quorum queue's at-least-once dead-lettering stopped forwarding for minutes
+//! after the node holding the retry queue's leader was killed (RabbitMQ 3.10, the cluster
+//! tests). Queues named `<queue>.retry.<ms>` were declared that way by earlier versions of
+//! this crate: they still return their copies by themselves, and can be deleted once empty.
 //!
 //! ## Origin of copies
 //!
@@ -133,7 +152,8 @@
 //! 3.10, also per queue from 3.12). A client cannot read it, so
 //! [`AmqpConfig::broker_consumer_timeout`] says what it is: [`AmqpConsumer::connect_for`]
 //! refuses a worker whose handler timeout is not below it, and a delivery held unacked
-//! while the broker refuses its retry copy is held at most half of it. A delivery can still
+//! while the broker refuses its retry copy, or a retry copy held until it is due, is held
+//! at most half of it. A delivery can still
 //! outlast it (waiting in the prefetch behind slow ones, or a broker set lower than the
 //! configuration): the channel closes, the consumer reconnects as after any loss, the
 //! delivery comes back and the inbox recognises it if its handler had completed. Nothing is
@@ -165,13 +185,15 @@
 //! | `consumer_amqp_unacked` | gauge | deliveries of the consuming channel not settled yet |
 //! | `consumer_amqp_connected` | gauge | 1 while the consumer is connected and consuming, else 0 |
 //! | `consumer_amqp_reconnects_total` | counter | reconnections after a lost connection or a cancelled consumer |
+//! | `consumer_amqp_retry_copies_total` | counter | retry copies taken from a retry queue, by `moved`: `returned` (to the work queue, due) or `requeued` (to the tail of their retry queue, due after the longest hold) |
 //!
 //! # Layout
 //!
 //! `config` (configuration; `validate` checks it), `redacted_url` (the URL shown without
-//! credentials), `origin` (signing and verifying the origin of copies), `topology` (what is declared, retry buckets), `link` (connections, the
-//! confirm channel, and what one connection's deliveries share), `consumer` (the
-//! reconnecting stream), `acker` (deliveries and their settlement: acks, retry and
+//! credentials), `origin` (signing and verifying the origin of copies), `topology` (what is
+//! declared, retry buckets), `link` (connections, the confirm channel, and what one
+//! connection's deliveries share), `consumer` (the reconnecting stream), `retry_queue`
+//! (returning due retry copies to the work queue), `acker` (deliveries and their settlement: acks, retry and
 //! dead-letter copies, requeues), `ack_book` (which acks may be coalesced into one
 //! `multiple` ack), `publisher`, `headers` (the headers and properties of deliveries and
 //! their copies), `error`.
@@ -186,6 +208,7 @@ mod link;
 mod origin;
 mod publisher;
 mod redacted_url;
+mod retry_queue;
 mod topology;
 
 pub use config::{AmqpConfig, ExchangeType, QueueType, MAX_QUEUE_NAME_LEN};

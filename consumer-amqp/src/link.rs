@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::auth::AuthProvider;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::{LongString, ShortString};
 use lapin::uri::{AMQPUri, SASLMechanism};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
@@ -144,6 +144,25 @@ where
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Opens a channel on `connection` for consuming, at most `prefetch` unacked deliveries per
+/// consumer (`basic.qos`, not global).
+pub(crate) async fn consuming_channel(
+    connection: &Connection,
+    url: &RedactedUrl,
+    prefetch: u16,
+) -> Result<Channel, Error> {
+    let connect_error = |e: lapin::Error| Error::Connect {
+        url: url.clone(),
+        source: e.into(),
+    };
+    let channel = connection.create_channel().await.map_err(connect_error)?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions { global: false })
+        .await
+        .map_err(connect_error)?;
+    Ok(channel)
 }
 
 /// What one connection's deliveries share: the confirm channel for retry and dead-letter

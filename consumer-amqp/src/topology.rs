@@ -10,7 +10,8 @@ use crate::config::{AmqpConfig, ExchangeType, QueueType};
 use crate::origin::OriginSecret;
 use crate::Error;
 
-/// One retry queue: messages wait `delay` in `queue`, then return to the work queue.
+/// One retry queue: copies wait `delay` in `queue`, then a worker returns them to the work
+/// queue (see `retry_queue`).
 #[derive(Debug, Clone)]
 pub(crate) struct RetryBucket {
     pub(crate) delay: Duration,
@@ -79,6 +80,11 @@ impl Topology {
             .unwrap_or_else(|| unreachable!("validated: at least one retry delay"))
     }
 
+    /// The retry queues, shortest delay first.
+    pub(crate) fn retry_buckets(&self) -> &[RetryBucket] {
+        &self.retry
+    }
+
     /// Declares everything (idempotent; it is re-run after each reconnect).
     pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), Error> {
         let durable = QueueDeclareOptions::durable();
@@ -88,19 +94,14 @@ impl Topology {
         declare_queue(channel, &self.dead_letter_queue, durable, args).await?;
 
         for bucket in &self.retry {
-            // Always a quorum queue, whatever the work queue's type: only a quorum queue
-            // dead-letters at least once. A classic queue moves an expired retry copy back
-            // at most once, so a broker stopping at that moment drops the copy after its
-            // original was acked (the chaos suite lost a job that way, seed 502).
+            // Always a quorum queue, whatever the work queue's type: replicated, so a copy
+            // whose original was acked survives its node. No TTL and no dead-lettering: the
+            // copies go back through the workers (`retry_queue`), with publisher confirms,
+            // not through the broker's dead-lettering, which a leader change can stall for
+            // minutes (RabbitMQ 3.10 left copies stranded in the retry queue after the node
+            // holding its leader was killed).
             let mut args = FieldTable::default();
             args.insert("x-queue-type".into(), string("quorum"));
-            args.insert(
-                "x-message-ttl".into(),
-                AMQPValue::LongLongInt(bucket.delay.as_millis() as i64),
-            );
-            args.insert("x-dead-letter-exchange".into(), string(""));
-            args.insert("x-dead-letter-routing-key".into(), string(&self.queue));
-            args.insert("x-dead-letter-strategy".into(), string("at-least-once"));
             args.insert("x-overflow".into(), string("reject-publish"));
             declare_queue(channel, &bucket.queue, durable, args).await?;
         }
@@ -202,10 +203,10 @@ mod tests {
         c.retry_delays = vec![Duration::from_secs(5), Duration::from_secs(1)];
         let t = Topology::new(&c);
         let pick = |ms| t.retry_bucket(Duration::from_millis(ms)).queue.clone();
-        assert_eq!(pick(0), "q.retry.1000");
-        assert_eq!(pick(1000), "q.retry.1000");
-        assert_eq!(pick(1001), "q.retry.5000");
-        assert_eq!(pick(60_000), "q.retry.5000");
+        assert_eq!(pick(0), "q.delayed.1000");
+        assert_eq!(pick(1000), "q.delayed.1000");
+        assert_eq!(pick(1001), "q.delayed.5000");
+        assert_eq!(pick(60_000), "q.delayed.5000");
         assert_eq!(t.dead_letter_queue, "q.dlq");
     }
 }

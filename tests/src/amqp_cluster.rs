@@ -38,6 +38,39 @@ pub async fn node(action: &str, node: usize) {
     rabbitmq_sh(&["node", action, &node.to_string()]).await;
 }
 
+/// A node killed with SIGKILL ([`kill_node`]); started again by [`KilledNode::restart`] or,
+/// if the test ends first (a failed assertion), when dropped, so the cluster's other tests
+/// find it whole.
+#[must_use = "the node stays down only while this lives"]
+pub struct KilledNode(Option<usize>);
+
+/// Kills node `n` (SIGKILL, `scripts/rabbitmq.sh node kill`).
+pub async fn kill_node(n: usize) -> KilledNode {
+    node("kill", n).await;
+    KilledNode(Some(n))
+}
+
+impl KilledNode {
+    /// Starts the node again and waits until it has joined the cluster.
+    pub async fn restart(mut self) {
+        if let Some(n) = self.0.take() {
+            node("start", n).await;
+        }
+    }
+}
+
+impl Drop for KilledNode {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            let script = crate::amqp::repo_root().join("scripts/rabbitmq.sh");
+            let started = std::process::Command::new(script)
+                .args(["node", "start", &n.to_string()])
+                .status();
+            eprintln!("restarted node {n} of the cluster after the test ended: {started:?}");
+        }
+    }
+}
+
 /// `rabbitmqctl` against node `node`; its standard output.
 pub async fn node_ctl(node: usize, args: &[&str]) -> String {
     let node = node.to_string();

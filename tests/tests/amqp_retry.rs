@@ -3,7 +3,7 @@
 //! other messages keep flowing; the test measures both.
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use consumer_amqp::AmqpPublisher;
 use consumer_core::{handler, Context, EntryStatus, HandlerError, Worker};
@@ -185,7 +185,7 @@ async fn a_refused_retry_copy_waits_its_backoff() {
     let mut cfg = config(&amqp::unique_name("refused"));
     cfg.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
     let policy = format!("{}-full", cfg.queue);
-    let pattern = format!("^{}\\.retry\\.", regex_escape(&cfg.queue));
+    let pattern = format!("^{}\\.delayed\\.", regex_escape(&cfg.queue));
     amqp::set_queue_policy(
         &policy,
         &pattern,
@@ -197,9 +197,10 @@ async fn a_refused_retry_copy_waits_its_backoff() {
     let running = Running::start(worker, cfg.clone()).await;
 
     // Quorum queues refuse a publish only once they are over the limit: one ready message
-    // in each retry queue keeps it there. Each filler expires after the queue's delay (and
-    // comes back to the work queue, where the worker dead-letters it as undecodable), so
-    // they are offered again and again; all but the one that fits are refused.
+    // in each retry queue keeps it there. The fillers say they are due in an hour, so the
+    // worker holds as many as its prefetch takes for the queue's delay (then returns them
+    // to the work queue, where it dead-letters them as undecodable); they are offered again
+    // and again, and all but the one that fits are refused.
     let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
     let (stop_filling, mut stopped) = tokio::sync::watch::channel(false);
     let filling = {
@@ -213,10 +214,15 @@ async fn a_refused_retry_copy_waits_its_backoff() {
             .map(|d| cfg.retry_queue_name(*d))
             .collect();
         tokio::spawn(async move {
-            let none = std::collections::BTreeMap::new();
             while !*stopped.borrow() {
+                let later = SystemTime::now() + Duration::from_secs(3600);
+                let millis = later.duration_since(UNIX_EPOCH).unwrap().as_millis();
+                let due = std::collections::BTreeMap::from([(
+                    consumer_amqp::headers::RETRY_DUE.to_owned(),
+                    millis.to_string(),
+                )]);
                 for q in &queues {
-                    let _ = publisher.publish(q, "", b"filler", &none).await;
+                    let _ = publisher.publish(q, "", b"filler", &due).await;
                 }
                 let _ = tokio::time::timeout(Duration::from_millis(20), stopped.changed()).await;
             }

@@ -1,5 +1,6 @@
 //! The RabbitMQ transport on its own, without a worker: deliveries of a lost connection are
-//! never settled on the new one, a consumer cancelled by the broker comes back, refused
+//! never settled on the new one, a retry copy comes back once when due even if the consumer
+//! holding it goes away, a consumer cancelled by the broker comes back, refused
 //! credentials fail at once without showing the password, and the publisher waits out a
 //! confirm that never comes and a message the broker refuses.
 
@@ -141,6 +142,66 @@ async fn deliveries_of_a_lost_connection_are_never_settled_on_the_new_one() {
 /// A busy worker takes nothing from the stream for a while; the connection is lost meanwhile.
 /// The consumer must see the loss and reconnect then, not when the worker next asks: the
 /// deliveries it holds are of the lost connection and could never be acked.
+/// A retry copy waits in its retry queue, taken and held by a consumer of the work queue
+/// until it is due, and only then comes back to the work queue, with its attempt. A
+/// consumer that goes away while it holds the copy gives it back to the retry queue (it was
+/// not acked), and another consumer returns it: it arrives once, not before its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_copy_held_by_a_consumer_that_goes_away_is_returned_by_another() {
+    init_tracing();
+    let mut cfg = config(&amqp::unique_name("held_copy"));
+    cfg.retry_delays = vec![Duration::from_secs(3)];
+    let retry_queue = cfg.retry_queue_name(cfg.retry_delays[0]);
+    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
+    publisher
+        .publish_json(&cfg.queue, "m", &json!({"id": "m"}))
+        .await
+        .unwrap();
+    publisher.close().await;
+
+    let mut first = AmqpConsumer::connect(cfg.clone()).await.unwrap();
+    let (m, _) = next_delivery(&mut first).await;
+    let failed = Instant::now();
+    m.acker
+        .settle(Settlement::Retry {
+            delay: Duration::from_millis(100),
+            attempt: 2,
+        })
+        .await
+        .unwrap();
+    // The copy was confirmed into the retry queue; the first consumer takes it and holds it
+    // (unacked) until it is due.
+    wait_for("the first consumer to hold the copy", LONG, || async {
+        Rabbit::ready(&retry_queue).await == 0
+    })
+    .await;
+    let health = first.health();
+    drop(first);
+    tokio::time::timeout(Duration::from_secs(10), health.closed())
+        .await
+        .expect("the first consumer closes its connection");
+    // Given back with the connection: no consumer is left to return it.
+    wait_for("the copy back in its retry queue", LONG, || async {
+        Rabbit::ready(&retry_queue).await == 1
+    })
+    .await;
+    assert_eq!(
+        Rabbit::ready(&cfg.queue).await,
+        0,
+        "returned before it was due"
+    );
+
+    let mut second = AmqpConsumer::connect(cfg.clone()).await.unwrap();
+    let (again, _) = next_delivery(&mut second).await;
+    let waited = failed.elapsed();
+    assert_eq!(again.delivery.message_id.as_deref(), Some("m"));
+    assert_eq!(again.delivery.attempt, 2);
+    assert!(waited >= cfg.retry_delays[0], "back after {waited:?}");
+    again.acker.settle(Settlement::Ack).await.unwrap();
+    assert_eq!(Rabbit::ready(&retry_queue).await, 0);
+    close_with_nothing_unacked(second, &cfg).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_connection_is_seen_while_nothing_takes_deliveries() {
     init_tracing();

@@ -12,7 +12,7 @@ use crate::Error;
 mod validate;
 
 /// The longest queue name accepted. AMQP allows 255 bytes; the retry and dead-letter queues
-/// derive their names by appending a suffix (`.retry.<ms>`, `.dlq`), which needs room.
+/// derive their names by appending a suffix (`.delayed.<ms>`, `.dlq`), which needs room.
 pub const MAX_QUEUE_NAME_LEN: usize = 200;
 
 /// The queue type, chosen by the user: RabbitMQ cannot change it on an existing queue.
@@ -98,9 +98,9 @@ impl FromStr for ExchangeType {
 /// The topology declared from it (all durable, re-declared after every reconnect):
 ///
 /// - the work queue `queue`, of type `queue_type`;
-/// - `<queue>.retry.<ms>` for each of `retry_delays`: a quorum queue (whatever
-///   `queue_type` is) with TTL `<ms>`, dead-lettering back to the work queue through the
-///   default exchange, at least once;
+/// - `<queue>.delayed.<ms>` for each of `retry_delays`: a quorum queue (whatever
+///   `queue_type` is) where retry copies wait `<ms>`; every consumer of the work queue also
+///   consumes these and returns each copy to the work queue once it is due;
 /// - the dead-letter queue (`dead_letter_queue`, default `<queue>.dlq`);
 /// - when `exchange` is set: that exchange (unless it is a predeclared `amq.*` one) and one
 ///   binding of the work queue per entry of `binding_keys` (default: the queue's name).
@@ -282,9 +282,9 @@ impl AmqpConfig {
             .unwrap_or_else(|| format!("{}.dlq", self.queue))
     }
 
-    /// The retry queue's name for a bucket of `delay`: `<queue>.retry.<ms>`.
+    /// The retry queue's name for a bucket of `delay`: `<queue>.delayed.<ms>`.
     pub fn retry_queue_name(&self, delay: Duration) -> String {
-        format!("{}.retry.{}", self.queue, delay.as_millis())
+        format!("{}.delayed.{}", self.queue, delay.as_millis())
     }
 }
 
@@ -350,7 +350,7 @@ mod tests {
         assert_eq!(c.dead_letter_queue_name(), "orders.dlq");
         assert_eq!(
             c.retry_queue_name(Duration::from_secs(5)),
-            "orders.retry.5000"
+            "orders.delayed.5000"
         );
     }
 }

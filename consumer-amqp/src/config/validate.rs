@@ -6,8 +6,9 @@ use super::{AmqpConfig, MAX_QUEUE_NAME_LEN};
 use crate::redacted_url::RedactedUrl;
 use crate::Error;
 
-/// The longest value of `x-message-ttl` RabbitMQ accepts (2³² − 1 ms, about 49 days).
-const MAX_TTL_MS: u128 = u32::MAX as u128;
+/// The longest retry delay accepted (2³² − 1 ms, about 49 days): a bound on nonsense, not
+/// a limit of the mechanism (a copy due later than the longest hold waits again).
+const MAX_DELAY_MS: u128 = u32::MAX as u128;
 
 impl AmqpConfig {
     /// Checks every field; the error names the first bad one (`amqp.<field>`).
@@ -69,10 +70,10 @@ impl AmqpConfig {
         let mut seen = Vec::new();
         for d in &self.retry_delays {
             let ms = d.as_millis();
-            if ms == 0 || ms > MAX_TTL_MS || d.subsec_nanos() % 1_000_000 != 0 {
+            if ms == 0 || ms > MAX_DELAY_MS || d.subsec_nanos() % 1_000_000 != 0 {
                 return Err(Error::config(
                     "amqp.retry_delays",
-                    format!("{d:?} must be a whole number of milliseconds between 1ms and {MAX_TTL_MS}ms"),
+                    format!("{d:?} must be a whole number of milliseconds between 1ms and {MAX_DELAY_MS}ms"),
                 ));
             }
             if seen.contains(&ms) {
