@@ -1,8 +1,8 @@
 //! The message headers this crate reads and writes.
 //!
-//! A retry copy carries [`ATTEMPT`], [`FIRST_FAILURE`], [`ORIGINAL_EXCHANGE`] and
-//! [`ORIGINAL_ROUTING_KEY`] (and [`ORIGIN_SIGNATURE`] with an origin secret). A
-//! dead-lettered message carries all of them plus [`DEAD_LETTER_REASON`], [`HANDLER`],
+//! A retry copy carries [`ATTEMPT`], [`RETRY_DUE`], [`FIRST_FAILURE`],
+//! [`ORIGINAL_EXCHANGE`] and [`ORIGINAL_ROUTING_KEY`] (and [`ORIGIN_SIGNATURE`] with an
+//! origin secret). A dead-lettered message carries all of them but [`RETRY_DUE`], plus [`DEAD_LETTER_REASON`], [`HANDLER`],
 //! [`KEY`], [`ATTEMPTS`], [`ERROR`] and [`LAST_FAILURE`]. Times are RFC 3339 UTC strings with milliseconds
 //! (`2024-05-01T12:00:00.123Z`).
 
