@@ -31,6 +31,7 @@ mod fleet;
 mod kafka;
 mod oracle;
 mod profile;
+mod report;
 mod rng;
 mod workload;
 
@@ -247,12 +248,12 @@ async fn unsettled(pool: &PgPool) -> Option<i64> {
 
 /// What happened during the run, besides what the fleet counts.
 #[derive(Debug, Default)]
-struct Happened {
-    published: u64,
-    publish_retries: u64,
-    broker_restarts: u32,
-    drained: bool,
-    errors: Vec<String>,
+pub(crate) struct Happened {
+    pub(crate) published: u64,
+    pub(crate) publish_retries: u64,
+    pub(crate) broker_restarts: u32,
+    pub(crate) drained: bool,
+    pub(crate) errors: Vec<String>,
 }
 
 #[tokio::main]
@@ -575,116 +576,18 @@ async fn run() -> anyhow::Result<bool> {
     let c = &fleet.counts;
     let passed = verdict.passed() && happened.drained && c.unexpected_exits.is_empty();
 
-    // RabbitMQ flags a redelivery; a Kafka record carries no such flag, so there a
-    // redelivery is a replayed record the inbox already had: a duplicate beyond the copies
-    // that were published twice (each group reads every copy), or a replay superseded by its
-    // retry copy. Killed workers lose their last second of counters, so both figures are
-    // lower bounds.
-    let redeliveries = match args.broker {
-        BrokerKind::Amqp => figures.redelivered,
-        BrokerKind::Kafka => {
-            let copies = u64::try_from(workload.duplicates)
-                .unwrap_or(u64::MAX)
-                .saturating_add(happened.publish_retries);
-            let copies = i64::try_from(copies).unwrap_or(i64::MAX);
-            (figures.duplicates - 2 * copies).max(0) + figures.superseded
-        }
-    };
-    let mut rows: Vec<(&str, String)> = vec![
-        ("broker", broker_name.to_owned()),
-        ("profile / seed", format!("{} / {}", p.name, args.seed)),
-        (
-            "mode",
-            match args.batch {
-                0 => "per message".to_owned(),
-                n => format!("batched ({n})"),
-            },
-        ),
-        (
-            "ack before commit (broken)",
-            if args.broken { "ON" } else { "off" }.to_owned(),
-        ),
-        ("published (messages)", happened.published.to_string()),
-        ("  unique valid jobs", workload.valid.len().to_string()),
-        ("  republished duplicates", workload.duplicates.to_string()),
-        ("  poison jobs", p.poison.to_string()),
-        (
-            "  bad inputs",
-            (workload.expected_dead.len() - p.poison).to_string(),
-        ),
-        ("  publish retries", happened.publish_retries.to_string()),
-        ("worker processes started", c.starts.to_string()),
-        ("kills (SIGKILL)", c.kills.to_string()),
-        ("pauses (SIGSTOP/SIGCONT)", c.stops.to_string()),
-        (
-            "members added / removed",
-            format!("{} / {}", c.joined, c.left),
-        ),
-        ("broker restarts", happened.broker_restarts.to_string()),
-        ("fault-point aborts (SIGABRT)", c.aborts.to_string()),
-        ("redeliveries seen", redeliveries.to_string()),
-        ("duplicates skipped", figures.duplicates.to_string()),
-        ("superseded by a retry copy", figures.superseded.to_string()),
-        ("retries", figures.retries.to_string()),
-        ("extra attempts (inbox)", figures.extra_attempts.to_string()),
-        ("quarantined", figures.quarantined.to_string()),
-        ("dead-lettered", verdict.dead_lettered.to_string()),
-        (
-            "  dead-letter copies (deduped)",
-            verdict.dead_letter_copies.to_string(),
-        ),
-        (
-            "  expected but missing",
-            verdict.dead_letter_missing.to_string(),
-        ),
-        (
-            "  valid jobs dead-lettered",
-            verdict.valid_dead_lettered.to_string(),
-        ),
-        ("  unexplained", verdict.dead_letter_unexplained.to_string()),
-        ("invoice_ready events (outbox)", verdict.events.to_string()),
-        ("  not published", verdict.events_unpublished.to_string()),
-        ("lost", verdict.lost.to_string()),
-        ("duplicated", verdict.duplicated.to_string()),
-        ("unexpected", verdict.unexpected.to_string()),
-        (
-            "emails without an invoice",
-            verdict.email_without_invoice.to_string(),
-        ),
-        (
-            "drained",
-            format!(
-                "{} (at {:.0}s)",
-                happened.drained,
-                drained_after.as_secs_f64()
-            ),
-        ),
-        ("elapsed", format!("{:.0}s", elapsed.as_secs_f64())),
-    ];
-    let at_db = rows
-        .iter()
-        .position(|(name, _)| *name == "fault-point aborts (SIGABRT)")
-        .unwrap_or(rows.len());
-    rows.splice(at_db..at_db, database::rows(&db_figures));
-    println!();
-    for (name, value) in rows {
-        println!("{name:<32}{value:>12}");
-    }
-    let reasons: Vec<String> = verdict
-        .reasons
-        .iter()
-        .map(|(r, n)| format!("{r}={n}"))
-        .collect();
-    println!("dead-letter reasons: {}", reasons.join(", "));
-    for e in &verdict.examples {
-        println!("  violation: {e}");
-    }
-    for e in &c.unexpected_exits {
-        println!("  unexpected worker exit: {e}");
-    }
-    for e in &happened.errors {
-        println!("  error: {e}");
-    }
+    report::print(&report::Run {
+        broker_name,
+        args: &args,
+        workload: &workload,
+        happened: &happened,
+        counts: c,
+        figures: &figures,
+        verdict: &verdict,
+        db_figures: &db_figures,
+        drained_after,
+        elapsed,
+    });
     println!();
     if passed {
         println!("OK: every job's effects happened exactly once.");
