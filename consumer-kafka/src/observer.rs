@@ -37,6 +37,12 @@ pub enum OffsetEvent {
         /// Records still in flight when it was given up.
         unsettled: usize,
     },
+    /// Another member took (classic protocol) or holds (consumer protocol) this member's
+    /// instance id: every partition was revoked as lost, and a new consumer joins again.
+    Fenced {
+        /// librdkafka's error: `FencedInstanceId` or `UnreleasedInstanceId`.
+        error: String,
+    },
     /// A settlement arrived after its partition was revoked and was dropped.
     SettlementDropped {
         /// Topic.
@@ -122,6 +128,14 @@ impl KafkaObserver {
         self.lock()
             .iter()
             .filter(|e| matches!(e, OffsetEvent::SettlementDropped { .. }))
+            .count()
+    }
+
+    /// How many times another member took or held this member's instance id.
+    pub fn fences(&self) -> usize {
+        self.lock()
+            .iter()
+            .filter(|e| matches!(e, OffsetEvent::Fenced { .. }))
             .count()
     }
 

@@ -123,9 +123,12 @@ pub struct KafkaConfig {
     /// back at once, without a rebalance of the group; without it, a killed worker's
     /// partitions wait for the session timeout, then for a rebalance. The price: a static
     /// member that stops, even cleanly, does not leave the group, so its partitions wait
-    /// for the session timeout when it does not come back; and two live workers with the
-    /// same name fence each other (the older one is told `FENCED_INSTANCE_ID` and stops
-    /// with an error).
+    /// for the session timeout when it does not come back. A member told that another has
+    /// its name (`FENCED_INSTANCE_ID`, classic protocol, also seen after the member's session
+    /// lapsed while the coordinator moved; `UNRELEASED_INSTANCE_ID`, consumer protocol)
+    /// forgets its partitions and joins again with a new consumer, waiting 1 s, then twice
+    /// as long each time up to 16 s; two live workers with the same name take it from each
+    /// other until one of them has been told so for two minutes, and stops with the error.
     pub instance_id: Option<String>,
 }
 

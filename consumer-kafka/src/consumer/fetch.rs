@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use consumer_core::{Blocks, TransportError};
 use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::types::RDKafkaErrorCode;
 
 use super::partitions::{Settings, Shared};
 use super::record::{key_id, read_headers, unix_millis, Handout, IdSource, Record, Spares};
@@ -256,22 +257,43 @@ impl Shared {
 
 static UNKNOWN_TOPIC_WARNINGS: AtomicU64 = AtomicU64::new(0);
 
+/// The error code, if `e` says another member took (`FENCED_INSTANCE_ID`, classic
+/// protocol) or holds (`UNRELEASED_INSTANCE_ID`, consumer protocol) this consumer's
+/// instance id. librdkafka takes either for fatal; the poll thread forgets the partitions
+/// and joins again with a new consumer (see `poll::Fences`).
+pub(super) fn fenced_by(e: &rdkafka::error::KafkaError) -> Option<RDKafkaErrorCode> {
+    match e {
+        rdkafka::error::KafkaError::MessageConsumptionFatal(
+            code @ (RDKafkaErrorCode::FencedInstanceId | RDKafkaErrorCode::UnreleasedInstanceId),
+        ) => Some(*code),
+        _ => None,
+    }
+}
+
+impl Shared {
+    /// Stops the transport with `error`, which the stream yields before it ends.
+    pub(super) fn fail(&self, error: TransportError) {
+        let waker = {
+            let mut state = self.lock();
+            state.errors.push_back(error);
+            state.waker.take()
+        };
+        self.stop.store(true, Ordering::SeqCst);
+        Shared::wake(waker);
+    }
+}
+
+/// Logs a consumer error; a fatal one stops the transport.
 pub(super) fn handle_poll_error(shared: &Shared, e: rdkafka::error::KafkaError) {
     use rdkafka::error::KafkaError as K;
-    use rdkafka::types::RDKafkaErrorCode as C;
+    use RDKafkaErrorCode as C;
     match e {
         K::MessageConsumptionFatal(code) => {
             tracing::error!(error = %code, "fatal consumer error: the transport stops");
-            let waker = {
-                let mut state = shared.lock();
-                state.errors.push_back(TransportError::new(
-                    "fatal kafka consumer error",
-                    K::MessageConsumptionFatal(code),
-                ));
-                state.waker.take()
-            };
-            shared.stop.store(true, Ordering::SeqCst);
-            Shared::wake(waker);
+            shared.fail(TransportError::new(
+                "fatal kafka consumer error",
+                K::MessageConsumptionFatal(code),
+            ));
         }
         K::MessageConsumption(C::UnknownTopicOrPartition | C::UnknownTopic) => {
             // A subscribed topic (often a retry topic) does not exist yet; librdkafka keeps

@@ -30,6 +30,7 @@ use consumer_core::{Incoming, LogPosition, TransportError};
 use crossbeam_utils::CachePadded;
 use futures::Stream;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::ClientConfig;
 use tokio::sync::watch;
 
 use crate::config::KafkaConfig;
@@ -83,22 +84,16 @@ impl KafkaConsumer {
         let producer = producer::create(&config.producer_client_config(), config.produce_timeout)?;
         let (closed_tx, closed_rx) = watch::channel(false);
         let shared = Arc::new(Shared::new(&config, producer, closed_tx));
-        let consumer: BaseConsumer<ConsumerCtx> = config
-            .consumer_client_config()
-            .create_with_context(ConsumerCtx {
-                shared: shared.clone(),
-            })
-            .map_err(|e| producer::client_error("creating the consumer", e))?;
-        let topics = config.subscribed_topics();
-        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-        consumer
-            .subscribe(&names)
-            .map_err(|e| producer::client_error("subscribing", e))?;
-        tracing::info!(group = %config.group_id, topics = ?topics, "kafka consumer started");
+        let client = Client {
+            config: config.consumer_client_config(),
+            topics: config.subscribed_topics(),
+        };
+        let consumer = client.open(&shared)?;
+        tracing::info!(group = %config.group_id, topics = ?client.topics, "kafka consumer started");
         let thread_shared = shared.clone();
         std::thread::Builder::new()
             .name("kafka-poll".to_owned())
-            .spawn(move || poll::poll_loop(consumer, thread_shared))
+            .spawn(move || poll::poll_loop(consumer, &client, &thread_shared))
             .map_err(|e| Error::client("starting the poll thread", e))?;
         Ok(KafkaConsumer {
             shared,
@@ -130,6 +125,31 @@ impl KafkaConsumer {
             // An error means the sender is gone: the thread has ended too.
             let _ = rx.wait_for(|closed| *closed).await;
         }
+    }
+}
+
+/// How the poll thread's librdkafka consumer is made: created from the configuration and
+/// subscribed, at start and again after another member took its instance id (see
+/// `poll::Fences`).
+pub(super) struct Client {
+    config: ClientConfig,
+    topics: Vec<String>,
+}
+
+impl Client {
+    /// A new librdkafka consumer, subscribed; its callbacks act on `shared`.
+    fn open(&self, shared: &Arc<Shared>) -> Result<BaseConsumer<ConsumerCtx>, Error> {
+        let consumer: BaseConsumer<ConsumerCtx> = self
+            .config
+            .create_with_context(ConsumerCtx {
+                shared: shared.clone(),
+            })
+            .map_err(|e| producer::client_error("creating the consumer", e))?;
+        let names: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&names)
+            .map_err(|e| producer::client_error("subscribing", e))?;
+        Ok(consumer)
     }
 }
 

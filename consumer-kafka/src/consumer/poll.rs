@@ -1,20 +1,25 @@
 //! The poll thread: it owns the librdkafka consumer and polls whatever the handlers do,
 //! reads the consumer's queue and each partition's own (see [`Queues`]), holds back full
-//! partitions, pauses and resumes partitions, and commits every interval.
+//! partitions, pauses and resumes partitions, and commits every interval. When another
+//! member takes its instance id (static membership), it forgets its partitions and joins
+//! again with a new consumer.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use consumer_core::Blocks;
+use consumer_core::{Blocks, TransportError};
 use rdkafka::consumer::{BaseConsumer, CommitMode as RdCommitMode, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
 
-use super::fetch::{handle_poll_error, Fetched, Room, CHUNK, POLL_BATCH};
+use super::fetch::{fenced_by, handle_poll_error, Fetched, Room, Topic, CHUNK, POLL_BATCH};
 use super::partitions::Shared;
 use super::queues::Queues;
 use super::rebalance::ConsumerCtx;
 use super::record::{Record, Spares};
+use super::Client;
 
 /// How long the poll thread sleeps, when a round read nothing, before housekeeping runs
 /// (a record arriving in an empty queue wakes it sooner).
@@ -144,79 +149,249 @@ impl Shared {
     }
 }
 
-/// The poll thread's loop: the consumer's queue (events, and records fetched before their
-/// partition's queue was split off), then each partition's own queue, then housekeeping and
-/// the commits; it sleeps when a round read nothing, until a queue becomes non-empty or the
-/// next housekeeping is due.
-pub(super) fn poll_loop(mut consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Shared>) {
-    let poll_thread = std::thread::current();
+/// The poll thread: runs a librdkafka consumer (see [`Poller::run`]) until the transport
+/// stops; when another member takes this one's instance id, forgets its partitions, waits
+/// and runs a new consumer (see [`Fences`]).
+pub(super) fn poll_loop(
+    consumer: BaseConsumer<ConsumerCtx>,
+    client: &Client,
+    shared: &Arc<Shared>,
+) {
     // Only this thread sets it.
-    let _ = shared.poll_thread.set(poll_thread.clone());
-    consumer.set_nonempty_callback(move || poll_thread.unpark());
-    let consumer = Arc::new(consumer);
-    let mut queues = Queues::new();
-    let mut last_commit = Instant::now();
-    let mut last_refresh = Instant::now();
-    let refresh_interval =
-        (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR).max(MIN_COMMIT_REFRESH);
-    let mut last_summary = Instant::now();
-    let mut last_gauges = Instant::now();
-    let mut topics = Vec::new();
-    let mut blocks = Blocks::new();
-    let mut retired = Vec::new();
-    let mut spares = Spares::default();
-    // Fetched records are added to their partitions in chunks, one hold of the state lock
-    // (which the stream and the settlements also take) for each.
-    let mut chunk = Vec::with_capacity(CHUNK);
-    let mut chunk_bytes = 0;
-    let mut room = Room::limits(&shared.settings);
-    while !shared.stop.load(Ordering::SeqCst) {
-        // The consumer's queue first: the rebalance callbacks run here, and a partition's
-        // records that reached it before its own queue was split off come before those in
-        // its own queue, which is read only in a round that emptied this one.
-        let mut drained = false;
-        let mut read_any = false;
-        for _ in 0..POLL_BATCH {
-            match consumer.poll(Duration::ZERO) {
-                None => {
-                    drained = true;
-                    break;
-                }
-                Some(Ok(m)) => {
-                    read_any = true;
-                    let fetched = shared.read(&m, &mut topics, &mut blocks, &mut spares);
-                    if let Fetched::Record { record, .. } = &fetched {
-                        chunk_bytes += record.bytes;
-                    }
-                    chunk.push(fetched);
-                    if room.filled(chunk.len(), chunk_bytes) {
-                        room = shared.ingest(&mut chunk);
-                        chunk_bytes = 0;
-                        if room.is_full() {
-                            break;
-                        }
-                    }
-                }
-                Some(Err(e)) => {
-                    handle_poll_error(&shared, e);
-                    break;
-                }
+    let _ = shared.poll_thread.set(std::thread::current());
+    let mut poller = Poller::new(shared);
+    let mut fences = Fences::default();
+    let mut consumer = consumer;
+    while let Ended::Fenced(code) = poller.run(consumer, shared) {
+        let Some(delay) = fences.admit(Instant::now()) else {
+            tracing::error!(
+                error = %code,
+                window = ?FENCE_WINDOW,
+                "the instance id stayed another member's: two live workers share it; the transport stops"
+            );
+            shared.fail(TransportError::new(
+                "the kafka instance id is another live member's",
+                KafkaError::MessageConsumptionFatal(code),
+            ));
+            break;
+        };
+        tracing::warn!(
+            error = %code,
+            ?delay,
+            "another member has this consumer's instance id: its partitions are forgotten and it joins again"
+        );
+        let until = Instant::now() + delay;
+        while !shared.stop.load(Ordering::SeqCst) && Instant::now() < until {
+            std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
+        }
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        match client.open(shared) {
+            Ok(c) => consumer = c,
+            Err(e) => {
+                tracing::error!(error = %e, "opening the consumer again failed: the transport stops");
+                shared.fail(TransportError::new("reopening the kafka consumer", e));
+                break;
             }
         }
-        if !chunk.is_empty() {
-            room = shared.ingest(&mut chunk);
-            chunk_bytes = 0;
+    }
+    let waker = {
+        let mut state = shared.lock();
+        state.finished = true;
+        state.partitions.clear();
+        state.waker.take()
+    };
+    Shared::wake(waker);
+    shared.closed.send_replace(true);
+    tracing::info!("kafka consumer closed");
+}
+
+/// Why [`Poller::run`] returned.
+enum Ended {
+    /// The transport stops: settled offsets were committed and the group left.
+    Stopped,
+    /// Another member took (the classic protocol's `FENCED_INSTANCE_ID`) or holds (the
+    /// consumer protocol's `UNRELEASED_INSTANCE_ID`) this consumer's instance id: its
+    /// partitions were forgotten as lost and the consumer closed.
+    Fenced(RDKafkaErrorCode),
+}
+
+/// How long a run of fences lasts at most: a consumer whose instance id is still another
+/// member's this long after the first fence of the run stops. A member that took the id
+/// while this one's session lapsed (a coordinator moving to another broker) is gone once
+/// this one joins again; a worker started with the name of a live one is not, and the two
+/// would take the name from each other for ever.
+const FENCE_WINDOW: Duration = Duration::from_secs(120);
+/// The wait before the first new consumer of a run of fences; it doubles with each further
+/// fence of the run, up to [`MAX_REOPEN_DELAY`]. Under the consumer protocol a killed
+/// member holds its instance id until its session expires (45 s by default): the refused
+/// newcomer asks again until then.
+const FIRST_REOPEN_DELAY: Duration = Duration::from_secs(1);
+const MAX_REOPEN_DELAY: Duration = Duration::from_secs(16);
+
+/// The fences of a consumer: since when its instance id has been another member's, and how
+/// long to wait before the next new consumer.
+#[derive(Debug, Default)]
+struct Fences {
+    /// The first fence of the current run and the last one.
+    run: Option<(Instant, Instant)>,
+    delay: Duration,
+}
+
+impl Fences {
+    /// Records a fence at `now`: the wait before a new consumer, or `None` when the run of
+    /// fences has lasted [`FENCE_WINDOW`]. A fence more than [`FENCE_WINDOW`] after the last
+    /// one starts a new run.
+    fn admit(&mut self, now: Instant) -> Option<Duration> {
+        match self.run {
+            Some((first, last)) if now.duration_since(last) < FENCE_WINDOW => {
+                if now.duration_since(first) >= FENCE_WINDOW {
+                    return None;
+                }
+                self.run = Some((first, now));
+                self.delay = (self.delay * 2).min(MAX_REOPEN_DELAY);
+            }
+            _ => {
+                self.run = Some((now, now));
+                self.delay = FIRST_REOPEN_DELAY;
+            }
         }
-        read_any |= queues.follow(&consumer, &shared);
-        if drained {
-            let (t, b, s, c) = (&mut topics, &mut blocks, &mut spares, &mut chunk);
-            read_any |= queues.read(&shared, t, b, s, c, &mut room);
+        Some(self.delay)
+    }
+}
+
+/// The poll thread's state that outlives a librdkafka consumer.
+struct Poller {
+    last_commit: Instant,
+    last_refresh: Instant,
+    refresh_interval: Duration,
+    last_summary: Instant,
+    last_gauges: Instant,
+    topics: Vec<Topic>,
+    blocks: Blocks,
+    retired: Vec<Arc<Record>>,
+    spares: Spares,
+    /// Fetched records are added to their partitions in chunks, one hold of the state lock
+    /// (which the stream and the settlements also take) for each.
+    chunk: Vec<Fetched>,
+}
+
+impl Poller {
+    fn new(shared: &Shared) -> Self {
+        Poller {
+            last_commit: Instant::now(),
+            last_refresh: Instant::now(),
+            refresh_interval: (shared.settings.commit_interval * COMMIT_REFRESH_FACTOR)
+                .max(MIN_COMMIT_REFRESH),
+            last_summary: Instant::now(),
+            last_gauges: Instant::now(),
+            topics: Vec::new(),
+            blocks: Blocks::new(),
+            retired: Vec::new(),
+            spares: Spares::default(),
+            chunk: Vec::with_capacity(CHUNK),
         }
-        let buffers = shared.housekeeping(&consumer, &mut retired, &mut spares);
+    }
+
+    /// Polls `consumer` until the transport stops or the consumer is fenced: the
+    /// consumer's queue (events, and records fetched before their partition's queue was
+    /// split off), then each partition's own queue, then housekeeping and the commits; it
+    /// sleeps when a round read nothing, until a queue becomes non-empty or the next
+    /// housekeeping is due. Closes the consumer before it returns.
+    fn run(&mut self, mut consumer: BaseConsumer<ConsumerCtx>, shared: &Shared) -> Ended {
+        let poll_thread = std::thread::current();
+        consumer.set_nonempty_callback(move || poll_thread.unpark());
+        let consumer = Arc::new(consumer);
+        let mut queues = Queues::new();
+        let mut chunk_bytes = 0;
+        let mut room = Room::limits(&shared.settings);
+        let mut fenced = None;
+        while !shared.stop.load(Ordering::SeqCst) {
+            // The consumer's queue first: the rebalance callbacks run here, and a partition's
+            // records that reached it before its own queue was split off come before those in
+            // its own queue, which is read only in a round that emptied this one.
+            let mut drained = false;
+            let mut read_any = false;
+            for _ in 0..POLL_BATCH {
+                match consumer.poll(Duration::ZERO) {
+                    None => {
+                        drained = true;
+                        break;
+                    }
+                    Some(Ok(m)) => {
+                        read_any = true;
+                        let fetched =
+                            shared.read(&m, &mut self.topics, &mut self.blocks, &mut self.spares);
+                        if let Fetched::Record { record, .. } = &fetched {
+                            chunk_bytes += record.bytes;
+                        }
+                        self.chunk.push(fetched);
+                        if room.filled(self.chunk.len(), chunk_bytes) {
+                            room = shared.ingest(&mut self.chunk);
+                            chunk_bytes = 0;
+                            if room.is_full() {
+                                break;
+                            }
+                        }
+                    }
+                    Some(Err(e)) => {
+                        fenced = fenced_by(&e);
+                        if fenced.is_none() {
+                            handle_poll_error(shared, e);
+                        }
+                        break;
+                    }
+                }
+            }
+            if !self.chunk.is_empty() {
+                room = shared.ingest(&mut self.chunk);
+                chunk_bytes = 0;
+            }
+            if let Some(code) = fenced {
+                shared.lose_all(code);
+                // The queues hold the consumer too: the last handle closes it.
+                drop(queues);
+                drop(consumer);
+                return Ended::Fenced(code);
+            }
+            read_any |= queues.follow(&consumer, shared);
+            if drained {
+                let (t, b, s, c) = (
+                    &mut self.topics,
+                    &mut self.blocks,
+                    &mut self.spares,
+                    &mut self.chunk,
+                );
+                read_any |= queues.read(shared, t, b, s, c, &mut room);
+            }
+            let buffers = shared.housekeeping(&consumer, &mut self.retired, &mut self.spares);
+            self.periodic(&consumer, shared);
+            if !read_any && !buffers.room_again {
+                // Until a queue becomes non-empty, or a settlement gives a full partition room
+                // again; a full partition is also looked at again soon in any case.
+                std::thread::park_timeout(if buffers.any_full {
+                    POLL_WAIT_PAUSED
+                } else {
+                    POLL_WAIT
+                });
+            }
+        }
+        tracing::info!("kafka consumer stopping: committing settled offsets and leaving the group");
+        shared.commit(&consumer, RdCommitMode::Sync, true);
+        // The queues hold the consumer too: the last handle closes it. Closing runs the revoke
+        // callback (bounded wait, contiguous commit) and leaves the group.
+        drop(queues);
+        drop(consumer);
+        Ended::Stopped
+    }
+
+    /// What a round does when its time comes: the debug summary, the gauges, the commits.
+    fn periodic(&mut self, consumer: &BaseConsumer<ConsumerCtx>, shared: &Shared) {
         if tracing::enabled!(tracing::Level::DEBUG)
-            && last_summary.elapsed() >= Duration::from_secs(2)
+            && self.last_summary.elapsed() >= Duration::from_secs(2)
         {
-            last_summary = Instant::now();
+            self.last_summary = Instant::now();
             let state = shared.lock();
             for ((topic, partition), p) in &state.partitions {
                 tracing::debug!(
@@ -229,41 +404,50 @@ pub(super) fn poll_loop(mut consumer: BaseConsumer<ConsumerCtx>, shared: Arc<Sha
                 );
             }
         }
-        if last_gauges.elapsed() >= GAUGE_INTERVAL {
-            last_gauges = Instant::now();
+        if self.last_gauges.elapsed() >= GAUGE_INTERVAL {
+            self.last_gauges = Instant::now();
             shared.set_gauges();
         }
-        if last_commit.elapsed() >= shared.settings.commit_interval {
-            let refresh = last_refresh.elapsed() >= refresh_interval;
+        if self.last_commit.elapsed() >= shared.settings.commit_interval {
+            let refresh = self.last_refresh.elapsed() >= self.refresh_interval;
             if refresh {
-                last_refresh = Instant::now();
+                self.last_refresh = Instant::now();
             }
-            shared.commit(&consumer, RdCommitMode::Async, refresh);
-            last_commit = Instant::now();
-        }
-        if !read_any && !buffers.room_again {
-            // Until a queue becomes non-empty, or a settlement gives a full partition room
-            // again; a full partition is also looked at again soon in any case.
-            std::thread::park_timeout(if buffers.any_full {
-                POLL_WAIT_PAUSED
-            } else {
-                POLL_WAIT
-            });
+            shared.commit(consumer, RdCommitMode::Async, refresh);
+            self.last_commit = Instant::now();
         }
     }
-    tracing::info!("kafka consumer stopping: committing settled offsets and leaving the group");
-    shared.commit(&consumer, RdCommitMode::Sync, true);
-    // The queues hold the consumer too: the last handle closes it. Closing runs the revoke
-    // callback (bounded wait, contiguous commit) and leaves the group.
-    drop(queues);
-    drop(consumer);
-    let waker = {
-        let mut state = shared.lock();
-        state.finished = true;
-        state.partitions.clear();
-        state.waker.take()
-    };
-    Shared::wake(waker);
-    shared.closed.send_replace(true);
-    tracing::info!("kafka consumer closed");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fences_wait_longer_each_time_and_stop_after_the_window() {
+        let start = Instant::now();
+        let mut f = Fences::default();
+        let at = |s: u64| start + Duration::from_secs(s);
+        assert_eq!(f.admit(at(0)), Some(Duration::from_secs(1)));
+        assert_eq!(f.admit(at(5)), Some(Duration::from_secs(2)));
+        assert_eq!(f.admit(at(10)), Some(Duration::from_secs(4)));
+        assert_eq!(f.admit(at(20)), Some(Duration::from_secs(8)));
+        assert_eq!(f.admit(at(40)), Some(Duration::from_secs(16)));
+        assert_eq!(f.admit(at(60)), Some(Duration::from_secs(16)));
+        assert_eq!(f.admit(at(119)), Some(Duration::from_secs(16)));
+        // Another member's for the whole window: a live twin.
+        assert_eq!(f.admit(at(120)), None);
+    }
+
+    #[test]
+    fn a_fence_long_after_the_last_starts_a_new_run() {
+        let start = Instant::now();
+        let mut f = Fences::default();
+        let at = |s: u64| start + Duration::from_secs(s);
+        assert_eq!(f.admit(at(0)), Some(Duration::from_secs(1)));
+        assert_eq!(f.admit(at(100)), Some(Duration::from_secs(2)));
+        // 120 s after the last fence: a coordinator moved again, not a twin.
+        assert_eq!(f.admit(at(220)), Some(Duration::from_secs(1)));
+        assert_eq!(f.admit(at(300)), Some(Duration::from_secs(2)));
+    }
 }

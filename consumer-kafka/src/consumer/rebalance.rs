@@ -10,6 +10,7 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode as RdCommitMode, Consumer, ConsumerContext, Rebalance,
 };
 use rdkafka::error::KafkaResult;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use super::partitions::{Partition, Shared, State};
@@ -261,6 +262,32 @@ impl Shared {
         tracing::info!(partitions = tps.len(), lost, "partitions revoked");
         // Synchronously, while the partitions are still assigned to this member.
         self.send_commit(consumer, &commit, RdCommitMode::Sync);
+    }
+
+    /// Forgets every owned partition as lost, after another member took or held this
+    /// consumer's instance id (`code`): nothing is committed for them, and settlements of
+    /// their records in flight are dropped (the partitions' next owner, maybe this member
+    /// again, redelivers them and the inbox deduplicates).
+    pub(super) fn lose_all(&self, code: RDKafkaErrorCode) {
+        metrics::counter!("consumer_kafka_fenced_total", "group" => self.settings.group_id.clone())
+            .increment(1);
+        let mut state = self.lock();
+        self.revocations.fetch_add(1, Ordering::SeqCst);
+        let mut events = vec![OffsetEvent::Fenced {
+            error: format!("{code:?}"),
+        }];
+        let partitions = std::mem::take(&mut state.partitions);
+        // Their records are freed outside the lock, which the stream and the settlements take.
+        drop(state);
+        for ((topic, partition), p) in partitions {
+            events.push(OffsetEvent::Revoked {
+                topic: topic.to_string(),
+                partition,
+                lost: true,
+                unsettled: p.tracker.in_flight(),
+            });
+        }
+        self.observer.record_all(events);
     }
 
     /// The assign callback (after librdkafka applied the assignment).
