@@ -5,7 +5,7 @@ use std::fs::OpenOptions;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio::process::{Child, Command};
@@ -46,6 +46,25 @@ struct Slot {
     killed: bool,
     /// Being removed for good (SIGTERM): not restarted.
     leaving: bool,
+    /// When this incarnation was started.
+    started: Instant,
+    /// Sent SIGTERM within [`STARTING`] of its start: it may die of it (see there).
+    termed_starting: bool,
+}
+
+/// How long a worker may take to take SIGTERM over from the default action (its first
+/// step, after the process, the runtime and the logging start): a worker sent SIGTERM this
+/// soon after its start (just restarted after a kill, when the runner removes it or ends
+/// the run) may die of it, which loses nothing and is not a worker's fault. Dying of a
+/// later SIGTERM is an unexpected exit: the worker did not stop gracefully.
+const STARTING: Duration = Duration::from_secs(5);
+
+impl Slot {
+    /// Sends SIGTERM, noting whether it comes within [`STARTING`] of the start.
+    fn terminate(&mut self) {
+        self.termed_starting = self.started.elapsed() < STARTING;
+        signal(self.pid, "TERM");
+    }
 }
 
 /// How the worker processes ended, and what was done to them.
@@ -59,6 +78,8 @@ pub(crate) struct Counts {
     /// Members added (Kafka) and removed gracefully.
     pub(crate) joined: u64,
     pub(crate) left: u64,
+    /// Deaths by a SIGTERM sent within [`STARTING`] of the worker's start.
+    pub(crate) termed_starting: u64,
     /// Exits nobody asked for (not SIGABRT, not our SIGKILL): with their log file.
     pub(crate) unexpected_exits: Vec<String>,
 }
@@ -112,6 +133,8 @@ impl Fleet {
             stopped: false,
             killed: false,
             leaving: false,
+            started: Instant::now(),
+            termed_starting: false,
         });
         let i = self.slots.len() - 1;
         self.spawn(i)?;
@@ -153,6 +176,8 @@ impl Fleet {
         slot.child = Some(child);
         slot.stopped = false;
         slot.killed = false;
+        slot.started = Instant::now();
+        slot.termed_starting = false;
         self.counts.starts += 1;
         Ok(())
     }
@@ -171,6 +196,9 @@ impl Fleet {
             match status.signal() {
                 Some(6) => self.counts.aborts += 1,
                 Some(9) if slot.killed => {}
+                Some(15) if slot.leaving && slot.termed_starting => {
+                    self.counts.termed_starting += 1;
+                }
                 _ if slot.leaving && status.success() => {}
                 _ => self.counts.unexpected_exits.push(format!(
                     "{} (slot {i}, pid {}): {status}; log {}",
@@ -252,7 +280,7 @@ impl Fleet {
             self.slots[i].killed = true;
             signal(self.slots[i].pid, "KILL");
         } else {
-            signal(self.slots[i].pid, "TERM");
+            self.slots[i].terminate();
         }
         self.counts.left += 1;
         true
@@ -270,7 +298,7 @@ impl Fleet {
                 slot.stopped = false;
             }
             slot.leaving = true;
-            signal(slot.pid, "TERM");
+            slot.terminate();
         }
         let deadline = tokio::time::Instant::now() + grace;
         loop {

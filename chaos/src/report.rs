@@ -76,6 +76,10 @@ pub(crate) fn print(run: &Run<'_>) {
         ),
         ("worker processes started", run.counts.starts.to_string()),
         ("kills (SIGKILL)", run.counts.kills.to_string()),
+        (
+            "ended by SIGTERM while starting",
+            run.counts.termed_starting.to_string(),
+        ),
         ("pauses (SIGSTOP/SIGCONT)", run.counts.stops.to_string()),
         (
             "members added / removed",
