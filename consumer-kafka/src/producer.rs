@@ -27,8 +27,25 @@ impl ClientContext for LogContext {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        log_client_error(&error, reason);
+    }
+}
+
+/// Logs an error librdkafka hands a client's error callback. A failed connection to a
+/// broker is also a line of librdkafka's own log, at error level and with repeats counted
+/// rather than written: the callback's copy of it goes to debug, so that a node that is down
+/// fills the log with one line per attempt, not two or three.
+pub(crate) fn log_client_error(error: &KafkaError, reason: &str) {
+    if is_connection_failure(error) {
+        tracing::debug!(error = %error, reason, "librdkafka client error");
+    } else {
         tracing::warn!(error = %error, reason, "librdkafka client error");
     }
+}
+
+/// Whether `error` is a failed connection to a broker, which librdkafka logs itself.
+pub(crate) fn is_connection_failure(error: &KafkaError) -> bool {
+    error.rdkafka_error_code() == Some(RDKafkaErrorCode::BrokerTransportFailure)
 }
 
 pub(crate) fn log_librdkafka(level: RDKafkaLogLevel, fac: &str, message: &str) {

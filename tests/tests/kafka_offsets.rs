@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::{OffsetEvent, ProcessingOrder};
-use consumer_tests::kafka::{wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{publish_all, wait_for, worker_config, KafkaEnv, Running};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -123,4 +123,31 @@ async fn committed_offset_waits_for_the_slow_record_and_a_crash_loses_nothing() 
     let inbox = env.pg.inbox().await;
     let entry = inbox.entry("kafka_record", "slow").await.unwrap();
     assert_eq!(entry.map(|e| e.attempts), Some(1));
+}
+
+/// A crash replays what the partitions did since their last commit. A worker that crashes
+/// soon after each start (a crash loop) must still move its partitions forward: right after
+/// an assignment its progress is committed at once, not at the next `commit_interval`
+/// (here a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_right_after_an_assignment_is_committed_at_once() {
+    let env = KafkaEnv::new("young", 1).await;
+    let jobs = (0..100)
+        .map(|i| {
+            let id = format!("job-{i}");
+            (format!("key-{i}"), id.clone(), json!({ "id": id }))
+        })
+        .collect();
+    let ends = publish_all(&env.publisher(), &env.topic, 1, jobs).await;
+    let mut config = env.config();
+    config.commit_interval = Duration::from_secs(60);
+    let worker = Running::start(&env, config, worker_config(4)).await;
+    wait_for(
+        "every record committed, long before the interval",
+        Duration::from_secs(10),
+        || async { env.committed_up_to(&ends).await },
+    )
+    .await;
+    worker.stop().await;
+    assert_eq!(env.effect_count().await, 100);
 }

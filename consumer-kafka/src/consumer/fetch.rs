@@ -305,6 +305,11 @@ pub(super) fn handle_poll_error(shared: &Shared, e: rdkafka::error::KafkaError) 
                 tracing::warn!(error = %e, "a subscribed topic does not exist (create it with consumer_kafka::create_topics)");
             }
         }
+        // A failed broker connection: librdkafka's own log has it (see
+        // `producer::log_client_error`).
+        other if crate::producer::is_connection_failure(&other) => {
+            tracing::debug!(error = %other, "kafka consumer error");
+        }
         other => tracing::warn!(error = %other, "kafka consumer error"),
     }
 }

@@ -37,6 +37,9 @@ pub(super) struct Partition {
     /// Its records come in a queue of its own (see `queues`). Until they do, they come in
     /// the consumer's queue with every partition's, and a full buffer pauses it instead.
     pub(super) own_queue: bool,
+    /// When it was assigned: for a while after, its progress is committed at once (see
+    /// `poll::EAGER_COMMIT_FOR`).
+    pub(super) assigned_at: Instant,
 }
 
 impl Partition {
@@ -52,6 +55,7 @@ impl Partition {
             committed: None,
             full: false,
             own_queue: false,
+            assigned_at: Instant::now(),
         }
     }
 

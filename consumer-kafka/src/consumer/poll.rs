@@ -33,6 +33,15 @@ const POLL_WAIT_PAUSED: Duration = Duration::from_millis(5);
 /// unchanged (see [`Shared::commit`]), but not more often than [`MIN_COMMIT_REFRESH`].
 const COMMIT_REFRESH_FACTOR: u32 = 10;
 const MIN_COMMIT_REFRESH: Duration = Duration::from_secs(1);
+/// For this long after a partition is assigned, its progress is committed every
+/// [`EAGER_COMMIT_GAP`] instead of every `commit_interval`. A crash replays what its
+/// partitions did since their last commit, and a worker that crashes soon after it starts,
+/// over and over (a crash loop; the chaos suite's fault points, which also fire while it
+/// skips the duplicates of the last crash), would otherwise commit nothing: its whole life
+/// is shorter than a join and one interval, and each incarnation replays the same records.
+/// The cost: up to 50 commits a second per member for a few seconds after each rebalance.
+pub(super) const EAGER_COMMIT_FOR: Duration = Duration::from_secs(5);
+const EAGER_COMMIT_GAP: Duration = Duration::from_millis(20);
 /// How often the paused-partition gauge is set.
 const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -61,6 +70,7 @@ impl Shared {
         let limits = Room::limits(&self.settings);
         let mut any_full = false;
         let mut room_again = false;
+        let mut young_progress = false;
         let waker = {
             let mut state = self.lock();
             std::mem::swap(&mut state.retired, retired);
@@ -92,6 +102,11 @@ impl Shared {
                     p.paused = want_pause;
                 }
                 ready |= !p.revoking && p.tracker.has_due_waiting(now);
+                young_progress |= !p.revoking
+                    && now.duration_since(p.assigned_at) < EAGER_COMMIT_FOR
+                    && p.tracker
+                        .commit_point()
+                        .is_some_and(|point| p.committed != Some(point));
             }
             if ready {
                 state.waker.take()
@@ -116,6 +131,7 @@ impl Shared {
         Buffers {
             any_full,
             room_again,
+            young_progress,
         }
     }
 }
@@ -127,6 +143,8 @@ struct Buffers {
     /// A partition held back for a full buffer has room again: its queue is to be read
     /// without sleeping first, as it is not empty and so no new record wakes the thread.
     room_again: bool,
+    /// A partition assigned less than [`EAGER_COMMIT_FOR`] ago has progress not committed.
+    young_progress: bool,
 }
 
 impl Shared {
@@ -366,7 +384,7 @@ impl Poller {
                 read_any |= queues.read(shared, t, b, s, c, &mut room);
             }
             let buffers = shared.housekeeping(&consumer, &mut self.retired, &mut self.spares);
-            self.periodic(&consumer, shared);
+            self.periodic(&consumer, shared, buffers.young_progress);
             if !read_any && !buffers.room_again {
                 // Until a queue becomes non-empty, or a settlement gives a full partition room
                 // again; a full partition is also looked at again soon in any case.
@@ -386,8 +404,14 @@ impl Poller {
         Ended::Stopped
     }
 
-    /// What a round does when its time comes: the debug summary, the gauges, the commits.
-    fn periodic(&mut self, consumer: &BaseConsumer<ConsumerCtx>, shared: &Shared) {
+    /// What a round does when its time comes: the debug summary, the gauges, the commits
+    /// (every `commit_interval`, or every [`EAGER_COMMIT_GAP`] while `young_progress`).
+    fn periodic(
+        &mut self,
+        consumer: &BaseConsumer<ConsumerCtx>,
+        shared: &Shared,
+        young_progress: bool,
+    ) {
         if tracing::enabled!(tracing::Level::DEBUG)
             && self.last_summary.elapsed() >= Duration::from_secs(2)
         {
@@ -408,7 +432,12 @@ impl Poller {
             self.last_gauges = Instant::now();
             shared.set_gauges();
         }
-        if self.last_commit.elapsed() >= shared.settings.commit_interval {
+        let interval = if young_progress {
+            EAGER_COMMIT_GAP.min(shared.settings.commit_interval)
+        } else {
+            shared.settings.commit_interval
+        };
+        if self.last_commit.elapsed() >= interval {
             let refresh = self.last_refresh.elapsed() >= self.refresh_interval;
             if refresh {
                 self.last_refresh = Instant::now();

@@ -30,7 +30,7 @@ impl ClientContext for ConsumerCtx {
     }
 
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
-        tracing::warn!(error = %error, reason, "librdkafka consumer error");
+        producer::log_client_error(&error, reason);
     }
 
     /// librdkafka's statistics (every `statistics.interval.ms`): the lag of each partition
