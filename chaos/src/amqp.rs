@@ -125,6 +125,8 @@ impl Amqp {
     pub(crate) async fn restart(&self) -> anyhow::Result<()> {
         let script = self.scripts.join("rabbitmq.sh");
         if self.cluster {
+            // The leader is read once the turn is ours: another run's fault may move it.
+            let _turn = cluster::node_fault_turn(&script).await?;
             let queue = &self.configs[0].1.queue;
             let node = cluster::rabbitmq_leader(&script, queue).await.unwrap_or(1);
             return cluster::kill_and_restart(&script, node).await;

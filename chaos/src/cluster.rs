@@ -6,6 +6,8 @@
 use std::path::Path;
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
@@ -15,6 +17,39 @@ pub(crate) const NODES: u32 = 3;
 /// How long a killed node stays down: longer than the clients' reconnect backoff, so they
 /// move to another node, shorter than anything that would time a run out.
 const DOWN_FOR: Duration = Duration::from_secs(5);
+
+/// The right to take a node of the cluster that `script` runs down, held until it is up
+/// again: runs side by side on one cluster (CI's two Kafka runs) take turns, so the cluster
+/// loses one node at a time, the fault its replication (three replicas, two in sync) and
+/// its three-voter controller quorum are built to survive. Two nodes down at once is
+/// another fault: a CI run saw a restarted node give up its start ("unable to register with
+/// the controller quorum") while the other run's node was down, and both runs stall on a
+/// cluster left with one node. Released when dropped (an advisory lock on a file named
+/// after the script, in the temporary directory).
+pub(crate) struct NodeFaultTurn {
+    _lock: std::fs::File,
+}
+
+/// Waits for [`NodeFaultTurn`] on the cluster of `script`.
+pub(crate) async fn node_fault_turn(script: &Path) -> anyhow::Result<NodeFaultTurn> {
+    let name = script
+        .file_stem()
+        .map_or_else(|| "cluster".into(), |s| s.to_string_lossy().into_owned());
+    let path = std::env::temp_dir().join(format!("consumer-chaos-{name}-node-fault.lock"));
+    let lock = tokio::task::spawn_blocking(move || -> anyhow::Result<std::fs::File> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("open {}", path.display()))?;
+        file.lock()
+            .with_context(|| format!("lock {}", path.display()))?;
+        Ok(file)
+    })
+    .await??;
+    Ok(NodeFaultTurn { _lock: lock })
+}
 
 /// SIGKILLs node `node` through `script` (`node kill`), keeps it down for [`DOWN_FOR`],
 /// then starts it again and waits until it answers (`node start`).

@@ -118,6 +118,8 @@ impl Kafka {
     pub(crate) async fn restart(&self) -> anyhow::Result<()> {
         let script = self.scripts.join("kafka.sh");
         if self.cluster {
+            // The leader is read once the turn is ours: another run's fault may move it.
+            let _turn = cluster::node_fault_turn(&script).await?;
             let node = cluster::kafka_leader(&self.brokers, &self.topic)
                 .await
                 .unwrap_or(1);

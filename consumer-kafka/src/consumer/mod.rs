@@ -202,6 +202,10 @@ impl Shared {
 impl Drop for KafkaConsumer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        // Not to wait for its next round (or the end of a wait before a new consumer).
+        if let Some(t) = self.shared.poll_thread.get() {
+            t.unpark();
+        }
         // The kept acknowledgers hold `shared`: let them go (outside the lock). With `stop`
         // set no more are kept, so nothing holds it once the poll thread and the hand-outs
         // are done.

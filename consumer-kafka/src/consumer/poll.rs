@@ -171,7 +171,7 @@ impl Shared {
 /// stops; when another member takes this one's instance id, forgets its partitions, waits
 /// and runs a new consumer (see [`Fences`]).
 pub(super) fn poll_loop(
-    consumer: BaseConsumer<ConsumerCtx>,
+    mut consumer: BaseConsumer<ConsumerCtx>,
     client: &Client,
     shared: &Arc<Shared>,
 ) {
@@ -179,7 +179,6 @@ pub(super) fn poll_loop(
     let _ = shared.poll_thread.set(std::thread::current());
     let mut poller = Poller::new(shared);
     let mut fences = Fences::default();
-    let mut consumer = consumer;
     while let Ended::Fenced(code) = poller.run(consumer, shared) {
         let Some(delay) = fences.admit(Instant::now()) else {
             tracing::error!(
