@@ -218,6 +218,7 @@ impl Producer {
                 *current = Arc::new(client);
                 drop(current);
                 let n = self.slot.replaced.fetch_add(1, Ordering::Relaxed) + 1;
+                metrics::counter!("consumer_kafka_producer_replaced_total").increment(1);
                 tracing::warn!(
                     replaced = n,
                     "a write timed out in the Kafka producer; its client is replaced by a new one"

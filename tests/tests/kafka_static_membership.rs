@@ -1,7 +1,7 @@
 //! The Kafka transport with static membership (`KafkaConfig::instance_id`): a worker that
-//! crashes and comes back under the same name takes its own partitions back at once, with
-//! no rebalance of the group, long before its session would have expired; every job takes
-//! effect exactly once.
+//! stops without settling and comes back under the same name takes its own partitions back
+//! at once, with no rebalance of the group, long before its session would have expired;
+//! every job takes effect exactly once.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -89,7 +89,10 @@ async fn a_restarted_static_member_takes_its_partitions_back_at_once() {
     let owned_by_a = owned(&a);
     let b_revocations = b.observer.revocations();
 
-    // A crash: nothing in flight settles, the member does not leave the group.
+    // As a crash: nothing in flight settles, and on the classic protocol the member does
+    // not leave the group. (On the consumer protocol the closing client tells the broker it
+    // leaves for a while, which a SIGKILLed worker cannot: then the broker refuses its name
+    // until its session ends; README, "Crash recovery on Kafka".)
     a.kill().await;
     let restarted = Instant::now();
     let a2 = Running::start(&env, named(&env, "a"), worker_config(4)).await;
