@@ -1,7 +1,8 @@
 //! The outbox on SQLite and the in-memory broker: a handler's message commits with its
 //! effects or not at all; the relay publishes each committed message, again after a crash
 //! between its publish and its mark (and the receiving inbox runs it once); one key's
-//! messages go out in order, a failed one holding back the rest of its key; a commit wakes
+//! messages go out in order, a failed one holding back the rest of its key and no other
+//! key, however many rows it holds back; a commit wakes
 //! the relay of its process. The PostgreSQL and broker variants are in
 //! `tests/tests/outbox_*.rs`.
 
@@ -135,6 +136,19 @@ async fn a_relay_killed_between_publish_and_mark_publishes_again_and_the_consume
     assert_eq!(consumer.snapshot().duplicates, 1);
 }
 
+/// Writes one message to `events` for each `(key, n)`, its id `<key><n>`, in one transaction.
+async fn enqueue_keyed<'a>(env: &SqliteEnv, keyed: impl IntoIterator<Item = (&'a str, u32)>) {
+    let outbox = env.inbox.outbox();
+    let mut tx = env.inbox.pool().begin().await.unwrap();
+    for (key, n) in keyed {
+        let m = OutboxMessage::new("events", "x")
+            .key(key)
+            .message_id(format!("{key}{n}"));
+        outbox.enqueue(&mut tx, &m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
 /// Records what it published, in order; refuses each message id in `refuse` once.
 #[derive(Default, Clone)]
 struct Recording {
@@ -159,14 +173,11 @@ impl Publisher for Recording {
 async fn one_keys_messages_go_out_in_order_and_a_failed_one_holds_back_the_rest_of_its_key() {
     let env = SqliteEnv::new().await;
     let outbox = env.inbox.outbox();
-    let mut tx = env.inbox.pool().begin().await.unwrap();
-    for (key, n) in [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("c", 1)] {
-        let m = OutboxMessage::new("events", "x")
-            .key(key)
-            .message_id(format!("{key}{n}"));
-        outbox.enqueue(&mut tx, &m).await.unwrap();
-    }
-    tx.commit().await.unwrap();
+    enqueue_keyed(
+        &env,
+        [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("c", 1)],
+    )
+    .await;
 
     let publisher = Recording::default();
     publisher.refuse.lock().unwrap().insert("a2".to_owned());
@@ -193,6 +204,36 @@ async fn one_keys_messages_go_out_in_order_and_a_failed_one_holds_back_the_rest_
     .await;
     let published = ids(&publisher);
     assert_eq!(published[4..], ["a2", "a3"], "{published:?}");
+}
+
+/// More rows held back behind a failed row of their key than a round takes: the next round
+/// still takes the other keys' rows (the held-back rows are not taken at all).
+#[tokio::test]
+async fn rows_held_back_behind_a_failed_row_do_not_hold_back_other_keys() {
+    let env = SqliteEnv::new().await;
+    let outbox = env.inbox.outbox();
+    enqueue_keyed(&env, (0..=12).map(|n| ("a", n)).chain([("b", 0)])).await;
+
+    let publisher = Recording::default();
+    publisher.refuse.lock().unwrap().insert("a0".to_owned());
+    let hour = Duration::from_secs(3600);
+    let relay = Relay::new(outbox.clone(), publisher.clone())
+        .with_config(
+            RelayConfig::default()
+                .with_batch(10)
+                .with_backoff(hour, hour),
+        )
+        .unwrap();
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.taken, first.published, first.failed), (10, 0, 1));
+    let second = relay.run_once().await.unwrap();
+    assert_eq!(
+        (second.taken, second.published),
+        (1, 1),
+        "the round takes b0 alone"
+    );
+    assert_eq!(*publisher.published.lock().unwrap(), ["b0"]);
+    assert_eq!(outbox.stats().await.unwrap().pending, 13, "a0 to a12 wait");
 }
 
 #[tokio::test]

@@ -2,16 +2,17 @@
 //! nothing and a committed one publishes once; a relay killed between the broker's confirm
 //! and its mark publishes the message again, and the consuming worker runs it once; two
 //! relays on one table publish every row, each key's in order; an unroutable message stays
-//! in the outbox, counted, and holds back its key; a duplicate request is answered with the
+//! in the outbox, counted, and holds back its key and no other; a duplicate request is answered with the
 //! stored reply.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use consumer_amqp::AmqpPublisher;
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
 use consumer_core::outbox::{OutboxMessage, Publisher, Relay, RelayConfig};
-use consumer_core::{handler, Context, Error, HandlerError, Worker};
+use consumer_core::{handler, Context, Error, HandlerError, Inbox, Worker};
 use consumer_tests::amqp::{config, init_tracing, unique_name, worker_config, Rabbit, Running};
 use consumer_tests::common::{wait_until, PgEnv};
 use consumer_tests::outbox::{self, count_event, events_run, relay_all, write, Received};
@@ -105,24 +106,58 @@ async fn a_relay_killed_between_confirm_and_mark_publishes_twice_and_the_consume
     assert_eq!(events_run(&inbox).await, 1, "consumed once");
 }
 
+/// A test's outbox and two destinations: `queue` (declared) and `nowhere` (no queue: the
+/// broker refuses what is published there).
+struct Routes {
+    _env: PgEnv,
+    inbox: Inbox<Postgres>,
+    queue: String,
+    nowhere: String,
+}
+
+impl Routes {
+    async fn new() -> Routes {
+        init_tracing();
+        let env = PgEnv::new().await;
+        let inbox = env.inbox().await;
+        Routes {
+            _env: env,
+            inbox,
+            queue: unique_name("outbox-routable"),
+            nowhere: unique_name("outbox-nowhere"),
+        }
+    }
+
+    /// Writes a message to each `(destination, id)`, keyed by the id's first letter, in one
+    /// transaction.
+    async fn enqueue<'a>(&self, rows: impl IntoIterator<Item = (&'a String, String)>) {
+        let mut tx = self.inbox.pool().begin().await.expect("begin");
+        for (dest, id) in rows {
+            let m = OutboxMessage::new(dest.as_str(), "x")
+                .key(&id[..1])
+                .message_id(id.clone());
+            self.inbox
+                .outbox()
+                .enqueue(&mut tx, &m)
+                .await
+                .expect("enqueue");
+        }
+        tx.commit().await.expect("commit");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_message_stays_in_the_outbox_counted_and_holds_back_its_key() {
-    init_tracing();
-    let env = PgEnv::new().await;
-    let inbox = env.inbox().await;
-    let queue = unique_name("outbox-routable");
-    let nowhere = unique_name("outbox-nowhere");
-    let p = publisher(&queue).await;
-    let mut tx = inbox.pool().begin().await.expect("begin");
-    for (dest, id) in [(&nowhere, "a1"), (&queue, "a2"), (&queue, "b1")] {
-        let m = OutboxMessage::new(dest.as_str(), "x")
-            .key(&id[..1])
-            .message_id(id);
-        inbox.outbox().enqueue(&mut tx, &m).await.expect("enqueue");
-    }
-    tx.commit().await.expect("commit");
+    let t = Routes::new().await;
+    let (inbox, queue) = (&t.inbox, &t.queue);
+    t.enqueue([
+        (&t.nowhere, "a1".to_owned()),
+        (queue, "a2".into()),
+        (queue, "b1".into()),
+    ])
+    .await;
 
-    let relay = Relay::new(inbox.outbox(), p);
+    let relay = Relay::new(inbox.outbox(), publisher(queue).await);
     let round = relay.run_once().await.expect("round");
     assert_eq!((round.taken, round.published, round.failed), (3, 1, 1));
     let stats = inbox.outbox().stats().await.expect("stats");
@@ -131,7 +166,7 @@ async fn an_unroutable_message_stays_in_the_outbox_counted_and_holds_back_its_ke
         (2, 1),
         "a1 failed, a2 waits behind it"
     );
-    let got = read(&queue, 1).await;
+    let got = read(queue, 1).await;
     let ids: Vec<_> = got.iter().filter_map(|r| r.message_id.as_deref()).collect();
     assert_eq!(ids, ["b1"]);
     let (attempts, error): (i32, Option<String>) = sqlx::query_as(&format!(
@@ -144,6 +179,41 @@ async fn an_unroutable_message_stays_in_the_outbox_counted_and_holds_back_its_ke
     assert_eq!(attempts, 1);
     let error = error.expect("the error is recorded");
     assert!(error.contains("refused"), "{error}");
+}
+
+/// More rows behind an unroutable row of their key than a round takes: the next round still
+/// publishes the other keys' rows (the held-back rows are not taken at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_held_back_behind_an_unroutable_row_do_not_hold_back_other_keys() {
+    let t = Routes::new().await;
+    let (inbox, queue) = (&t.inbox, &t.queue);
+    let behind = (1..=12).map(|n| (queue, format!("a{n}")));
+    t.enqueue(
+        std::iter::once((&t.nowhere, "a0".to_owned()))
+            .chain(behind)
+            .chain([(queue, "b0".to_owned())]),
+    )
+    .await;
+
+    let hour = Duration::from_secs(3600);
+    let relay = Relay::new(inbox.outbox(), publisher(queue).await)
+        .with_config(
+            RelayConfig::default()
+                .with_batch(10)
+                .with_backoff(hour, hour),
+        )
+        .expect("config");
+    let first = relay.run_once().await.expect("round");
+    assert_eq!((first.taken, first.published, first.failed), (10, 0, 1));
+    let second = relay.run_once().await.expect("round");
+    assert_eq!(
+        (second.taken, second.published),
+        (1, 1),
+        "the round takes b0 alone"
+    );
+    let got = read(queue, 1).await;
+    let ids: Vec<_> = got.iter().filter_map(|r| r.message_id.as_deref()).collect();
+    assert_eq!(ids, ["b0"]);
 }
 
 /// Runs of `quote`: a second run would answer with another number.

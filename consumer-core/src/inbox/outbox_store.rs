@@ -84,9 +84,10 @@ pub trait OutboxStore: Execute {
         })
     }
 
-    /// Takes up to `limit` due, unpublished rows in id order, locking them (PostgreSQL: and
-    /// skipping the rows another relay holds); then drops every row that an earlier
-    /// unpublished row of its key, not taken, must precede.
+    /// Takes up to `limit` due, unpublished rows in id order that no earlier row of their key
+    /// held back by its backoff precedes, locking them (PostgreSQL: and skipping the rows
+    /// another relay holds); then drops every row that an earlier unpublished row of its
+    /// key, not taken (another relay's), must precede.
     #[doc(hidden)]
     fn outbox_take<'a>(
         conn: &'a mut Self::Connection,
@@ -366,11 +367,16 @@ impl OutboxSql {
                 "INSERT INTO {outbox} (message_id, destination, ordering_key, headers, payload) \
                        VALUES ($1, $2, $3, $4, $5)",
             ),
+            // A row behind an earlier row of its key that is held back (its backoff) is
+            // not taken: however many there are, they never fill a round's batch.
             take: r(
-                "SELECT id, message_id, destination, ordering_key, headers, payload, \
-                     attempts::bigint FROM {outbox} \
-                     WHERE published_at IS NULL AND (due_at IS NULL OR due_at <= now()) \
-                     ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                "SELECT o.id, o.message_id, o.destination, o.ordering_key, o.headers, \
+                     o.payload, o.attempts::bigint FROM {outbox} o \
+                     WHERE o.published_at IS NULL AND (o.due_at IS NULL OR o.due_at <= now()) \
+                     AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {outbox} e \
+                       WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
+                       AND e.published_at IS NULL AND e.due_at > now())) \
+                     ORDER BY o.id LIMIT $1 FOR UPDATE OF o SKIP LOCKED",
             ),
             blockers: r("SELECT ordering_key, min(id) FROM {outbox} \
                          WHERE published_at IS NULL AND ordering_key = ANY($1) AND id < $2 \
@@ -411,10 +417,13 @@ impl OutboxSql {
                        (message_id, destination, ordering_key, headers, payload, created_at) \
                        VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
             take: r(
-                "SELECT id, message_id, destination, ordering_key, headers, payload, \
-                     attempts FROM {outbox} \
-                     WHERE published_at IS NULL AND (due_at IS NULL OR due_at <= ?1) \
-                     ORDER BY id LIMIT ?2",
+                "SELECT o.id, o.message_id, o.destination, o.ordering_key, o.headers, \
+                     o.payload, o.attempts FROM {outbox} o \
+                     WHERE o.published_at IS NULL AND (o.due_at IS NULL OR o.due_at <= ?1) \
+                     AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {outbox} e \
+                       WHERE e.ordering_key = o.ordering_key AND e.id < o.id \
+                       AND e.published_at IS NULL AND e.due_at > ?1)) \
+                     ORDER BY o.id LIMIT ?2",
             ),
             blockers: r("SELECT ordering_key, min(id) FROM {outbox} \
                          WHERE published_at IS NULL \
