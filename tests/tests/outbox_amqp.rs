@@ -2,21 +2,24 @@
 //! nothing and a committed one publishes once; a relay killed between the broker's confirm
 //! and its mark publishes the message again, and the consuming worker runs it once; two
 //! relays on one table publish every row, each key's in order; an unroutable message stays
-//! in the outbox, counted, and holds back its key and no other; a duplicate request is answered with the
-//! stored reply.
+//! in the outbox, counted, and holds back its key and no other; a duplicate request is
+//! answered with the stored reply; a relay whose listening connection is reset listens
+//! again.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use consumer_amqp::AmqpPublisher;
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
 use consumer_core::outbox::{OutboxMessage, Publisher, Relay, RelayConfig};
-use consumer_core::{handler, Context, Error, HandlerError, Inbox, Worker};
+use consumer_core::{handler, Context, Error, HandlerError, Inbox, InboxConfig, Worker};
 use consumer_tests::amqp::{config, init_tracing, unique_name, worker_config, Rabbit, Running};
-use consumer_tests::common::{wait_until, PgEnv};
+use consumer_tests::common::{database_url, wait_until, PgEnv};
 use consumer_tests::outbox::{self, count_event, events_run, relay_all, write, Received};
 use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::Postgres;
 
 /// Publishes to `queue` (declared): the relay's publisher.
@@ -109,7 +112,7 @@ async fn a_relay_killed_between_confirm_and_mark_publishes_twice_and_the_consume
 /// A test's outbox and two destinations: `queue` (declared) and `nowhere` (no queue: the
 /// broker refuses what is published there).
 struct Routes {
-    _env: PgEnv,
+    env: PgEnv,
     inbox: Inbox<Postgres>,
     queue: String,
     nowhere: String,
@@ -121,7 +124,7 @@ impl Routes {
         let env = PgEnv::new().await;
         let inbox = env.inbox().await;
         Routes {
-            _env: env,
+            env,
             inbox,
             queue: unique_name("outbox-routable"),
             nowhere: unique_name("outbox-nowhere"),
@@ -214,6 +217,119 @@ async fn rows_held_back_behind_an_unroutable_row_do_not_hold_back_other_keys() {
     let got = read(queue, 1).await;
     let ids: Vec<_> = got.iter().filter_map(|r| r.message_id.as_deref()).collect();
     assert_eq!(ids, ["b0"]);
+}
+
+/// A TCP proxy to PostgreSQL that can reset (RST) every connection through it at once, as a
+/// network failure does.
+struct ResettingProxy {
+    port: u16,
+    reset: tokio::sync::watch::Sender<u64>,
+}
+
+impl ResettingProxy {
+    async fn start() -> ResettingProxy {
+        let server = PgConnectOptions::from_str(&database_url()).expect("DATABASE_URL");
+        let to = format!("{}:{}", server.get_host(), server.get_port());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let port = listener.local_addr().expect("the proxy's address").port();
+        let (reset, resets) = tokio::sync::watch::channel(0);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let (to, mut resets) = (to.clone(), resets.clone());
+                // Only the resets from now on.
+                resets.borrow_and_update();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&to).await else {
+                        return;
+                    };
+                    let was_reset = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                        _ = resets.changed() => true,
+                    };
+                    if was_reset {
+                        // Closed with SO_LINGER 0: the client reads ECONNRESET.
+                        let _ = client.set_zero_linger();
+                    }
+                });
+            }
+        });
+        ResettingProxy { port, reset }
+    }
+
+    /// Resets every connection open through the proxy; new ones go through.
+    fn reset_all(&self) {
+        self.reset.send_modify(|n| *n += 1);
+    }
+
+    /// A pool of `env`'s schema (its connections named after it) through the proxy.
+    async fn pool(&self, env: &PgEnv) -> sqlx::PgPool {
+        let options = PgConnectOptions::from_str(&database_url())
+            .expect("DATABASE_URL")
+            .host("127.0.0.1")
+            .port(self.port)
+            .options([("search_path", env.schema.as_str())])
+            .application_name(&env.schema);
+        PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .expect("connect through the proxy")
+    }
+}
+
+/// The server process listening for the outbox's notifications on `schema`'s connections.
+async fn listener_pid(pool: &sqlx::PgPool, schema: &str) -> Option<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'LISTEN%'",
+    )
+    .bind(schema)
+    .fetch_optional(pool)
+    .await
+    .expect("read pg_stat_activity")
+}
+
+/// The relay's connections are reset (the listener's read fails with ECONNRESET, which ends
+/// its notifications): the relay listens again on a new connection, and a commit still
+/// wakes it at once (its poll interval is an hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_listening_connection_is_reset_listens_again() {
+    let t = Routes::new().await;
+    let (queue, schema) = (&t.queue, t.env.schema.as_str());
+    let proxy = ResettingProxy::start().await;
+    let relayed = Inbox::new(proxy.pool(&t.env).await, InboxConfig::in_schema(schema))
+        .await
+        .expect("inbox through the proxy");
+    let relay = Relay::new(relayed.outbox(), publisher(queue).await)
+        .with_config(RelayConfig::default().with_poll_interval(Duration::from_secs(3600)))
+        .expect("config");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run(async {
+        let _ = stopped.await;
+    }));
+
+    let first = AtomicI32::new(0);
+    wait_until("the relay listens", || async {
+        let pid = listener_pid(t.inbox.pool(), schema).await;
+        pid.inspect(|&p| first.store(p, Ordering::SeqCst)).is_some()
+    })
+    .await;
+    let first = first.into_inner();
+    proxy.reset_all();
+    wait_until("the relay listens again, on another connection", || async {
+        listener_pid(t.inbox.pool(), schema)
+            .await
+            .is_some_and(|p| p != first)
+    })
+    .await;
+
+    t.enqueue([(queue, "a1".to_owned())]).await;
+    let got = read(queue, 1).await;
+    let ids: Vec<_> = got.iter().filter_map(|r| r.message_id.as_deref()).collect();
+    assert_eq!(ids, ["a1"]);
+    let _ = stop.send(());
+    running.await.expect("the relay's task").expect("the relay");
 }
 
 /// Runs of `quote`: a second run would answer with another number.

@@ -27,8 +27,9 @@
 //!   its earlier rows. On SQLite run one relay per database file (it takes the write lock for
 //!   each round).
 //! - **Wake-up.** On PostgreSQL a trigger notifies the channel `consumer_outbox` when rows
-//!   commit, and the relay `LISTEN`s there; in the same process the worker wakes it after a
-//!   commit that published. It also polls every [`RelayConfig::poll_interval`] (1 s), which is
+//!   commit, and the relay `LISTEN`s there (listening again after 1 s, then after waits
+//!   doubling up to 30 s, when its connection is lost); in the same process the worker wakes
+//!   it after a commit that published. It also polls every [`RelayConfig::poll_interval`] (1 s), which is
 //!   the only wake-up on SQLite for rows written outside a handler.
 //! - **Failures.** A publish that fails is counted on the row with its error and tried again
 //!   after an exponential backoff; a message the broker refuses (unroutable, too large) is
@@ -39,7 +40,8 @@
 //!
 //! - `handle`: [`Outbox`], written to in a transaction; `message`: [`OutboxMessage`];
 //! - `publisher`: the [`Publisher`] trait and [`PublishError`]; `reply`: replies to requests;
-//! - `relay`: [`Relay`] and [`RelayConfig`];
+//! - `relay`: [`Relay`] and [`RelayConfig`]; `wakeups`: the relay's notifications from the
+//!   database, listened to again when they fail;
 //! - the outbox's statements on each database live with the inbox's (`inbox::outbox_store`),
 //!   and its migrations create the table beside the inbox: `<inbox table>_outbox`.
 
@@ -49,6 +51,7 @@ mod metrics;
 mod publisher;
 mod relay;
 pub(crate) mod reply;
+mod wakeups;
 
 pub use crate::inbox::OutboxStats;
 pub(crate) use handle::insert;

@@ -5,11 +5,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
-
 use super::handle::Outbox;
 use super::metrics::RelayMetrics;
 use super::publisher::Publisher;
+use super::wakeups::Wakeups;
 use crate::inbox::{Backend, OutboxRow};
 use crate::{Error, ExponentialBackoff};
 
@@ -172,22 +171,19 @@ impl<DB: Backend> Relay<DB> {
         Ok(self)
     }
 
-    /// Runs rounds until `shutdown` completes, waking on the database's notifications, this
-    /// process's commits and the poll interval; deletes published rows past the retention
+    /// Runs rounds until `shutdown` completes, waking on the database's notifications (when
+    /// listening fails or its connection is lost, the relay polls and listens again after
+    /// 1 s, then after waits doubling up to 30 s), this process's commits and the poll
+    /// interval; deletes published rows past the retention
     /// every purge interval. A round that fails (the database is down) is logged and tried
     /// again after the poll interval. Returns once the round in progress has ended.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
         tokio::pin!(shutdown);
-        let mut wakeups = match DB::outbox_wakeups(&self.outbox.pool, &self.outbox.names).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "outbox: cannot listen for commits; polling only");
-                futures::stream::pending().boxed()
-            }
-        };
+        let mut wakeups = Wakeups::new();
         let mut next_purge = tokio::time::Instant::now();
         let mut next_gauges = tokio::time::Instant::now();
         loop {
+            wakeups.listen(&self.outbox).await;
             let full = match self.run_once().await {
                 Ok(round) => round.taken > 0 && round.taken as u64 >= u64::from(self.config.batch),
                 #[cfg(feature = "fault-injection")]
@@ -217,7 +213,7 @@ impl<DB: Backend> Relay<DB> {
             }
             tokio::select! {
                 () = &mut shutdown => return Ok(()),
-                _ = wakeups.next() => {}
+                () = wakeups.next() => {}
                 () = self.outbox.written.notified() => {}
                 () = tokio::time::sleep(self.config.poll_interval) => {}
             }
