@@ -2,8 +2,8 @@
 //! effects or not at all; the relay publishes each committed message, again after a crash
 //! between its publish and its mark (and the receiving inbox runs it once); one key's
 //! messages go out in order, a failed one holding back the rest of its key and no other
-//! key, however many rows it holds back; a commit wakes
-//! the relay of its process. The PostgreSQL and broker variants are in
+//! key, however many rows it holds back; a relay waiting for the broker holds no write
+//! lock; a commit wakes the relay of its process. The PostgreSQL and broker variants are in
 //! `tests/tests/outbox_*.rs`.
 
 // Test code may panic: a panic is how a test fails.
@@ -234,6 +234,57 @@ async fn rows_held_back_behind_a_failed_row_do_not_hold_back_other_keys() {
     );
     assert_eq!(*publisher.published.lock().unwrap(), ["b0"]);
     assert_eq!(outbox.stats().await.unwrap().pending, 13, "a0 to a12 wait");
+}
+
+/// Holds every publish until released; tells when one has begun.
+#[derive(Clone)]
+struct Held {
+    begun: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Held {
+    fn default() -> Self {
+        Held {
+            begun: Arc::default(),
+            release: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+}
+
+impl Publisher for Held {
+    fn publish<'a>(&'a self, _: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(async move {
+            self.begun.notify_one();
+            self.release.acquire().await.unwrap().forget();
+            Ok(())
+        })
+    }
+}
+
+/// While the relay waits for the broker it holds no write lock: SQLite has one writer at a
+/// time, and a handler's commit must not wait for a publish.
+#[tokio::test]
+async fn a_relay_waiting_for_the_broker_holds_no_write_lock() {
+    let env = SqliteEnv::new().await;
+    enqueue_keyed(&env, [("a", 1)]).await;
+    let publisher = Held::default();
+    let relay = Relay::new(env.inbox.outbox(), publisher.clone());
+    let round = tokio::spawn(async move { relay.run_once().await });
+    publisher.begun.notified().await;
+
+    tokio::time::timeout(Duration::from_secs(10), enqueue_keyed(&env, [("b", 1)]))
+        .await
+        .expect("a write waited for the relay's publish");
+    publisher.release.add_permits(1);
+    let round = round.await.unwrap().unwrap();
+    assert_eq!((round.taken, round.published), (1, 1));
+    let stats = env.inbox.outbox().stats().await.unwrap();
+    assert_eq!(
+        (stats.pending, stats.published),
+        (1, 1),
+        "b1 waits, a1 is out"
+    );
 }
 
 #[tokio::test]

@@ -44,7 +44,15 @@ pub trait OutboxStore: Execute {
     #[doc(hidden)]
     fn outbox_sql(names: &TableNames) -> OutboxSql;
 
-    /// Begins the relay's transaction, which holds the rows it took until it marks them.
+    /// Whether the relay's transaction holds the rows it took while it publishes them, until
+    /// it marks them (PostgreSQL: row locks, so relays side by side never take one row). Where
+    /// it would hold the whole database's write lock instead (SQLite, where one relay runs per
+    /// database file), the take commits at once and the marks go in a transaction of their own
+    /// after the publish, so no writer waits for the broker.
+    #[doc(hidden)]
+    const HOLDS_ROWS_WHILE_PUBLISHING: bool;
+
+    /// Begins a relay's transaction: its take, and its marks.
     #[doc(hidden)]
     fn outbox_begin(
         conn: &mut Self::Connection,
@@ -292,6 +300,8 @@ fn taken(rows: &[OutboxRow]) -> (Vec<String>, Vec<i64>, i64) {
 }
 
 impl OutboxStore for Postgres {
+    const HOLDS_ROWS_WHILE_PUBLISHING: bool = true;
+
     fn outbox_sql(names: &TableNames) -> OutboxSql {
         OutboxSql::postgres(names)
     }
@@ -337,6 +347,8 @@ impl OutboxStore for Postgres {
 }
 
 impl OutboxStore for Sqlite {
+    const HOLDS_ROWS_WHILE_PUBLISHING: bool = false;
+
     fn outbox_sql(names: &TableNames) -> OutboxSql {
         OutboxSql::sqlite(names)
     }
@@ -345,9 +357,8 @@ impl OutboxStore for Sqlite {
         conn: &mut Self::Connection,
     ) -> BoxFuture<'_, Result<Transaction<'_, Self>, sqlx::Error>> {
         use sqlx::Connection;
-        // The write lock from the start: no other relay holds rows (every earlier row of a
-        // key is taken too, or held back by its backoff), and the marks cannot fail on a
-        // snapshot another writer made stale.
+        // The write lock from the start (a take, or the marks: neither spans a publish), so
+        // the marks cannot fail on a snapshot another writer made stale.
         conn.begin_with("BEGIN IMMEDIATE")
     }
 

@@ -24,8 +24,9 @@
 //! - **Several relays.** On PostgreSQL any number may run on one table: a relay locks the rows
 //!   it takes (`FOR UPDATE SKIP LOCKED`, held to its mark), so two relays never publish the
 //!   same row in the normal case, and it leaves a key alone while another relay holds one of
-//!   its earlier rows. On SQLite run one relay per database file (it takes the write lock for
-//!   each round).
+//!   its earlier rows. On SQLite run one relay per database file: its take and its marks are
+//!   short transactions of their own, and the write lock is never held while the broker
+//!   answers (a handler's commit does not wait for a publish).
 //! - **Wake-up.** On PostgreSQL a trigger notifies the channel `consumer_outbox` when rows
 //!   commit, and the relay `LISTEN`s there (listening again after 1 s, then after waits
 //!   doubling up to 30 s, when its connection is lost); in the same process the worker wakes

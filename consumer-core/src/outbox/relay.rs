@@ -222,6 +222,9 @@ impl<DB: Backend> Relay<DB> {
 
     /// One round: takes up to a batch of due rows, publishes them (per key one at a time,
     /// across keys at once), marks what was published and counts what failed, and commits.
+    /// On PostgreSQL one transaction holds the rows from the take to the marks; on SQLite
+    /// the take and the marks are transactions of their own, so the database's write lock is
+    /// never held while the broker answers.
     pub async fn run_once(&self) -> Result<RelayRound, Error> {
         let mut conn = self.outbox.pool.acquire().await?;
         let mut tx = DB::outbox_begin(&mut conn).await?;
@@ -235,6 +238,12 @@ impl<DB: Backend> Relay<DB> {
             tx.commit().await?;
             return Ok(round);
         }
+        let held = if DB::HOLDS_ROWS_WHILE_PUBLISHING {
+            Some(tx)
+        } else {
+            tx.commit().await?;
+            None
+        };
         let mut published = Vec::with_capacity(rows.len());
         let mut failed = Vec::new();
         let mut refused = 0;
@@ -285,17 +294,40 @@ impl<DB: Backend> Relay<DB> {
                 .filter(|r| r.message.key.as_ref().is_none_or(|k| !stopped.contains(k)))
                 .collect();
         }
-        DB::outbox_mark_published(&mut tx, names, &published).await?;
-        for (id, attempts, error) in &failed {
-            let delay = self.backoff.next_delay(*attempts);
-            DB::outbox_mark_failed(&mut tx, names, *id, error, delay).await?;
+        match held {
+            Some(mut tx) => {
+                self.mark(&mut tx, &published, &failed).await?;
+                tx.commit().await?;
+            }
+            None => {
+                let mut conn = self.outbox.pool.acquire().await?;
+                let mut tx = DB::outbox_begin(&mut conn).await?;
+                self.mark(&mut tx, &published, &failed).await?;
+                tx.commit().await?;
+            }
         }
-        tx.commit().await?;
         round.published = published.len();
         round.failed = failed.len();
         self.metrics
             .round(round.published, round.failed - refused, refused);
         Ok(round)
+    }
+
+    /// Marks the rows `published`, and each `failed` one (id, attempts, error) with its
+    /// error and the backoff of its attempts.
+    async fn mark(
+        &self,
+        tx: &mut sqlx::Transaction<'_, DB>,
+        published: &[i64],
+        failed: &[(i64, u32, String)],
+    ) -> Result<(), Error> {
+        let names = &self.outbox.names;
+        DB::outbox_mark_published(tx, names, published).await?;
+        for (id, attempts, error) in failed {
+            let delay = self.backoff.next_delay(*attempts);
+            DB::outbox_mark_failed(tx, names, *id, error, delay).await?;
+        }
+        Ok(())
     }
 
     /// Deletes published rows past the retention; a failure is logged.
