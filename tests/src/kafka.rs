@@ -3,6 +3,7 @@
 //! PostgreSQL, a worker running in a task, and independent reads of committed offsets and
 //! topics through plain rdkafka clients (not through the transport under test).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,6 +223,20 @@ impl KafkaEnv {
             .expect("read effects");
         inbox.pool().close().await;
         rows
+    }
+
+    /// Asserts that each of `n` jobs took effect, none more than once.
+    pub async fn assert_each_job_once(&self, n: usize) {
+        let mut per_job: HashMap<String, usize> = HashMap::new();
+        for (job, _) in self.effects().await {
+            *per_job.entry(job).or_default() += 1;
+        }
+        let twice: Vec<_> = per_job.iter().filter(|(_, &k)| k > 1).collect();
+        assert!(
+            twice.is_empty(),
+            "jobs with more than one effect: {twice:?}"
+        );
+        assert_eq!(per_job.len(), n, "every job took effect");
     }
 
     /// How many effects were recorded.

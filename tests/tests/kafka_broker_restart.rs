@@ -12,7 +12,6 @@
 //! Its own test binary: it restarts the broker every Kafka test shares, and cargo runs
 //! one test binary at a time; its two tests take turns.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -136,18 +135,9 @@ async fn across_a_restart(how: Restart) {
     )
     .await;
     let stats = running.stop().await;
+    eprintln!("the worker's stats: {stats:?}");
 
-    let effects = env.effects().await;
-    let mut per_job: HashMap<&str, usize> = HashMap::new();
-    for (job, _) in &effects {
-        *per_job.entry(job.as_str()).or_default() += 1;
-    }
-    assert_eq!(per_job.len(), 600, "every job took effect ({stats:?})");
-    let twice: Vec<_> = per_job.iter().filter(|(_, &n)| n > 1).collect();
-    assert!(
-        twice.is_empty(),
-        "jobs with more than one effect: {twice:?}"
-    );
+    env.assert_each_job_once(600).await;
     assert!(
         before < 600,
         "the restart came after the last effect ({before}): it interrupted nothing"

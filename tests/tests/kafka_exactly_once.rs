@@ -2,7 +2,6 @@
 //! twice (same message id, same payload), give exactly 1,000 effects; and every offset ends
 //! up committed. Against the real broker (`scripts/kafka.sh`) and PostgreSQL.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::{CommitMode, ProcessingOrder};
@@ -38,14 +37,7 @@ async fn thousand_jobs_with_republished_duplicates_take_effect_exactly_once() {
     .await;
     let stats = running.stop().await;
 
-    let effects = env.effects().await;
-    let mut per_job: HashMap<&str, usize> = HashMap::new();
-    for (job, _) in &effects {
-        *per_job.entry(job.as_str()).or_default() += 1;
-    }
-    assert_eq!(effects.len(), 1000, "exactly one effect per job");
-    assert_eq!(per_job.len(), 1000);
-    assert!(per_job.values().all(|&n| n == 1));
+    env.assert_each_job_once(1000).await;
     assert_eq!(stats.received, 1100, "{stats:?}");
     assert_eq!(
         (stats.completed, stats.duplicates),

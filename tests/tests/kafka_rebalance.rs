@@ -4,7 +4,6 @@
 //! is replayed, and settlements that arrived after their partition was revoked were dropped
 //! (the handlers are slower than the revoke timeout, so some always do).
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use consumer_kafka::{ProcessingOrder, RetryMode};
@@ -117,17 +116,7 @@ async fn join_and_leave(strategy: Option<&str>, leaving: usize) -> usize {
         completed += w.stop().await.completed;
     }
 
-    let effects = env.effects().await;
-    let mut per_job: HashMap<&str, usize> = HashMap::new();
-    for (job, _) in &effects {
-        *per_job.entry(job.as_str()).or_default() += 1;
-    }
-    assert_eq!(per_job.len(), 600, "every job took effect");
-    let twice: Vec<_> = per_job.iter().filter(|(_, &n)| n > 1).collect();
-    assert!(
-        twice.is_empty(),
-        "jobs with more than one effect: {twice:?}"
-    );
+    env.assert_each_job_once(600).await;
     assert_eq!(completed, 600);
 
     let mut revocations = 0;

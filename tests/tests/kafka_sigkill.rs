@@ -2,7 +2,6 @@
 //! killed with SIGKILL mid-stream, twice, and restarted each time; every job takes effect
 //! exactly once and every offset ends up committed.
 
-use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -76,15 +75,5 @@ async fn sigkill_mid_stream_and_restart_gives_every_job_exactly_once() {
     .await;
     kill_9(&mut worker);
 
-    let effects = env.effects().await;
-    let mut per_job: HashMap<&str, usize> = HashMap::new();
-    for (job, _) in &effects {
-        *per_job.entry(job.as_str()).or_default() += 1;
-    }
-    assert_eq!(per_job.len(), 600, "every job took effect");
-    let twice: Vec<_> = per_job.iter().filter(|(_, &n)| n > 1).collect();
-    assert!(
-        twice.is_empty(),
-        "jobs with more than one effect: {twice:?}"
-    );
+    env.assert_each_job_once(600).await;
 }

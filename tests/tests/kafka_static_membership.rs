@@ -3,7 +3,6 @@
 //! at once, with no rebalance of the group, long before its session would have expired;
 //! every job takes effect exactly once.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use consumer_kafka::{KafkaConfig, ProcessingOrder};
@@ -45,20 +44,6 @@ fn jobs(range: std::ops::Range<usize>, sleep_ms: u64) -> Vec<(String, String, se
             (format!("key-{}", i % 17), id, body)
         })
         .collect()
-}
-
-/// Asserts that each of the `n` jobs took effect exactly once.
-async fn assert_each_job_once(env: &KafkaEnv, n: usize) {
-    let mut per_job: HashMap<String, usize> = HashMap::new();
-    for (job, _) in env.effects().await {
-        *per_job.entry(job).or_default() += 1;
-    }
-    assert_eq!(per_job.len(), n, "every job took effect");
-    let twice: Vec<_> = per_job.iter().filter(|(_, &n)| n > 1).collect();
-    assert!(
-        twice.is_empty(),
-        "jobs with more than one effect: {twice:?}"
-    );
 }
 
 /// Every partition the member owns, of the main topic and its retry topic (the consumer
@@ -120,7 +105,7 @@ async fn a_restarted_static_member_takes_its_partitions_back_at_once() {
     a2.stop().await;
     b.stop().await;
 
-    assert_each_job_once(&env, 400).await;
+    env.assert_each_job_once(400).await;
     eprintln!("static membership: partitions {owned_by_a:?} taken back after {took:?}");
 }
 
@@ -174,6 +159,6 @@ async fn a_member_fenced_by_a_namesake_takes_the_partitions_once_the_namesake_is
         fenced.observer.commits_without_ownership()
     );
     fenced.stop().await;
-    assert_each_job_once(&env, 500).await;
+    env.assert_each_job_once(500).await;
     eprintln!("fenced {fences} time(s), then owned every partition again");
 }
