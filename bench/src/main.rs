@@ -57,7 +57,8 @@
 //! handy under a profiler); `--rss-every-ms MS` prints this process's RSS to stderr every MS
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
 //! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`);
-//! `--relay-batch N` sets the rows a relay round of the `+ outbox` arms takes (100);
+//! `--relay-batch N` and `--relay-rounds N` set the rows a relay round of the `+ outbox` arms
+//! takes and the rounds in progress at once (`RelayConfig`'s defaults: 500 and 4);
 //! `--thread-cpu` prints every arm's CPU time a message by thread name.
 //!
 //! `--http N` runs no arm either: the `Idempotency-Key` layer's cost on a trivial POST,
@@ -247,9 +248,14 @@ struct Options {
     #[arg(long, value_name = "0|1", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(0..=1))]
     latency: u8,
-    /// Rows a relay round takes in the `+ outbox` arms (`RelayConfig::batch`).
-    #[arg(long, value_name = "N", default_value_t = 100)]
-    relay_batch: u32,
+    /// Rows a relay round takes in the `+ outbox` arms (`RelayConfig::batch`; its default
+    /// unless given).
+    #[arg(long, value_name = "N")]
+    relay_batch: Option<u32>,
+    /// Relay rounds in progress at once in the `+ outbox` arms (`RelayConfig::rounds`; its
+    /// default unless given).
+    #[arg(long, value_name = "N")]
+    relay_rounds: Option<u32>,
     /// Instead of the arms: this many samples, on each broker, of the time from the commit of
     /// a message the application wrote to the outbox (on a pool of its own, so only
     /// PostgreSQL's NOTIFY wakes the relay) to the broker's confirm and to its consumption,
@@ -275,9 +281,17 @@ struct Options {
 }
 
 impl Options {
-    /// The relay of the `+ outbox` arms: the defaults (a poll every 1 s), `--relay-batch`.
+    /// The relay of the `+ outbox` arms: the defaults (a poll every 1 s), `--relay-batch`,
+    /// `--relay-rounds`.
     fn relay_config(&self) -> consumer_core::RelayConfig {
-        consumer_core::RelayConfig::default().with_batch(self.relay_batch)
+        let mut config = consumer_core::RelayConfig::default();
+        if let Some(batch) = self.relay_batch {
+            config = config.with_batch(batch);
+        }
+        if let Some(rounds) = self.relay_rounds {
+            config = config.with_rounds(rounds);
+        }
+        config
     }
 }
 
@@ -895,8 +909,9 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let url = o.database_url.clone();
-    // The handlers' connections, and two more (a relay's rounds and its LISTEN).
-    let connections = u32::try_from(o.concurrency + 4).unwrap_or(12);
+    // The handlers' connections, a relay's rounds, its LISTEN and two more.
+    let rounds = o.relay_config().rounds as usize;
+    let connections = u32::try_from(o.concurrency + rounds + 3).unwrap_or(16);
     let pool = PgPoolOptions::new()
         .max_connections(connections)
         .connect(&url)

@@ -2,9 +2,9 @@
 //! effects or not at all; the relay publishes each committed message, again after a crash
 //! between its publish and its mark (and the receiving inbox runs it once); one key's
 //! messages go out in order, a failed one holding back the rest of its key and no other
-//! key, however many rows it holds back; a relay waiting for the broker holds no write
-//! lock; a commit wakes the relay of its process. The PostgreSQL and broker variants are in
-//! `tests/tests/outbox_*.rs`.
+//! key, however many rows it holds back, and a slow confirm holds back its own key only; a
+//! relay waiting for the broker holds no write lock; a commit wakes the relay of its
+//! process. The PostgreSQL and broker variants are in `tests/tests/outbox_*.rs`.
 
 // Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
@@ -195,7 +195,18 @@ async fn one_keys_messages_go_out_in_order_and_a_failed_one_holds_back_the_rest_
         "a2 failed, a3 held back"
     );
     let ids = |p: &Recording| p.published.lock().unwrap().clone();
-    assert_eq!(ids(&publisher), ["a1", "b1", "c1", "b2"]);
+    let of_key = |k: &str| -> Vec<String> {
+        let ids = ids(&publisher);
+        ids.into_iter().filter(|id| id.starts_with(k)).collect()
+    };
+    assert_eq!(
+        (of_key("a"), of_key("b"), of_key("c")),
+        (
+            vec!["a1".to_owned()],
+            vec!["b1".to_owned(), "b2".to_owned()],
+            vec!["c1".to_owned()]
+        )
+    );
 
     wait_until("a2 and a3 are published", || async {
         relay.run_once().await.unwrap();
@@ -260,6 +271,64 @@ impl Publisher for Held {
             Ok(())
         })
     }
+}
+
+/// Holds the publish of each message id in `held` until released; records what it
+/// published, in order.
+#[derive(Clone)]
+struct Gate {
+    held: Arc<Mutex<HashSet<String>>>,
+    release: Arc<tokio::sync::Semaphore>,
+    published: Arc<Mutex<Vec<String>>>,
+}
+
+impl Gate {
+    fn holding(ids: &[&str]) -> Self {
+        Gate {
+            held: Arc::new(Mutex::new(ids.iter().map(|&id| id.to_owned()).collect())),
+            release: Arc::new(tokio::sync::Semaphore::new(0)),
+            published: Arc::default(),
+        }
+    }
+
+    fn published(&self) -> Vec<String> {
+        self.published.lock().unwrap().clone()
+    }
+}
+
+impl Publisher for Gate {
+    fn publish<'a>(&'a self, m: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(async move {
+            let id = m.message_id.clone().unwrap();
+            if self.held.lock().unwrap().contains(&id) {
+                self.release.acquire().await.unwrap().forget();
+            }
+            self.published.lock().unwrap().push(id);
+            Ok(())
+        })
+    }
+}
+
+/// A key whose confirm is slow holds back its own later messages only: the other keys'
+/// messages of the round go out one after another meanwhile, not a message per key at a
+/// time behind the slowest confirm.
+#[tokio::test]
+async fn a_slow_confirm_holds_back_its_own_key_only() {
+    let env = SqliteEnv::new().await;
+    enqueue_keyed(&env, [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("b", 3)]).await;
+    let publisher = Gate::holding(&["a1"]);
+    let relay = Relay::new(env.inbox.outbox(), publisher.clone());
+    let round = tokio::spawn(async move { relay.run_once().await });
+
+    wait_until("b3 is published while a1 waits for its confirm", || async {
+        publisher.published().contains(&"b3".to_owned())
+    })
+    .await;
+    assert_eq!(publisher.published(), ["b1", "b2", "b3"], "a1 and a2 wait");
+    publisher.release.add_permits(1);
+    let round = round.await.unwrap().unwrap();
+    assert_eq!((round.taken, round.published), (5, 5));
+    assert_eq!(publisher.published(), ["b1", "b2", "b3", "a1", "a2"]);
 }
 
 /// While the relay waits for the broker it holds no write lock: SQLite has one writer at a

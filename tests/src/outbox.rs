@@ -82,8 +82,9 @@ pub async fn rollback_and_commit<R, Fut>(
 }
 
 /// `count` messages over `keys` keys, written in transactions of 7, relayed by two relays
-/// (each on its own pool, as two processes) at once, small batches: every message arrives,
-/// once in this normal case, and each key's arrive in the order they were written.
+/// (each on its own pool, as two processes) at once, each running three rounds at once of
+/// small batches: every message arrives, once in this normal case, and each key's arrive in
+/// the order they were written.
 pub async fn two_relays_keep_key_order<R, Fut>(
     inboxes: [Inbox<Postgres>; 2],
     publishers: [Arc<dyn Publisher>; 2],
@@ -112,6 +113,7 @@ pub async fn two_relays_keep_key_order<R, Fut>(
     }
     let config = RelayConfig::default()
         .with_batch(10)
+        .with_rounds(3)
         .with_backoff(Duration::from_millis(10), Duration::from_millis(100));
     let [a, b] = inboxes;
     let [pa, pb] = publishers;
@@ -121,8 +123,26 @@ pub async fn two_relays_keep_key_order<R, Fut>(
     let rb = Relay::new(b.outbox(), pb)
         .with_config(config)
         .expect("relay");
-    let (one, two) = tokio::join!(relay_all(&a, &ra), relay_all(&b, &rb));
-    let ((), ()) = (one, two);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until_stopped = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let relays = tokio::spawn(async move {
+        let (one, two) = tokio::join!(ra.run(until_stopped()), rb.run(until_stopped()));
+        one.and(two)
+    });
+    wait_until("the outbox is published", || async {
+        inbox.outbox().stats().await.expect("stats").pending == 0
+    })
+    .await;
+    stop.send(true).expect("the relays run");
+    relays
+        .await
+        .expect("the relays end")
+        .expect("the relays run");
 
     let got = read(count).await;
     let mut seen = HashSet::new();

@@ -18,10 +18,20 @@ use crate::outbox::message::OutboxMessage;
 
 /// A row the relay took: its id, the message (its id set) and the publishes tried so far.
 #[derive(Debug, Clone)]
-pub struct OutboxRow {
+pub(crate) struct OutboxRow {
     pub(crate) id: i64,
     pub(crate) message: OutboxMessage,
     pub(crate) attempts: u32,
+}
+
+/// What a relay's take found.
+#[derive(Debug)]
+pub struct Taken {
+    /// The rows taken, in id order.
+    pub(crate) rows: Vec<OutboxRow>,
+    /// Whether rows were left behind an earlier row of their key that another relay or
+    /// round holds: they are due once it is marked.
+    pub(crate) held_back: bool,
 }
 
 /// How many rows wait to be published, and for how long the oldest has.
@@ -94,26 +104,33 @@ pub trait OutboxStore: Execute {
 
     /// Takes up to `limit` due, unpublished rows in id order that no earlier row of their key
     /// held back by its backoff precedes, locking them (PostgreSQL: and skipping the rows
-    /// another relay holds); then drops every row that an earlier unpublished row of its
-    /// key, not taken (another relay's), must precede.
+    /// another relay or round holds); then drops every row that an earlier unpublished row
+    /// of its key, not taken (another relay's or round's), must precede.
     #[doc(hidden)]
     fn outbox_take<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         limit: u32,
-    ) -> BoxFuture<'a, Result<Vec<OutboxRow>, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<Taken, sqlx::Error>> {
         Box::pin(async move {
             let args = [Arg::Now(Clock::read()), Arg::Int(i64::from(limit))];
             let raw = Self::fetch_outbox(&mut *conn, &names.outbox_sql.take, &args).await?;
             let mut rows = decode(raw)?;
             let (keys, ids, max) = taken(&rows);
             if keys.is_empty() {
-                return Ok(rows);
+                return Ok(Taken {
+                    rows,
+                    held_back: false,
+                });
             }
             let args = [Arg::Texts(&keys), Arg::Int(max), Arg::Ids(&ids)];
             let blocked = Self::fetch_pairs(&mut *conn, &names.outbox_sql.blockers, &args).await?;
+            let before = rows.len();
             keep_ordered(&mut rows, &blocked.into_iter().collect());
-            Ok(rows)
+            Ok(Taken {
+                held_back: rows.len() < before,
+                rows,
+            })
         })
     }
 

@@ -12,6 +12,11 @@
 //!
 //! A [`Relay`] takes committed rows in id order, publishes them through a [`Publisher`]
 //! (confirmed by the broker), and marks them published in the transaction that took them.
+//! A round publishes its rows at once, each key's one after another, so the broker has the
+//! whole round in flight (RabbitMQ: its confirms awaited together; Kafka: the producer
+//! batches the records). On PostgreSQL up to [`RelayConfig::rounds`] rounds are in progress
+//! together: a round that filled its batch lets the next one take while it waits for its
+//! confirms.
 //!
 //! - **At least once.** A relay that dies after a publish and before its mark leaves the rows
 //!   unpublished; the next round publishes them again, with the same message id (fixed when
@@ -41,22 +46,28 @@
 //!
 //! - `handle`: [`Outbox`], written to in a transaction; `message`: [`OutboxMessage`];
 //! - `publisher`: the [`Publisher`] trait and [`PublishError`]; `reply`: replies to requests;
-//! - `relay`: [`Relay`] and [`RelayConfig`]; `wakeups`: the relay's notifications from the
-//!   database, listened to again when they fail;
+//! - `relay`: [`Relay`], its run loop and its rounds; `config`: [`RelayConfig`];
+//!   `schedule`: when the run loop begins its next round; `publishing`: how a round publishes
+//!   its rows, in each key's order; `wakeups`: the relay's notifications from the database,
+//!   listened to again when they fail;
 //! - the outbox's statements on each database live with the inbox's (`inbox::outbox_store`),
 //!   and its migrations create the table beside the inbox: `<inbox table>_outbox`.
 
+mod config;
 mod handle;
 pub(crate) mod message;
 mod metrics;
 mod publisher;
+mod publishing;
 mod relay;
 pub(crate) mod reply;
+mod schedule;
 mod wakeups;
 
 pub use crate::inbox::OutboxStats;
+pub use config::RelayConfig;
 pub(crate) use handle::insert;
 pub use handle::Outbox;
 pub use message::{OutboxMessage, MAX_OUTBOX_NAME_BYTES};
 pub use publisher::{PublishError, Publisher};
-pub use relay::{Relay, RelayConfig, RelayRound};
+pub use relay::{Relay, RelayRound};

@@ -1,103 +1,24 @@
-//! The relay: publishes committed outbox rows and marks them published.
+//! The relay: publishes committed outbox rows and marks them published, several rounds at
+//! once on PostgreSQL.
 
-use std::collections::HashSet;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::config::RelayConfig;
 use super::handle::Outbox;
 use super::metrics::RelayMetrics;
 use super::publisher::Publisher;
+use super::publishing::{publish_rows, Failed, RelayPoint};
+use super::schedule::{Schedule, Took};
 use super::wakeups::Wakeups;
 use crate::inbox::{Backend, OutboxRow};
 use crate::{Error, ExponentialBackoff};
-
-/// How a [`Relay`] works. Validated by [`Relay::with_config`], which names a bad field.
-#[derive(Clone)]
-#[non_exhaustive]
-pub struct RelayConfig {
-    /// Rows taken per round (default 100).
-    pub batch: u32,
-    /// How often to look for rows without a wake-up (default 1 s; at least 10 ms).
-    pub poll_interval: Duration,
-    /// The backoff after a failed publish of a row: from `.0`, doubling, capped at `.1`
-    /// (default 1 s to 5 min).
-    pub backoff: (Duration, Duration),
-    /// How long a published row is kept before the relay deletes it (default 24 h).
-    pub retention: Duration,
-    /// How often the relay deletes published rows past their retention (default 1 min).
-    pub purge_interval: Duration,
-    /// How often the relay reads the outbox's stats into its gauges (default 30 s).
-    pub gauge_interval: Duration,
-    /// Fault points for the chaos suite and the tests: `outbox_before_publish` and
-    /// `outbox_after_publish`, checked with the row's message id as the key. Only with the
-    /// `fault-injection` feature.
-    #[cfg(feature = "fault-injection")]
-    pub faults: Option<Arc<dyn crate::fault::FaultInjector>>,
-}
-
-impl Default for RelayConfig {
-    fn default() -> Self {
-        RelayConfig {
-            batch: 100,
-            poll_interval: Duration::from_secs(1),
-            backoff: (Duration::from_secs(1), Duration::from_secs(300)),
-            retention: Duration::from_secs(24 * 3600),
-            purge_interval: Duration::from_secs(60),
-            gauge_interval: Duration::from_secs(30),
-            #[cfg(feature = "fault-injection")]
-            faults: None,
-        }
-    }
-}
-
-impl std::fmt::Debug for RelayConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut d = f.debug_struct("RelayConfig");
-        d.field("batch", &self.batch)
-            .field("poll_interval", &self.poll_interval)
-            .field("backoff", &self.backoff)
-            .field("retention", &self.retention)
-            .field("purge_interval", &self.purge_interval)
-            .field("gauge_interval", &self.gauge_interval);
-        #[cfg(feature = "fault-injection")]
-        d.field("faults", &self.faults.is_some());
-        d.finish()
-    }
-}
-
-impl RelayConfig {
-    /// Sets [`RelayConfig::batch`].
-    pub fn with_batch(mut self, batch: u32) -> Self {
-        self.batch = batch;
-        self
-    }
-
-    /// Sets [`RelayConfig::poll_interval`].
-    pub fn with_poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval;
-        self
-    }
-
-    /// Sets [`RelayConfig::backoff`].
-    pub fn with_backoff(mut self, base: Duration, cap: Duration) -> Self {
-        self.backoff = (base, cap);
-        self
-    }
-
-    /// Sets [`RelayConfig::retention`].
-    pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
-
-    /// Sets [`RelayConfig::faults`].
-    #[cfg(feature = "fault-injection")]
-    pub fn with_faults(mut self, faults: Arc<dyn crate::fault::FaultInjector>) -> Self {
-        self.faults = Some(faults);
-        self
-    }
-}
 
 /// What one round of a relay did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -129,11 +50,34 @@ impl<DB: Backend> std::fmt::Debug for Relay<DB> {
     }
 }
 
-/// The fault points of a round.
-#[derive(Clone, Copy)]
-enum RelayPoint {
-    BeforePublish,
-    AfterPublish,
+/// Where round `.0` tells what its take found: once, when it is known, or (nothing) when
+/// the round ends before its take did.
+struct TakeReport(u64, Option<mpsc::UnboundedSender<Took>>);
+
+impl TakeReport {
+    fn send(&mut self, full: bool, held_back: bool) {
+        if let Some(to) = self.1.take() {
+            let round = self.0;
+            let _ = to.send(Took {
+                round,
+                full,
+                held_back,
+            });
+        }
+    }
+}
+
+impl Drop for TakeReport {
+    fn drop(&mut self) {
+        self.send(false, false);
+    }
+}
+
+/// What ended in the run loop.
+enum Ended {
+    /// Round `.0`.
+    Round(u64, Result<RelayRound, Error>),
+    Chores,
 }
 
 impl<DB: Backend> Relay<DB> {
@@ -141,7 +85,7 @@ impl<DB: Backend> Relay<DB> {
     pub fn new(outbox: Outbox<DB>, publisher: impl Publisher) -> Self {
         let config = RelayConfig::default();
         Relay {
-            backoff: backoff(&config).expect("the default backoff is valid"),
+            backoff: config.validate().expect("the default config is valid"),
             metrics: RelayMetrics::new(&outbox.names.outbox),
             outbox,
             publisher: Arc::new(publisher),
@@ -151,22 +95,7 @@ impl<DB: Backend> Relay<DB> {
 
     /// The same relay with `config`; a bad value fails here, naming the field.
     pub fn with_config(mut self, config: RelayConfig) -> Result<Self, Error> {
-        if config.batch == 0 {
-            return Err(Error::config("relay.batch", "must be at least 1"));
-        }
-        if config.poll_interval < Duration::from_millis(10) {
-            return Err(Error::config(
-                "relay.poll_interval",
-                "must be at least 10ms",
-            ));
-        }
-        if config.purge_interval.is_zero() {
-            return Err(Error::config("relay.purge_interval", "must not be zero"));
-        }
-        if config.gauge_interval.is_zero() {
-            return Err(Error::config("relay.gauge_interval", "must not be zero"));
-        }
-        self.backoff = backoff(&config)?;
+        self.backoff = config.validate()?;
         self.config = config;
         Ok(self)
     }
@@ -174,48 +103,70 @@ impl<DB: Backend> Relay<DB> {
     /// Runs rounds until `shutdown` completes, waking on the database's notifications (when
     /// listening fails or its connection is lost, the relay polls and listens again after
     /// 1 s, then after waits doubling up to 30 s), this process's commits and the poll
-    /// interval; deletes published rows past the retention
-    /// every purge interval. A round that fails (the database is down) is logged and tried
-    /// again after the poll interval. Returns once the round in progress has ended.
+    /// interval. On PostgreSQL up to [`RelayConfig::rounds`] rounds run at once: a round
+    /// that filled its batch lets the next one take while it waits for the broker. Deletes
+    /// published rows past the retention every purge interval. A round that fails (the
+    /// database is down) is logged and tried again after the poll interval. Returns once
+    /// the rounds in progress have ended.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
         tokio::pin!(shutdown);
+        let relay = &self;
+        let most = if DB::HOLDS_ROWS_WHILE_PUBLISHING {
+            self.config.rounds as usize
+        } else {
+            1
+        };
         let mut wakeups = Wakeups::new();
-        let mut next_purge = tokio::time::Instant::now();
-        let mut next_gauges = tokio::time::Instant::now();
+        let (report, mut reports) = mpsc::unbounded_channel();
+        let mut work: FuturesUnordered<BoxFuture<'_, Ended>> = FuturesUnordered::new();
+        let mut schedule = Schedule::new(most);
+        let mut next_poll = Instant::now();
+        let (mut next_purge, mut next_gauges) = (Instant::now(), Instant::now());
+        let mut stopping = false;
         loop {
-            wakeups.listen(&self.outbox).await;
-            let full = match self.run_once().await {
-                Ok(round) => round.taken > 0 && round.taken as u64 >= u64::from(self.config.batch),
-                #[cfg(feature = "fault-injection")]
-                Err(e @ Error::Crashed(_)) => return Err(e),
-                Err(e) => {
-                    tracing::warn!(error = %e, "outbox relay round failed");
-                    false
-                }
-            };
-            if tokio::time::Instant::now() >= next_purge {
-                self.purge().await;
-                next_purge = tokio::time::Instant::now() + self.config.purge_interval;
+            if !stopping && schedule.may_begin() {
+                wakeups.listen(&self.outbox).await;
+                let report = TakeReport(schedule.begin(), Some(report.clone()));
+                work.push(Box::pin(async move {
+                    Ended::Round(report.0, relay.round(report).await)
+                }));
+                next_poll = Instant::now() + self.config.poll_interval;
             }
-            if tokio::time::Instant::now() >= next_gauges {
-                match self.outbox.stats().await {
-                    Ok(stats) => self.metrics.set(&stats),
-                    Err(e) => tracing::debug!(error = %e, "outbox: reading the stats failed"),
-                }
-                next_gauges = tokio::time::Instant::now() + self.config.gauge_interval;
-            }
-            if full {
-                // More rows are waiting: no wait, but let a shutdown in.
-                if futures::poll!(&mut shutdown).is_ready() {
-                    return Ok(());
-                }
-                continue;
+            if stopping && work.is_empty() {
+                return Ok(());
             }
             tokio::select! {
-                () = &mut shutdown => return Ok(()),
-                () = wakeups.next() => {}
-                () = self.outbox.written.notified() => {}
-                () = tokio::time::sleep(self.config.poll_interval) => {}
+                () = &mut shutdown, if !stopping => stopping = true,
+                Some(took) = reports.recv() => schedule.took(took),
+                Some(ended) = work.next() => {
+                    let Ended::Round(round, result) = ended else { continue };
+                    schedule.ended(round);
+                    match result {
+                        Ok(_) => {}
+                        #[cfg(feature = "fault-injection")]
+                        Err(e @ Error::Crashed(_)) => return Err(e),
+                        Err(e) => tracing::warn!(error = %e, "outbox relay round failed"),
+                    }
+                    let now = Instant::now();
+                    let (purge, gauges) = (now >= next_purge, now >= next_gauges);
+                    if purge || gauges {
+                        if purge {
+                            next_purge = now + self.config.purge_interval;
+                        }
+                        if gauges {
+                            next_gauges = now + self.config.gauge_interval;
+                        }
+                        work.push(Box::pin(async move {
+                            relay.chores(purge, gauges).await;
+                            Ended::Chores
+                        }));
+                    }
+                }
+                () = wakeups.next(), if !stopping => schedule.wake(),
+                () = self.outbox.written.notified(), if !stopping => schedule.wake(),
+                () = tokio::time::sleep_until(next_poll), if !stopping && schedule.waits() => {
+                    schedule.wake();
+                }
             }
         }
     }
@@ -226,10 +177,17 @@ impl<DB: Backend> Relay<DB> {
     /// the take and the marks are transactions of their own, so the database's write lock is
     /// never held while the broker answers.
     pub async fn run_once(&self) -> Result<RelayRound, Error> {
+        self.round(TakeReport(0, None)).await
+    }
+
+    /// [`Relay::run_once`], telling `report` what its take found as soon as it is known.
+    async fn round(&self, mut report: TakeReport) -> Result<RelayRound, Error> {
         let mut conn = self.outbox.pool.acquire().await?;
         let mut tx = DB::outbox_begin(&mut conn).await?;
         let names = &self.outbox.names;
-        let rows = DB::outbox_take(&mut tx, names, self.config.batch).await?;
+        let taken = DB::outbox_take(&mut tx, names, self.config.batch).await?;
+        let rows = taken.rows;
+        report.send(rows.len() >= self.config.batch as usize, taken.held_back);
         let mut round = RelayRound {
             taken: rows.len(),
             ..RelayRound::default()
@@ -244,90 +202,59 @@ impl<DB: Backend> Relay<DB> {
             tx.commit().await?;
             None
         };
-        let mut published = Vec::with_capacity(rows.len());
-        let mut failed = Vec::new();
-        let mut refused = 0;
-        let mut remaining = rows;
-        while !remaining.is_empty() {
-            // One wave: the first row of each key (and every row without a key).
-            let mut keys = HashSet::new();
-            let (wave, later): (Vec<OutboxRow>, Vec<OutboxRow>) =
-                remaining.into_iter().partition(|r| match &r.message.key {
-                    Some(k) => keys.insert(k.clone()),
-                    None => true,
-                });
-            for row in &wave {
-                self.fault(RelayPoint::BeforePublish, row)?;
-            }
-            let results = futures::future::join_all(
-                wave.iter().map(|row| self.publisher.publish(&row.message)),
-            )
-            .await;
-            let mut stopped = HashSet::new();
-            for (row, result) in wave.into_iter().zip(results) {
-                match result {
-                    Ok(()) => {
-                        self.fault(RelayPoint::AfterPublish, &row)?;
-                        published.push(row.id);
-                    }
-                    Err(e) => {
-                        let attempts = row.attempts.saturating_add(1);
-                        let id = row.message.message_id.as_deref().unwrap_or_default();
-                        if e.is_refused() {
-                            refused += 1;
-                            tracing::error!(message_id = id, destination = %row.message.destination,
-                                attempts, error = %e, "outbox: the broker refused a message; it stays in the outbox");
-                        } else {
-                            tracing::warn!(message_id = id, destination = %row.message.destination,
-                                attempts, error = %e, "outbox: publish failed; it will be tried again");
-                        }
-                        if let Some(k) = &row.message.key {
-                            stopped.insert(k.clone());
-                        }
-                        failed.push((row.id, attempts, e.to_string()));
-                    }
-                }
-            }
-            // A key whose message failed keeps its later messages back.
-            remaining = later
-                .into_iter()
-                .filter(|r| r.message.key.as_ref().is_none_or(|k| !stopped.contains(k)))
-                .collect();
-        }
+        let fault = |point, row: &OutboxRow| self.fault(point, row);
+        let published = publish_rows(&*self.publisher, rows, &fault).await?;
         match held {
             Some(mut tx) => {
-                self.mark(&mut tx, &published, &failed).await?;
+                self.mark(&mut tx, &published.ids, &published.failed)
+                    .await?;
                 tx.commit().await?;
             }
             None => {
                 let mut conn = self.outbox.pool.acquire().await?;
                 let mut tx = DB::outbox_begin(&mut conn).await?;
-                self.mark(&mut tx, &published, &failed).await?;
+                self.mark(&mut tx, &published.ids, &published.failed)
+                    .await?;
                 tx.commit().await?;
             }
         }
-        round.published = published.len();
-        round.failed = failed.len();
+        round.published = published.ids.len();
+        round.failed = published.failed.len();
+        let refused = published.failed.iter().filter(|f| f.refused).count();
         self.metrics
             .round(round.published, round.failed - refused, refused);
         Ok(round)
     }
 
-    /// Marks the rows `published`, and each `failed` one (id, attempts, error) with its
-    /// error and the backoff of its attempts.
+    /// Marks the rows `published`, and each `failed` one with its error and the backoff of
+    /// its attempts.
     async fn mark(
         &self,
         tx: &mut sqlx::Transaction<'_, DB>,
         published: &[i64],
-        failed: &[(i64, u32, String)],
+        failed: &[Failed],
     ) -> Result<(), Error> {
         let names = &self.outbox.names;
         DB::outbox_mark_published(tx, names, published).await?;
-        for (id, attempts, error) in failed {
-            let delay = self.backoff.next_delay(*attempts);
-            DB::outbox_mark_failed(tx, names, *id, error, delay).await?;
+        for f in failed {
+            let delay = self.backoff.next_delay(f.attempts);
+            DB::outbox_mark_failed(tx, names, f.id, &f.error, delay).await?;
         }
         Ok(())
+    }
+
+    /// Deletes published rows past the retention (`purge`) and reads the outbox's stats into
+    /// the gauges (`gauges`); a failure is logged.
+    async fn chores(&self, purge: bool, gauges: bool) {
+        if purge {
+            self.purge().await;
+        }
+        if gauges {
+            match self.outbox.stats().await {
+                Ok(stats) => self.metrics.set(&stats),
+                Err(e) => tracing::debug!(error = %e, "outbox: reading the stats failed"),
+            }
+        }
     }
 
     /// Deletes published rows past the retention; a failure is logged.
@@ -389,13 +316,6 @@ impl<DB: Backend> Relay<DB> {
     fn fault(&self, _point: RelayPoint, _row: &OutboxRow) -> Result<(), Error> {
         Ok(())
     }
-}
-
-fn backoff(config: &RelayConfig) -> Result<ExponentialBackoff, Error> {
-    ExponentialBackoff::new(config.backoff.0, config.backoff.1).map_err(|e| match e {
-        Error::Config { reason, .. } => Error::config("relay.backoff", reason),
-        other => other,
-    })
 }
 
 #[cfg(test)]
