@@ -86,9 +86,7 @@ impl Handler<Postgres> for RecordAndPublish {
                 .map(|j| self.event(j.id))
                 .collect::<Result<Vec<_>, _>>()?;
             crate::record_batch(ctx, jobs).await?;
-            for (i, event) in events.into_iter().enumerate() {
-                ctx.publish(i, event).await?;
-            }
+            ctx.publish_all(events.into_iter().enumerate()).await?;
             Ok(())
         })
     }

@@ -171,6 +171,8 @@ pub struct Statements {
 #[doc(hidden)]
 pub struct OutboxSql {
     pub(crate) insert: String,
+    /// Inserts lists of rows, in order (PostgreSQL; SQLite inserts them one at a time).
+    pub(crate) insert_all: String,
     pub(crate) take: String,
     pub(crate) blockers: String,
     pub(crate) mark_published: String,

@@ -68,6 +68,10 @@ pub enum Arg<'a> {
     Ids(&'a [i64]),
     /// A list of texts, bound as [`Arg::Ids`] is.
     Texts(&'a [String]),
+    /// A list of texts that may be absent, bound as [`Arg::Ids`] is.
+    OptTexts(&'a [Option<String>]),
+    /// A list of message bodies, bound as [`Arg::Ids`] is.
+    ByteLists(&'a [&'a [u8]]),
 }
 
 /// A list as the JSON array SQLite's statements read with `json_each`.

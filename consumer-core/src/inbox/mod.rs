@@ -83,5 +83,5 @@ pub use handle::Inbox;
 pub(crate) use kept::Kept;
 pub(crate) use lease::Lease;
 pub(crate) use locks::IdMap;
-pub(crate) use outbox_store::OutboxRow;
 pub use outbox_store::OutboxStats;
+pub(crate) use outbox_store::{NewRow, OutboxRow};

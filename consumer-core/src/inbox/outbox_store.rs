@@ -24,6 +24,15 @@ pub(crate) struct OutboxRow {
     pub(crate) attempts: u32,
 }
 
+/// A message to write to the outbox: its id, and a header it carries beside its own (the
+/// trace context).
+#[derive(Debug)]
+pub struct NewRow<'a> {
+    pub(crate) message: &'a OutboxMessage,
+    pub(crate) message_id: &'a str,
+    pub(crate) extra_header: Option<(&'a str, &'a str)>,
+}
+
 /// What a relay's take found.
 #[derive(Debug)]
 pub struct Taken {
@@ -98,6 +107,29 @@ pub trait OutboxStore: Execute {
                 Arg::Now(Clock::read()),
             ];
             Self::execute(conn, &names.outbox_sql.insert, &args).await?;
+            Ok(())
+        })
+    }
+
+    /// Inserts `rows` in their order (so their ids ascend in it): in one statement where the
+    /// database binds lists (PostgreSQL), else one statement a row.
+    #[doc(hidden)]
+    fn outbox_insert_all<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        rows: &'a [NewRow<'a>],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            for row in rows {
+                Self::outbox_insert(
+                    &mut *conn,
+                    names,
+                    row.message,
+                    row.message_id,
+                    row.extra_header,
+                )
+                .await?;
+            }
             Ok(())
         })
     }
@@ -319,6 +351,30 @@ fn taken(rows: &[OutboxRow]) -> (Vec<String>, Vec<i64>, i64) {
 impl OutboxStore for Postgres {
     const HOLDS_ROWS_WHILE_PUBLISHING: bool = true;
 
+    fn outbox_insert_all<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+        rows: &'a [NewRow<'a>],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let column = |f: fn(&NewRow<'a>) -> String| rows.iter().map(f).collect::<Vec<_>>();
+            let ids = column(|r| r.message_id.to_owned());
+            let destinations = column(|r| r.message.destination.clone());
+            let headers = column(|r| headers_json(&r.message.headers, r.extra_header));
+            let keys: Vec<Option<String>> = rows.iter().map(|r| r.message.key.clone()).collect();
+            let bodies: Vec<&[u8]> = rows.iter().map(|r| &r.message.payload[..]).collect();
+            let args = [
+                Arg::Texts(&ids),
+                Arg::Texts(&destinations),
+                Arg::OptTexts(&keys),
+                Arg::Texts(&headers),
+                Arg::ByteLists(&bodies),
+            ];
+            Self::execute(conn, &names.outbox_sql.insert_all, &args).await?;
+            Ok(())
+        })
+    }
+
     fn outbox_sql(names: &TableNames) -> OutboxSql {
         OutboxSql::postgres(names)
     }
@@ -395,6 +451,11 @@ impl OutboxSql {
                 "INSERT INTO {outbox} (message_id, destination, ordering_key, headers, payload) \
                        VALUES ($1, $2, $3, $4, $5)",
             ),
+            insert_all: r(
+                "INSERT INTO {outbox} (message_id, destination, ordering_key, headers, payload) \
+                 SELECT m, d, k, h, p FROM unnest($1::text[], $2::text[], $3::text[], \
+                 $4::text[], $5::bytea[]) WITH ORDINALITY AS r(m, d, k, h, p, n) ORDER BY n",
+            ),
             // A row behind an earlier row of its key that is held back (its backoff) is
             // not taken: however many there are, they never fill a round's batch.
             take: r(
@@ -444,6 +505,8 @@ impl OutboxSql {
             insert: r("INSERT INTO {outbox} \
                        (message_id, destination, ordering_key, headers, payload, created_at) \
                        VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
+            // Not used: SQLite inserts a list one row at a time.
+            insert_all: String::new(),
             take: r(
                 "SELECT o.id, o.message_id, o.destination, o.ordering_key, o.headers, \
                      o.payload, o.attempts FROM {outbox} o \

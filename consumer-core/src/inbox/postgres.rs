@@ -453,6 +453,8 @@ impl Dialect for Postgres {
                 Arg::Bytes(v) => bound.add(v),
                 Arg::Ids(ids) => bound.add(ids),
                 Arg::Texts(texts) => bound.add(texts),
+                Arg::OptTexts(texts) => bound.add(texts),
+                Arg::ByteLists(bodies) => bound.add(bodies),
             }
             .map_err(sqlx::Error::Encode)?;
         }

@@ -199,6 +199,8 @@ impl Dialect for Sqlite {
                 Arg::Bytes(v) => bound.add(v),
                 Arg::Ids(ids) => bound.add(super::dialect::json_list(ids)),
                 Arg::Texts(texts) => bound.add(super::dialect::json_list(texts)),
+                Arg::OptTexts(texts) => bound.add(super::dialect::json_list(texts)),
+                Arg::ByteLists(bodies) => bound.add(super::dialect::json_list(bodies)),
             }
             .map_err(sqlx::Error::Encode)?;
         }

@@ -7,7 +7,7 @@ use sqlx::Pool;
 use tokio::sync::Notify;
 
 use super::message::{self, OutboxMessage};
-use crate::inbox::{Backend, OutboxStats, TableNames};
+use crate::inbox::{Backend, NewRow, OutboxStats, TableNames};
 use crate::trace::TRACEPARENT;
 use crate::{Error, Inbox};
 
@@ -107,6 +107,30 @@ pub(crate) async fn insert<DB: Backend>(
     let parent = trace_to_carry(message, inherited);
     let extra_header = parent.as_deref().map(|p| (TRACEPARENT, p));
     Ok(DB::outbox_insert(conn, names, message, id, extra_header).await?)
+}
+
+/// [`insert`] of each of `messages` (a message, its id, the trace context it inherits), in
+/// one statement where the database can (PostgreSQL), in their order.
+pub(crate) async fn insert_all<DB: Backend>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    messages: &[(OutboxMessage, String, Option<&str>)],
+) -> Result<(), Error> {
+    let mut parents = Vec::with_capacity(messages.len());
+    for (message, id, inherited) in messages {
+        message.validate(id)?;
+        parents.push(trace_to_carry(message, *inherited));
+    }
+    let rows: Vec<NewRow<'_>> = messages
+        .iter()
+        .zip(&parents)
+        .map(|((message, id, _), parent)| NewRow {
+            message,
+            message_id: id,
+            extra_header: parent.as_deref().map(|p| (TRACEPARENT, p)),
+        })
+        .collect();
+    Ok(DB::outbox_insert_all(conn, names, &rows).await?)
 }
 
 /// The trace context to add to `message`: none if it has its own, else the current span's,

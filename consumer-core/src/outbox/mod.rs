@@ -5,8 +5,10 @@
 //! publish safely by itself: before its commit, a rollback leaves a message about an effect
 //! that never happened; after it, a crash loses the message. With the outbox it writes the
 //! message into a table in its own transaction ([`Context::publish`](crate::Context::publish),
-//! [`BatchContext::publish`](crate::BatchContext::publish), or [`Outbox::enqueue`] in the
-//! application's own transaction): the message commits with the effects or not at all.
+//! [`BatchContext::publish`](crate::BatchContext::publish), a batch's messages in one
+//! statement with [`BatchContext::publish_all`](crate::BatchContext::publish_all), or
+//! [`Outbox::enqueue`] in the application's own transaction): the message commits with the
+//! effects or not at all.
 //!
 //! # The relay
 //!
@@ -66,8 +68,8 @@ mod wakeups;
 
 pub use crate::inbox::OutboxStats;
 pub use config::RelayConfig;
-pub(crate) use handle::insert;
 pub use handle::Outbox;
+pub(crate) use handle::{insert, insert_all};
 pub use message::{OutboxMessage, MAX_OUTBOX_NAME_BYTES};
 pub use publisher::{PublishError, Publisher};
 pub use relay::{Relay, RelayRound};
