@@ -58,7 +58,7 @@
 //! milliseconds and `--latency 0` stops recording per-delivery latencies (the RSS check:
 //! `--messages 1000000 --reps 1 --arms 'amqp: fw batched' --rss-every-ms 10000 --latency 0`);
 //! `--relay-batch N` and `--relay-rounds N` set the rows a relay round of the `+ outbox` arms
-//! takes and the rounds in progress at once (`RelayConfig`'s defaults: 500 and 4);
+//! takes and the rounds in progress at once (`RelayConfig`'s defaults: 500 and 2);
 //! `--thread-cpu` prints every arm's CPU time a message by thread name.
 //!
 //! `--http N` runs no arm either: the `Idempotency-Key` layer's cost on a trivial POST,
