@@ -13,7 +13,7 @@ pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
 /// The client errors that say "not now, try again": 408 Request Timeout, 409 Conflict, 425
 /// Too Early and 429 Too Many Requests. The layer never stores them, whatever
 /// [`IdempotencyConfigBuilder::store_client_errors`] says: like a 5xx, such an answer rolls
-/// the handler's writes back and releases the key, so the client's retry runs the handler.
+/// the handler's writes back and frees the key, so the client's retry runs the handler.
 pub const TRANSIENT_CLIENT_ERRORS: [StatusCode; 4] = [
     StatusCode::REQUEST_TIMEOUT,
     StatusCode::CONFLICT,
@@ -49,7 +49,7 @@ impl Default for IdempotencyConfig {
             wait: Duration::from_secs(5),
             poll_interval: Duration::from_millis(50),
             retry_after: Duration::from_secs(1),
-            lease: Duration::from_secs(60),
+            lease: Duration::from_secs(1),
             ttl: Duration::from_secs(24 * 60 * 60),
             store_client_errors: true,
             stored_headers: vec![http::header::CONTENT_TYPE],
@@ -59,7 +59,7 @@ impl Default for IdempotencyConfig {
 
 impl IdempotencyConfig {
     /// A builder with the defaults: POST and PATCH, key required, 1 MiB request and
-    /// response bodies, wait 5 s polling every 50 ms, `Retry-After: 1`, lease 60 s, TTL
+    /// response bodies, wait 5 s polling every 50 ms, `Retry-After: 1`, lease 1 s, TTL
     /// 24 h, 4xx answers stored (but 408, 409, 425 and 429, never), `content-type` stored.
     pub fn builder() -> IdempotencyConfigBuilder {
         IdempotencyConfigBuilder {
@@ -113,20 +113,25 @@ impl IdempotencyConfigBuilder {
     }
 
     /// The largest response body stored (default 1 MiB); a larger answer is not stored:
-    /// the transaction rolls back, the key is released and the client gets 500.
+    /// the transaction rolls back, the key is freed and the client gets 500.
     pub fn max_response_bytes(mut self, bytes: usize) -> Self {
         self.config.max_response_bytes = bytes;
         self
     }
 
     /// How long a request waits for another one with the same key to finish (default 5 s)
-    /// before it is answered 409; `0` answers 409 at once.
+    /// before it is answered 409; `0` answers 409 at once. On PostgreSQL a request of
+    /// another process waits on the running one's transaction for it; on SQLite, whose
+    /// transactions run one at a time, a request of another key waits for the write lock up
+    /// to the pool's busy timeout instead.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.config.wait = wait;
         self
     }
 
-    /// How often a waiting request reads the record (default 50 ms).
+    /// How often a request waiting on the Redis fast path's lease looks for the answer
+    /// (default 50 ms), and how often one waiting on a claim an earlier version of the layer
+    /// committed reads the record.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.config.poll_interval = interval;
         self
@@ -138,9 +143,13 @@ impl IdempotencyConfigBuilder {
         self
     }
 
-    /// How long a claim stays in progress before the next request with the key may take it
-    /// over (default 60 s): the time a process killed mid-request blocks its key. Choose it
-    /// above the slowest handler's running time (see the crate doc).
+    /// How long the Redis fast path's lease outlives a process that died holding it (default
+    /// 1 s): a running request renews its lease every third of this, so the lease lasts as
+    /// long as the request runs, and a killed process's lease makes the key's next request
+    /// wait at most this long. The database needs no lease: a running request holds its key
+    /// by its open transaction, which a dead process or a hung-up client rolls back at once
+    /// (see the crate doc). A claim committed by an earlier version of the layer is taken
+    /// over once the lease it was given runs out.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease;
         self
@@ -155,7 +164,7 @@ impl IdempotencyConfigBuilder {
     }
 
     /// Whether a 4xx answer is stored and replayed (default `true`); when `false` it
-    /// releases the key like a 5xx does. The transient ones ([`TRANSIENT_CLIENT_ERRORS`]:
+    /// frees the key like a 5xx does. The transient ones ([`TRANSIENT_CLIENT_ERRORS`]:
     /// 408, 409, 425, 429) are never stored: a retry after them must run the handler.
     pub fn store_client_errors(mut self, store: bool) -> Self {
         self.config.store_client_errors = store;

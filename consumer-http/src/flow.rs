@@ -1,6 +1,6 @@
 //! One request through the layer: check the key, read the body, decide (run, replay, 422,
-//! 409), and for a run: the handler in the request's transaction, then the answer stored in
-//! it and committed, or the key released.
+//! 409), and for a run: the handler in the request's transaction, which holds the claim, then
+//! the answer stored in it and committed, or all of it rolled back, which frees the key.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,10 +20,11 @@ use tower::Service;
 use crate::caller::{Callers, NoCaller};
 use crate::config::IdempotencyConfig;
 use crate::fast::{FastRequest, Settled};
+use crate::held::{HeldKey, HeldKeys, Hold};
 use crate::metrics::{answered, decided, Outcome};
 use crate::problem;
 use crate::request;
-use crate::store::{ClaimRequest, IdempotencyStore, StoreBackend};
+use crate::store::{Claim, ClaimRequest, IdempotencyStore, StoreBackend};
 use crate::stored::StoredResponse;
 use crate::tx::TxSlot;
 
@@ -32,6 +33,8 @@ pub(crate) struct Shared<DB: StoreBackend> {
     pub(crate) store: IdempotencyStore<DB>,
     pub(crate) config: IdempotencyConfig,
     pub(crate) callers: Callers,
+    /// The keys this layer's requests are running.
+    pub(crate) held: Arc<HeldKeys>,
     #[cfg(feature = "redis")]
     pub(crate) fast: Option<crate::fast::RedisFastPath>,
 }
@@ -42,6 +45,7 @@ impl<DB: StoreBackend> Clone for Shared<DB> {
             store: self.store.clone(),
             config: self.config.clone(),
             callers: self.callers.clone(),
+            held: self.held.clone(),
             #[cfg(feature = "redis")]
             fast: self.fast.clone(),
         }
@@ -73,9 +77,10 @@ impl<DB: StoreBackend> Shared<DB> {
 }
 
 /// What a request with a key gets, once its record has been read or claimed.
-enum Decision {
-    /// This request holds the claim: run the handler.
-    Run,
+enum Decision<DB: StoreBackend> {
+    /// This request holds the key, in this process and in this transaction: run the
+    /// handler in it.
+    Run(sqlx::Transaction<'static, DB>, HeldKey),
     /// The key completed with this request's fingerprint: its answer; read from the
     /// database, it is cached in Redis until `cache_until` (the record's expiry or before).
     Replay {
@@ -151,7 +156,11 @@ where
     let decision = decide(&shared, &claim, fast).await;
     decided(deciding.elapsed());
     let answer = match decision {
-        Ok(Decision::Run) => run(&shared, inner, parts, body, &claim, fast).await,
+        Ok(Decision::Run(tx, held)) => {
+            let answer = run(&shared, inner, parts, body, tx, &claim, fast).await;
+            drop(held);
+            answer
+        }
         Ok(Decision::Replay {
             stored,
             cache_until,
@@ -203,17 +212,18 @@ pub(crate) async fn read_body(parts: &Parts, body: Body, limit: usize) -> Result
 
 /// Asks Redis first, if the layer has it: a cached answer settles the request there (a
 /// replay, or 422), and a request of the same fingerprint holding the lease is waited for
-/// there. Then reads the key's record and decides, or claims the key; waits (polling, up to
-/// the configured wait) while another request holds it. The fingerprint is compared on
-/// every path that reads a record or a cached answer: a replay, a wait, a claim that lost a
-/// race, a takeover. The record is read before any claim, so a replay or a wait writes
-/// nothing (on SQLite it need not wait for the write lock a running handler's transaction
-/// holds).
+/// there. Then holds the key in this process (waiting while a request of this process runs
+/// it), reads the key's committed record and decides, or claims the key in the request's
+/// transaction, waiting while another process's request holds it; all waits end at the
+/// configured wait. The fingerprint is compared on every path that reads a record or a
+/// cached answer: a replay, a claim that lost a race, a takeover. The record is read before
+/// any claim, so a replay writes nothing (on SQLite it need not wait for the write lock a
+/// running handler's transaction holds).
 async fn decide<DB: StoreBackend>(
     shared: &Shared<DB>,
     claim: &ClaimRequest<'_>,
     fast: Option<&FastRequest>,
-) -> Result<Decision, sqlx::Error> {
+) -> Result<Decision<DB>, sqlx::Error> {
     let store: &IdempotencyStore<DB> = &shared.store;
     let config = &shared.config;
     let deadline = Instant::now() + config.wait;
@@ -229,10 +239,18 @@ async fn decide<DB: StoreBackend>(
             Settled::ToDatabase => {}
         }
     }
+    let name = format!("{}:{}:{}", claim.scope.len(), claim.scope, claim.key);
+    let wait = deadline.saturating_duration_since(Instant::now());
+    let held = match shared.held.hold(name, claim.fingerprint, wait).await {
+        Hold::Held(held) => held,
+        Hold::OtherRequest => return Ok(Decision::Mismatch),
+        Hold::Busy => return Ok(Decision::InProgress),
+    };
     let mut retry_at_once = true;
     loop {
+        let mut conn = store.acquire().await?;
         let read_at = Instant::now();
-        match store.fetch(claim.scope, claim.key).await? {
+        let claimable = match store.fetch(&mut conn, claim.scope, claim.key).await? {
             Some(record) if !record.expired => {
                 if record.fingerprint != claim.fingerprint {
                     return Ok(Decision::Mismatch);
@@ -243,22 +261,29 @@ async fn decide<DB: StoreBackend>(
                         cache_until: Some(read_at + record.ttl_left),
                     });
                 }
-                // In progress: take it over if its lease ran out, else wait below.
-                if record.lease_expired && store.claim(claim).await? {
-                    return Ok(Decision::Run);
-                }
+                // A claim committed in progress (by an earlier version of the layer): taken
+                // over once its lease ran out, waited for until then.
+                record.lease_expired
             }
-            // No record, or an expired one: claim it. A claim that lost a race reads the
-            // winner's record next, at once the first time.
-            _ => {
-                if store.claim(claim).await? {
-                    return Ok(Decision::Run);
-                }
-                if retry_at_once {
+            // No record, or an expired one, or one whose request still runs (its claim is
+            // not committed): claim it, waiting on that request's transaction if there is one.
+            _ => true,
+        };
+        if claimable {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match store.claim(conn, claim, wait).await? {
+                Claim::Held(tx) => return Ok(Decision::Run(tx, held)),
+                Claim::Busy => return Ok(Decision::InProgress),
+                // Another request's record committed first: read it, at once the first time.
+                Claim::Taken if retry_at_once => {
                     retry_at_once = false;
                     continue;
                 }
+                Claim::Taken => {}
             }
+        } else {
+            // Holding no connection while it waits.
+            drop(conn);
         }
         let now = Instant::now();
         if now >= deadline {
@@ -268,13 +293,16 @@ async fn decide<DB: StoreBackend>(
     }
 }
 
-/// Runs the handler with the request's transaction, then stores the answer in it and
-/// commits; any other end rolls the transaction back and releases the key.
+/// Runs the handler with the request's transaction (which holds the key), then stores the
+/// answer in it and commits; any other end rolls the transaction back, which frees the key.
+/// So does dropping this future (the client hung up) or the process dying: the database
+/// rolls the transaction back, and the key's next request runs at once.
 async fn run<S, DB, ResBody>(
     shared: &Shared<DB>,
     inner: S,
     mut parts: Parts,
     body: Bytes,
+    tx: sqlx::Transaction<'static, DB>,
     claim: &ClaimRequest<'_>,
     fast: Option<&FastRequest>,
 ) -> Result<Response, S::Error>
@@ -292,30 +320,24 @@ where
         answered(Outcome::Unavailable);
         problem::store_unavailable(config.retry_after)
     };
-    let tx = match store.begin().await {
-        Ok(tx) => tx,
-        Err(e) => {
-            tracing::warn!(error = %e, "could not begin the request's transaction");
-            release(store, claim).await;
-            return Ok(unavailable());
-        }
-    };
     let slot = TxSlot::new(tx);
     parts.extensions.insert(slot.clone());
     let request = Request::from_parts(parts, Body::from(body));
     let mut inner = inner;
-    let called = AssertUnwindSafe(async move { inner.call(request).await })
-        .catch_unwind()
-        .await;
+    let handling = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
+    let called = match fast {
+        Some(fast) => fast.hold_while(handling).await,
+        None => handling.await,
+    };
     let response = match called {
         Ok(Ok(response)) => response,
         Ok(Err(e)) => {
-            abandon(store, &slot, claim).await;
+            abandon(&slot).await;
             answered(Outcome::Released);
             return Err(e);
         }
         Err(_panic) => {
-            abandon(store, &slot, claim).await;
+            abandon(&slot).await;
             answered(Outcome::Released);
             return Ok(problem::internal("the handler panicked"));
         }
@@ -323,7 +345,7 @@ where
     let (head, response_body) = response.into_parts();
     let status = head.status;
     if !config.stores(status) {
-        abandon(store, &slot, claim).await;
+        abandon(&slot).await;
         answered(Outcome::Released);
         return Ok(http::Response::from_parts(head, Body::new(response_body)));
     }
@@ -333,7 +355,7 @@ where
     {
         Ok(collected) => collected.to_bytes(),
         Err(_) => {
-            abandon(store, &slot, claim).await;
+            abandon(&slot).await;
             answered(Outcome::Released);
             return Ok(problem::internal(
                 "the answer could not be stored: its body failed or is over the limit",
@@ -341,9 +363,8 @@ where
         }
     };
     let Some(mut tx) = slot.take() else {
-        // The handler kept its `IdempotentTx` (a spawned task): its transaction rolls back
-        // when that ends.
-        release(store, claim).await;
+        // The handler kept its `IdempotentTx` (a spawned task): its transaction rolls back,
+        // freeing the key, when that ends.
         answered(Outcome::Released);
         return Ok(problem::internal(
             "the handler kept its IdempotentTx past its answer",
@@ -357,19 +378,16 @@ where
     match store.complete(&mut tx, claim, &stored).await {
         Ok(true) => {}
         Ok(false) => {
-            // The lease ran out and another request took the key over: this run's writes
-            // must not commit; that request's answer is the key's.
+            // The transaction's own row is gone (deleted by hand?): nothing to store under.
             let _ = tx.rollback().await;
-            tracing::warn!("an idempotent request outlived its lease and was taken over");
-            answered(Outcome::InProgress);
-            return Ok(problem::in_progress(config.retry_after));
+            tracing::warn!("an idempotent request's claim was gone when its answer was stored");
+            return Ok(unavailable());
         }
         Err(e) if consumer_core::is_aborted(&e) => {
             // A statement of the handler's failed and aborted the transaction (PostgreSQL):
             // its writes cannot commit, so its answer must not be given as a success.
             tracing::warn!(error = %e, "the handler's transaction was aborted by an earlier error it ignored");
             let _ = tx.rollback().await;
-            release(store, claim).await;
             answered(Outcome::Released);
             return Ok(problem::internal(
                 "the handler's transaction was aborted by an earlier error it ignored",
@@ -378,15 +396,13 @@ where
         Err(e) => {
             tracing::warn!(error = %e, "could not store an idempotent answer");
             let _ = tx.rollback().await;
-            release(store, claim).await;
             return Ok(unavailable());
         }
     }
     if let Err(e) = tx.commit().await {
-        // Unknown whether it committed: the release deletes only a claim still in
-        // progress, so a committed answer stays.
+        // Unknown whether it committed: if it did, the key's next request is a replay; if
+        // not, it runs.
         tracing::warn!(error = %e, "could not commit an idempotent request");
-        release(store, claim).await;
         return Ok(unavailable());
     }
     if let Some(fast) = fast {
@@ -396,22 +412,10 @@ where
     Ok(http::Response::from_parts(head, Body::from(stored.body)))
 }
 
-/// Rolls the request's transaction back and releases the key.
-async fn abandon<DB: StoreBackend>(
-    store: &IdempotencyStore<DB>,
-    slot: &TxSlot<DB>,
-    claim: &ClaimRequest<'_>,
-) {
+/// Rolls the request's transaction back, which frees the key.
+async fn abandon<DB: StoreBackend>(slot: &TxSlot<DB>) {
     if let Some(tx) = slot.take() {
         let _ = tx.rollback().await;
-    }
-    release(store, claim).await;
-}
-
-/// Releases the key; if that fails, the claim's lease frees it later.
-async fn release<DB: StoreBackend>(store: &IdempotencyStore<DB>, claim: &ClaimRequest<'_>) {
-    if let Err(e) = store.release(claim).await {
-        tracing::warn!(error = %e, "could not release an idempotency key; its lease will");
     }
 }
 

@@ -177,6 +177,7 @@ impl<DB: StoreBackend, C> IdempotencyLayerBuilder<DB, C> {
                 store: self.store,
                 config: self.config,
                 callers: self.callers.into(),
+                held: Default::default(),
                 #[cfg(feature = "redis")]
                 fast: self.fast,
             }),

@@ -38,73 +38,71 @@
 //!   `Idempotent-Replayed: true`.
 //! - Same key, other fingerprint: 422, on every path that reads a record (a claim that lost
 //!   a race, a wait, a replay, an in-progress claim).
-//! - Same key while the first is in progress: the request polls the record up to the
-//!   configured wait and answers the stored answer, or 409 with `Retry-After`.
+//! - Same key while the first is in progress: the request waits up to the configured wait
+//!   and answers the stored answer, or 409 with `Retry-After`.
 //! - The handler answered 5xx, panicked or failed: its transaction rolls back and the key is
-//!   released; a retry runs again. A 4xx is stored (configurable), except 408, 409, 425
+//!   free; a retry runs again. A 4xx is stored (configurable), except 408, 409, 425
 //!   and 429 ([`TRANSIENT_CLIENT_ERRORS`]), which ask the client to try again: they roll
-//!   back and release the key like a 5xx, so the retry runs the handler.
+//!   back and free the key like a 5xx, so the retry runs the handler.
 //! - A completed record lives for its TTL (default 24 h), then the key runs again;
 //!   [`IdempotencyStore::purge_expired`] deletes expired rows.
 //!
 //! # The claim and the transaction
 //!
-//! A request first reads the key's record: a live record of another fingerprint is 422, a
-//! completed one is replayed, one in progress is waited for. Only a request that finds no
-//! live record (or an in-progress one of its fingerprint whose lease ran out) claims, so a
-//! replay or a wait writes nothing. Then:
+//! A request first holds its key in this process (a duplicate in the same process waits
+//! there, holding no database connection, or is 422 at once if its fingerprint differs
+//! from the running request's), then reads the key's record: a live record of another
+//! fingerprint is 422, a completed one is replayed, so a replay writes nothing. A request
+//! that finds no live record runs, in **one transaction**:
 //!
-//! 1. **Claim**, one statement committed on its own: insert (scope, key) as `in_progress`
-//!    with the fingerprint, a claim token unique to this request and a lease (default 60 s).
-//!    The statement takes over a row that expired, or an in-progress row of the same
-//!    fingerprint whose lease ran out, and nothing else. Committing the claim makes it
-//!    visible: a second request sees it in progress and polls, holding no lock and no
-//!    connection between polls.
-//! 2. **Run**, in one transaction: the handler runs with it ([`IdempotentTx`]); the layer
-//!    then stores the answer in it — `UPDATE ... SET status = 'completed' ... WHERE claim =
-//!    <this request's token> AND status = 'in_progress'` — and commits. The handler's rows
-//!    and the stored answer commit together or not at all. 5xx, a panic, an error or a
-//!    failure to store rolls the transaction back and deletes the claim (only this
-//!    request's, only in progress).
-//!
-//! Why a committed claim rather than an uncommitted row that a second request blocks on (a
-//! unique key held by the running transaction): a waiting request then holds neither a
-//! connection nor a lock while it waits, can tell "in progress" from "gone" and compare the
-//! fingerprint at once, and SQLite, which has no row locks, works the same way. The price
-//! is one more small commit per first request, and a claim left by a killed process that
-//! blocks its key until the lease runs out (the transaction's row would have vanished at
-//! once).
+//! 1. **Claim**: insert (scope, key) as `in_progress` with the fingerprint and a claim
+//!    token unique to this request. The statement takes over a row that expired, and
+//!    nothing else of another fingerprint. The row is not committed: the open transaction
+//!    holds the key, and a request of another process that claims it waits on the row
+//!    (PostgreSQL's primary key makes a second insert of a key wait for the first
+//!    transaction's end), up to the configured wait, then 409.
+//! 2. **Run**: the handler runs in the same transaction ([`IdempotentTx`]); the layer then
+//!    stores the answer in it — `UPDATE ... SET status = 'completed' ... WHERE claim = <this
+//!    request's token>` — and commits. The claim, the handler's rows and the stored answer
+//!    commit together, in one commit, or not at all. A 5xx, a panic, an error or a failure
+//!    to store rolls the transaction back, which takes the claim with it: the key is free.
 //!
 //! What follows:
 //!
 //! - **Crash between effect and store** (the process is killed after the handler's
-//!   `INSERT`, before the commit): the transaction never commits, so the effect is not
-//!   there either. The claim stays in progress until its lease runs out; a retry before
-//!   that waits and gets 409, one after it takes the claim over and runs once.
-//! - **Two concurrent requests**, in one process or two: one claim statement inserts the
-//!   row (PostgreSQL makes a concurrent insert of the same key wait on the primary key for
-//!   it, SQLite serialises writers); the other reads the row: 422 if its fingerprint
-//!   differs, else it polls until the first completes (replay), is released (it claims and
-//!   runs) or its wait ends (409).
-//! - **A lease that runs out while its handler still runs** (a handler slower than the
-//!   lease, a stalled process): another request takes the claim over and runs. Both
-//!   handlers may run, but only the claim's current holder can store its answer, so only
-//!   one transaction commits: the other's completion matches no row, and it rolls back
-//!   (its client gets 409 and then, on retry, the stored answer). Effects *outside* the
-//!   transaction (a call to a provider) may then happen twice: choose the lease above the
-//!   slowest handler, and hand the provider a key of its own.
-//! - **Clocks**: leases and TTLs are measured by the database's clock, so processes with
-//!   skewed clocks agree.
-//! - **The store fails** (a read, the claim, the transaction's begin or commit): 503 with
-//!   `Retry-After`, and the claim released if this request held it; a commit whose outcome
-//!   is unknown leaves a stored answer in place, since the release deletes only a claim
-//!   still in progress.
+//!   `INSERT`, before the commit): the transaction never commits, so neither the effect nor
+//!   the claim is there; the database rolls it back as the process's connections close, and
+//!   the client's retry runs at once, once.
+//! - **A client that hangs up** while its request runs: the server drops the request, and
+//!   with it the transaction, which rolls back: the key is free for the retry at once (an
+//!   effect *outside* the transaction, a call to a provider, may have happened: hand the
+//!   provider a key of its own).
+//! - **Two concurrent requests**, in one process or two: one holds the key; the other waits
+//!   (in the process, or on the row) until the first completes (a replay), rolls back (it
+//!   runs) or its wait ends (409 with `Retry-After`). A concurrent request of another
+//!   fingerprint is 422 in the same process at once; from another process, the database
+//!   cannot see an uncommitted claim's fingerprint, so it waits like a duplicate and is 422
+//!   once the first has completed (409 if its wait ends first).
+//! - **A handler that runs long** holds its key for as long as it runs: no lease runs out
+//!   under it, so no second run of the key starts meanwhile. Bound handlers with a timeout
+//!   (a tower timeout outside the layer drops the request, which rolls it back).
+//! - **Clocks**: TTLs are measured by the database's clock, so processes with skewed clocks
+//!   agree.
+//! - **The store fails** (a read, the claim, the commit): 503 with `Retry-After`; a commit
+//!   whose outcome is unknown either stored the answer (the retry is a replay) or nothing
+//!   (the retry runs).
 //!
-//! Every claimed request holds a database connection while its handler runs, and a waiting
-//! request takes one per poll. On SQLite the request's transaction begins `IMMEDIATE`, so
-//! idempotent requests' transactions run one at a time (SQLite has one writer): a claim of
-//! another key waits for the running handler's commit (the pool's busy timeout), and a
-//! database file must not be shared by two processes.
+//! Every running request holds a database connection and its transaction while its handler
+//! runs, and so does a request of another process waiting on its key (one per waiting
+//! request: the Redis fast path below keeps them off the database). On SQLite the request's
+//! transaction begins `IMMEDIATE`, so idempotent requests' transactions run one at a time
+//! (SQLite has one writer): a request of another key waits for the running handler's commit
+//! (the pool's busy timeout), and a database file must not be shared by two processes, nor
+//! by two layers (each holds its keys in its own process table).
+//!
+//! A claim committed `in_progress` by an earlier version of the layer (which committed the
+//! claim before running the handler) is waited for, and taken over by a request of its
+//! fingerprint once the lease it was given runs out.
 //!
 //! # Long operations
 //!
@@ -131,19 +129,21 @@
 //!   fingerprint is replayed, one of another fingerprint is 422, without a database round
 //!   trip. A replay that had to read the database (Redis lost the answer, or was down when
 //!   it was written) writes it to Redis for the next.
-//! - **A lease**, `SET NX PX` (the claim's lease), taken in the same round trip when there
+//! - **A lease**, `SET NX PX` ([`IdempotencyConfigBuilder::lease`], default 1 s, renewed
+//!   every third of it while the request runs), taken in the same round trip when there
 //!   is no answer, before the database's claim. A request that finds the lease held by a
 //!   request of its fingerprint waits in Redis, polling every `poll_interval`, for the
 //!   answer: concurrent duplicates in any number of processes then cost the database
-//!   nothing. When the lease is released (a 5xx, a panic, a failure: the holder deletes it
-//!   if it is still its own) or runs out, the next request takes it. At the end of the
+//!   nothing. When the lease is released (a 5xx, a panic, a failure, a client that hung
+//!   up: the holder deletes it if it is still its own) or runs out (its process died), the
+//!   next request takes it. At the end of the
 //!   wait, and whenever the lease is held by a request of *another* fingerprint (Redis
 //!   cannot tell which of the two owns the key), the request goes on to the database,
 //!   which decides as without Redis. The lease is a way to wait, never a permission.
 //!
 //! **Redis down or slow** changes no answer: every Redis call is bounded by a timeout
 //! (default 100 ms); a failure is logged at warn, counted in
-//! `consumer_http_redis_failures_total{op}` (`op`: `lookup`, `publish`, `release`), and
+//! `consumer_http_redis_failures_total{op}` (`op`: `lookup`, `publish`, `renew`, `release`), and
 //! Redis is skipped for a pause (default 1 s) during which the layer runs on the database
 //! alone. A lease that could not be released runs out; an answer that could not be cached
 //! is read from the database. The URL's credentials appear neither in `Debug` output nor in
@@ -225,7 +225,8 @@
 //!   and its replay.
 //! - `layer`: [`IdempotencyLayer`], its builder and its service [`Idempotency`]; `caller`:
 //!   whose a record is ([`Callers`], the builder's states); `flow`: one request
-//!   through them (decide, run, store or release); `tx`: [`IdempotentTx`]; [`metrics`]:
+//!   through them (decide, run, store or roll back); `held`: the keys a layer's requests
+//!   are running in this process; `tx`: [`IdempotentTx`]; [`metrics`]:
 //!   what the layer counts (answers by outcome, the time to decide on a key).
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
 //!   lease, the cached answer's encoding).
@@ -246,6 +247,7 @@ mod config;
 mod error;
 mod fast;
 mod flow;
+mod held;
 mod layer;
 pub mod metrics;
 mod problem;

@@ -453,13 +453,19 @@ async fn an_expired_key_runs_again_and_is_purged(db: Db) {
     assert_eq!(db.records().await, 0);
 }
 
-/// A process killed mid-request (after its handler's write, before the commit) leaves its
-/// claim in progress and no effect: the next request with the key is 409 until the lease
-/// runs out, then takes the claim over and runs once.
-async fn a_killed_request_is_taken_over_after_its_lease(db: Db) {
-    // Long enough that the first retry surely comes before it runs out.
-    let lease = Duration::from_secs(4);
-    let config = || config().lease(lease).wait(Duration::ZERO).build().unwrap();
+/// A process killed mid-request (after its handler's write, before the commit) leaves no
+/// effect and no claim: its transaction held the key and died with it, so the key's next
+/// request runs at once, long before the lease (30 s here) could have run out, and once.
+/// With Redis, the dead process's lease can only make that request wait (up to its 1 s
+/// wait here) before the database lets it run.
+async fn a_killed_request_frees_its_key_at_once(db: Db) {
+    let config = || {
+        config()
+            .lease(Duration::from_secs(30))
+            .wait(Duration::from_secs(1))
+            .build()
+            .unwrap()
+    };
     let (doomed, server) = App::serve_killable(&db, config()).await;
     doomed.handlers.hold_next.store(true, Ordering::SeqCst);
     let body = json!({"amount": 7});
@@ -479,52 +485,96 @@ async fn a_killed_request_is_taken_over_after_its_lease(db: Db) {
     );
     assert_eq!(db.effects().await, 0);
     let app = App::serve(&db, config()).await;
-    let early = app.post("/payments", Some("l"), &body).await;
-    early.assert_problem(409);
-    assert!(early.header("retry-after").is_some());
-    wait_until(
-        "the lease to run out and the key to be taken over",
-        || async { app.post("/payments", Some("l"), &body).await.status == 201 },
-    )
-    .await;
+    let retry = app.post("/payments", Some("l"), &body).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
     assert_eq!(app.runs(), 1);
     assert_eq!(db.effects().await, 1);
     let replay = app.post("/payments", Some("l"), &body).await;
     assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body);
 }
 
-/// PostgreSQL, two processes: a run that stalls past its lease is taken over; both handlers
-/// run, but only the claim's holder stores its answer, so the stalled run's row rolls back
-/// and its client gets 409: one effect.
-async fn a_stalled_run_taken_over_cannot_commit(db: Db) {
+/// A client that hangs up while its request runs: the server drops the request, its
+/// transaction rolls back (the handler's row with it) and frees the key, and the client's
+/// retry with the key runs at once, not after the lease (30 s here), and once.
+async fn a_client_that_hangs_up_frees_its_key_at_once(db: Db) {
+    use tokio::io::AsyncWriteExt;
+    let config = config()
+        .lease(Duration::from_secs(30))
+        .wait(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let app = App::serve(&db, config).await;
+    app.handlers.hold_next.store(true, Ordering::SeqCst);
+    let body = json!({"amount": 8}).to_string();
+    let address = app.base.trim_start_matches("http://");
+    let mut client = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!(
+        "POST /payments HTTP/1.1\r\nhost: {address}\r\nidempotency-key: h\r\n\
+         authorization: {ALICE}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    app.wait_held(1).await;
+    drop(client);
+    let retry = app
+        .post("/payments", Some("h"), &json!({"amount": 8}))
+        .await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+    assert_eq!(app.runs(), 2, "the hung-up run and the retry");
+    assert_eq!(db.effects().await, 1, "the hung-up run's row rolled back");
+    let replay = app
+        .post("/payments", Some("h"), &json!({"amount": 8}))
+        .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body);
+}
+
+/// A request holds its key for as long as it runs, however short the lease: a duplicate is
+/// told 409 while it runs, in this process (it waits on the key held here) and, on
+/// PostgreSQL, in another process (it waits on the claim's row in the running request's
+/// open transaction, not on a lease that runs out); once it has completed, both get its
+/// answer. One run, one effect.
+async fn a_running_request_holds_its_key_however_long_it_runs(db: Db) {
     let config = || {
         config()
-            .lease(Duration::from_secs(2))
-            .wait(Duration::ZERO)
+            .lease(Duration::from_millis(1))
+            .wait(Duration::from_millis(200))
             .build()
             .unwrap()
     };
-    let (stalling, other) = (
-        Arc::new(App::serve(&db, config()).await),
-        App::serve(&db, config()).await,
-    );
-    stalling.handlers.hold_next.store(true, Ordering::SeqCst);
+    let running = Arc::new(App::serve(&db, config()).await);
+    let mut apps = vec![running.clone()];
+    if matches!(db, Db::Pg { .. }) {
+        apps.push(Arc::new(
+            App::serve(&db.another_process().await, config()).await,
+        ));
+    }
+    running.handlers.hold_next.store(true, Ordering::SeqCst);
     let body = json!({"amount": 7});
-    let stalled = tokio::spawn({
-        let (app, body) = (stalling.clone(), body.clone());
+    let first = tokio::spawn({
+        let (app, body) = (running.clone(), body.clone());
         async move { app.post("/payments", Some("s"), &body).await }
     });
-    stalling.wait_held(1).await;
-    wait_until("the other process to take the key over", || async {
-        other.post("/payments", Some("s"), &body).await.status == 201
-    })
-    .await;
-    stalling.open_gate();
-    stalled.await.unwrap().assert_problem(409);
+    running.wait_held(1).await;
+    for app in &apps {
+        for _ in 0..3 {
+            let duplicate = app.post("/payments", Some("s"), &body).await;
+            duplicate.assert_problem(409);
+            assert!(duplicate.header("retry-after").is_some());
+        }
+    }
+    running.open_gate();
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false));
+    for app in &apps {
+        let replay = app.post("/payments", Some("s"), &body).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(apps.iter().map(|app| app.runs()).sum::<u32>(), 1);
     assert_eq!(db.effects().await, 1);
-    let replay = stalling.post("/payments", Some("s"), &body).await;
-    assert!(replay.replayed());
-    assert_eq!(replay.json()["payment"], json!(1));
 }
 
 macro_rules! on_both {
@@ -581,71 +631,7 @@ on_both!(
     shared_across_callers_answers_any_caller_the_stored_answer,
     transient_client_errors_are_never_stored,
     an_expired_key_runs_again_and_is_purged,
-    a_killed_request_is_taken_over_after_its_lease,
-);
-
-/// PostgreSQL, two processes, the other order: the stalled run finishes while the run that
-/// took its claim over is still running. The stalled run's answer is refused (the claim is
-/// no longer its), the current holder's is stored: one effect, and it is the holder's.
-async fn only_the_current_claim_stores_its_answer(db: Db) {
-    let config = || {
-        config()
-            .lease(Duration::from_secs(2))
-            .wait(Duration::ZERO)
-            .build()
-            .unwrap()
-    };
-    let (stalling, other) = (
-        Arc::new(App::serve(&db, config()).await),
-        Arc::new(App::serve(&db, config()).await),
-    );
-    stalling.handlers.hold_next.store(true, Ordering::SeqCst);
-    other.handlers.hold_next.store(true, Ordering::SeqCst);
-    let body = json!({"amount": 9});
-    let stalled = tokio::spawn({
-        let (app, body) = (stalling.clone(), body.clone());
-        async move { app.post("/payments", Some("c"), &body).await }
-    });
-    stalling.wait_held(1).await;
-    // Retries until the lease runs out; the one that takes the claim over holds at the gate.
-    let taking_over = tokio::spawn({
-        let (app, body) = (other.clone(), body.clone());
-        async move {
-            loop {
-                let answer = app.post("/payments", Some("c"), &body).await;
-                if answer.status != 409 {
-                    return answer;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    });
-    other.wait_held(1).await;
-    stalling.open_gate();
-    stalled.await.unwrap().assert_problem(409);
-    other.open_gate();
-    let holder = taking_over.await.unwrap();
-    assert_eq!(holder.status, 201, "{holder:?}");
-    assert!(!holder.replayed());
-    assert_eq!(db.effects().await, 1);
-    let replay = stalling.post("/payments", Some("c"), &body).await;
-    assert!(replay.replayed());
-    assert_eq!(replay.body, holder.body);
-}
-
-mod postgres_only {
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn a_stalled_run_taken_over_cannot_commit() {
-        super::a_stalled_run_taken_over_cannot_commit(super::Db::postgres().await).await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn only_the_current_claim_stores_its_answer() {
-        super::only_the_current_claim_stores_its_answer(super::Db::postgres().await).await
-    }
-}
-
-on_postgres!(
-    postgres_redis_two_processes: a_stalled_run_taken_over_cannot_commit,
-    only_the_current_claim_stores_its_answer,
+    a_killed_request_frees_its_key_at_once,
+    a_client_that_hangs_up_frees_its_key_at_once,
+    a_running_request_holds_its_key_however_long_it_runs,
 );

@@ -100,14 +100,13 @@ impl Payments {
     }
 
     /// The example's settings for this test, before the test's own: the schema, a free
-    /// port, a lease of 1 s, the API keys [`API_KEY`] and [`OTHER_API_KEY`], and `REDIS_URL`
+    /// port, the API keys [`API_KEY`] and [`OTHER_API_KEY`], and `REDIS_URL`
     /// (empty without the fast path).
     fn settings(&self) -> HashMap<&'static str, String> {
         let mut vars = HashMap::from([
             ("DATABASE_URL", database_url()),
             ("DB_SCHEMA", self.schema.clone()),
             ("PAYMENTS_ADDR", "127.0.0.1:0".to_owned()),
-            ("IDEMPOTENCY_LEASE_MS", "1000".to_owned()),
             (
                 "PAYMENTS_API_KEYS",
                 format!("{API_KEY}=acct_first,{OTHER_API_KEY}=acct_second"),

@@ -39,6 +39,10 @@ impl FastRequest {
         match *self {}
     }
 
+    pub(crate) async fn hold_while<F: std::future::Future>(&self, _: F) -> F::Output {
+        match *self {}
+    }
+
     pub(crate) async fn release(&self) {
         match *self {}
     }

@@ -31,6 +31,12 @@ if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
 return 1
 ";
 
+/// Extends the lease to `ARGV[2]` ms from now if it is still this request's (`ARGV[1]`).
+const RENEW: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+";
+
 /// Drops the lease if it is still this request's (`ARGV[1]`): a lease that ran out and was
 /// taken by another request stays.
 const RELEASE: &str = r"
@@ -76,6 +82,7 @@ struct Inner {
 struct Scripts {
     lookup: Script,
     publish: Script,
+    renew: Script,
     release: Script,
 }
 
@@ -245,6 +252,7 @@ impl RedisFastPathBuilder {
                 scripts: Scripts {
                     lookup: Script::new(LOOKUP),
                     publish: Script::new(PUBLISH),
+                    renew: Script::new(RENEW),
                     release: Script::new(RELEASE),
                 },
             }),
@@ -334,15 +342,64 @@ impl FastRequest {
         }
     }
 
+    /// Runs `work` (the handler) while keeping this request's lease, if it holds one: the
+    /// lease is extended every third of its length, so it outlives a live handler however
+    /// long it runs, and a dead process's lease by at most its length.
+    pub(crate) async fn hold_while<F: std::future::Future>(&self, work: F) -> F::Output {
+        if !self.leased.load(Ordering::SeqCst) {
+            return work.await;
+        }
+        let every = Duration::from_millis(u64::try_from(self.lease_ms / 3).unwrap_or(0))
+            .max(Duration::from_millis(10));
+        let renewing = async {
+            loop {
+                tokio::time::sleep(every).await;
+                let mut invocation = self.path.inner.scripts.renew.key(&self.lease_key);
+                invocation.arg(&self.lease_value).arg(self.lease_ms);
+                let _ = self.path.call::<i64>("renew", invocation).await;
+            }
+        };
+        tokio::pin!(work, renewing);
+        match futures::future::select(work, renewing).await {
+            futures::future::Either::Left((output, _)) => output,
+            futures::future::Either::Right(_) => unreachable!("the renewals never end"),
+        }
+    }
+
     /// Drops the lease if this request still holds it; if Redis fails, it runs out.
     pub(crate) async fn release(&self) {
         if !self.leased.swap(false, Ordering::SeqCst) {
             return;
         }
-        let mut invocation = self.path.inner.scripts.release.key(&self.lease_key);
-        invocation.arg(&self.lease_value);
-        let _ = self.path.call::<i64>("release", invocation).await;
+        release(&self.path, &self.lease_key, &self.lease_value).await;
     }
+}
+
+impl Drop for FastRequest {
+    /// A request dropped while it holds the lease (its client hung up, so the server dropped
+    /// it): the lease is dropped at once, in a task of its own, as the transaction that held
+    /// the key rolls back, so the key's next request does not wait for the lease to run out.
+    fn drop(&mut self) {
+        if !self.leased.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (path, key, value) = (
+            self.path.clone(),
+            std::mem::take(&mut self.lease_key),
+            std::mem::take(&mut self.lease_value),
+        );
+        runtime.spawn(async move { release(&path, &key, &value).await });
+    }
+}
+
+/// Drops the lease `key` if it is still `value`'s.
+async fn release(path: &RedisFastPath, key: &str, value: &str) {
+    let mut invocation = path.inner.scripts.release.key(key);
+    invocation.arg(value);
+    let _ = path.call::<i64>("release", invocation).await;
 }
 
 fn millis(d: Duration) -> i64 {

@@ -9,10 +9,13 @@ use super::config::{Names, Statements};
 use crate::stored::StoredResponse;
 use crate::Error;
 
-/// Claims the key: a new row, or takes over a row that has expired (its TTL passed and it
-/// is completed or its lease ran out), or an in-progress row *of the same fingerprint*
-/// whose lease ran out (a request whose process died). A row of another fingerprint is
-/// never taken over while it lives: that request gets 422. Returns a row only if claimed.
+/// Claims the key, in the request's transaction: a new row, or takes over a row that has
+/// expired (its TTL passed and it is completed or its lease ran out), or an in-progress row
+/// *of the same fingerprint* whose lease ran out (only an earlier version of the layer
+/// committed a claim before its answer). A row of another fingerprint is never taken over
+/// while it lives: that request gets 422. Returns a row only if claimed. A row another
+/// request's transaction inserted and has not yet committed or rolled back makes it wait
+/// (the primary key), up to the lock timeout on PostgreSQL.
 pub(crate) const CLAIM: &str = "INSERT INTO {table} AS r \
      (scope, key, fingerprint, claim, status, lease_until_ms, expires_at_ms) \
      VALUES ($1, $2, $3, $4, 'in_progress', {now} + $5, {now} + $6) \
@@ -34,10 +37,6 @@ pub(crate) const FETCH: &str = "SELECT fingerprint, status, response_status, res
 pub(crate) const COMPLETE: &str = "UPDATE {table} SET status = 'completed', \
      response_status = $4, response_headers = $5, response_body = $6, \
      expires_at_ms = {now} + $7 \
-     WHERE scope = $1 AND key = $2 AND claim = $3 AND status = 'in_progress'";
-
-/// Gives the key back (5xx, panic, failure to store): only this request's in-progress claim.
-pub(crate) const RELEASE: &str = "DELETE FROM {table} \
      WHERE scope = $1 AND key = $2 AND claim = $3 AND status = 'in_progress'";
 
 /// The condition [`CLAIM`] takes a row over on regardless of its fingerprint.
@@ -123,9 +122,24 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     const NOW_MS: &'static str;
 
-    /// How a request's transaction begins (`None`: a plain `BEGIN`).
+    /// The statement that begins a request's transaction, before its claim: PostgreSQL bounds
+    /// the claim's wait on a running duplicate's row by `wait_ms` (and keeps the
+    /// connection's own lock timeout, which the claim statement puts back); SQLite takes the
+    /// write lock first.
     #[doc(hidden)]
-    const BEGIN: Option<&'static str>;
+    fn begin_claim(wait_ms: i64) -> String;
+
+    /// [`CLAIM`] as this database runs it in the request's transaction (returning the
+    /// `claim` column when claimed).
+    #[doc(hidden)]
+    fn claim_template() -> String {
+        CLAIM.to_owned()
+    }
+
+    /// Whether `e` is the claim's wait running out on a row another request's transaction
+    /// holds.
+    #[doc(hidden)]
+    fn is_lock_timeout(e: &sqlx::Error) -> bool;
 
     /// `sql` with its `$n` placeholders in this database's form.
     #[doc(hidden)]
@@ -134,10 +148,9 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     fn statements(names: &Names) -> Statements {
         Statements {
-            claim: render::<Self>(names, CLAIM),
+            claim: render::<Self>(names, &Self::claim_template()),
             fetch: render::<Self>(names, FETCH),
             complete: render::<Self>(names, COMPLETE),
-            release: render::<Self>(names, RELEASE),
             purge: render::<Self>(names, &Self::purge_template()),
         }
     }
@@ -151,14 +164,14 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
 
     #[doc(hidden)]
     fn claim<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut Self::Connection,
         sql: &'a Statements,
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
 
     #[doc(hidden)]
     fn fetch<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut Self::Connection,
         sql: &'a Statements,
         scope: &'a str,
         key: &'a str,
@@ -170,13 +183,6 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
         sql: &'a Statements,
         request: &'a ClaimRequest<'a>,
         response: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
-
-    #[doc(hidden)]
-    fn release<'a>(
-        pool: &'a Pool<Self>,
-        sql: &'a Statements,
-        request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
 
     #[doc(hidden)]
@@ -203,26 +209,26 @@ pub(crate) fn render<DB: StoreBackend>(names: &Names, template: &str) -> String 
 macro_rules! store_ops {
     ($db:ty) => {
         fn claim<'a>(
-            pool: &'a sqlx::Pool<$db>,
+            conn: &'a mut <$db as sqlx::Database>::Connection,
             sql: &'a $crate::store::config::Statements,
             r: &'a $crate::store::backend::ClaimRequest<'a>,
         ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
             Box::pin(async move {
-                let row: Option<(String,)> = sqlx::query_as(&sql.claim)
+                let row = sqlx::query(&sql.claim)
                     .bind(r.scope)
                     .bind(r.key)
                     .bind(r.fingerprint)
                     .bind(r.claim)
                     .bind(r.lease_ms)
                     .bind(r.ttl_ms)
-                    .fetch_optional(pool)
+                    .fetch_optional(conn)
                     .await?;
                 Ok(row.is_some())
             })
         }
 
         fn fetch<'a>(
-            pool: &'a sqlx::Pool<$db>,
+            conn: &'a mut <$db as sqlx::Database>::Connection,
             sql: &'a $crate::store::config::Statements,
             scope: &'a str,
             key: &'a str,
@@ -235,7 +241,7 @@ macro_rules! store_ops {
                 let Some(row) = sqlx::query(&sql.fetch)
                     .bind(scope)
                     .bind(key)
-                    .fetch_optional(pool)
+                    .fetch_optional(conn)
                     .await?
                 else {
                     return Ok(None);
@@ -274,22 +280,6 @@ macro_rules! store_ops {
                     .bind(response.body.to_vec())
                     .bind(r.ttl_ms)
                     .execute(conn)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            })
-        }
-
-        fn release<'a>(
-            pool: &'a sqlx::Pool<$db>,
-            sql: &'a $crate::store::config::Statements,
-            r: &'a $crate::store::backend::ClaimRequest<'a>,
-        ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
-            Box::pin(async move {
-                let done = sqlx::query(&sql.release)
-                    .bind(r.scope)
-                    .bind(r.key)
-                    .bind(r.claim)
-                    .execute(pool)
                     .await?;
                 Ok(done.rows_affected() == 1)
             })

@@ -91,7 +91,6 @@ pub struct Statements {
     pub(crate) claim: String,
     pub(crate) fetch: String,
     pub(crate) complete: String,
-    pub(crate) release: String,
     pub(crate) purge: String,
 }
 

@@ -14,8 +14,10 @@ mod postgres;
 mod sqlite;
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use sqlx::Pool;
+use sqlx::pool::PoolConnection;
+use sqlx::{Pool, Transaction};
 
 pub use backend::StoreBackend;
 pub(crate) use backend::{ClaimRequest, Record};
@@ -24,6 +26,17 @@ pub use config::{StoreConfig, StoreConfigBuilder};
 
 use crate::stored::StoredResponse;
 use crate::Error;
+
+/// What a request's claim came to.
+pub(crate) enum Claim<DB: StoreBackend> {
+    /// The key is this request's: its transaction, which holds the record's row (uncommitted,
+    /// so unseen by others) until it commits with the answer or rolls back and frees the key.
+    Held(Transaction<'static, DB>),
+    /// The key has a committed record this request cannot take: read it again.
+    Taken,
+    /// Another request's transaction held the key for the whole wait.
+    Busy,
+}
 
 /// The records of idempotent requests on a connection pool. Cheap to clone.
 pub struct IdempotencyStore<DB: StoreBackend> {
@@ -88,32 +101,52 @@ impl<DB: StoreBackend> IdempotencyStore<DB> {
         }
     }
 
-    /// Begins a request's transaction.
-    pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, DB>, sqlx::Error> {
-        match DB::BEGIN {
-            Some(statement) => self.pool.begin_with(statement).await,
-            None => self.pool.begin().await,
-        }
+    /// A connection for one request: its record is read on it, and its transaction begun on
+    /// it.
+    pub(crate) async fn acquire(&self) -> Result<PoolConnection<DB>, sqlx::Error> {
+        self.pool.acquire().await
     }
 
-    /// Claims (scope, key) for this request: `true` if the claim is this request's (a new
-    /// record, or an expired one, or an in-progress one of the same fingerprint whose lease
-    /// has run out, taken over).
-    pub(crate) async fn claim(&self, request: &ClaimRequest<'_>) -> Result<bool, sqlx::Error> {
-        DB::claim(&self.pool, &self.names.sql, request).await
-    }
-
-    /// The record of (scope, key), if any.
+    /// The record of (scope, key), if any: committed records only, so a claim whose request
+    /// still runs is not seen.
     pub(crate) async fn fetch(
         &self,
+        conn: &mut DB::Connection,
         scope: &str,
         key: &str,
     ) -> Result<Option<Record>, sqlx::Error> {
-        DB::fetch(&self.pool, &self.names.sql, scope, key).await
+        DB::fetch(conn, &self.names.sql, scope, key).await
+    }
+
+    /// Begins the request's transaction on `conn` and claims (scope, key) in it: a new
+    /// record, or an expired one, or an in-progress one of the same fingerprint whose lease
+    /// has run out, taken over. While another request's transaction holds the key (it
+    /// claimed it and has not committed or rolled back), waits for it, up to `wait` on
+    /// PostgreSQL (the pool's busy timeout on SQLite).
+    pub(crate) async fn claim(
+        &self,
+        conn: PoolConnection<DB>,
+        request: &ClaimRequest<'_>,
+        wait: Duration,
+    ) -> Result<Claim<DB>, sqlx::Error> {
+        let begin = DB::begin_claim(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        let mut tx = sqlx::Transaction::begin(conn, Some(begin.into())).await?;
+        match DB::claim(&mut tx, &self.names.sql, request).await {
+            Ok(true) => Ok(Claim::Held(tx)),
+            Ok(false) => {
+                tx.rollback().await?;
+                Ok(Claim::Taken)
+            }
+            Err(e) if DB::is_lock_timeout(&e) => {
+                let _ = tx.rollback().await;
+                Ok(Claim::Busy)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// In the request's transaction: stores the answer under this claim. `false` if the
-    /// claim is no longer this request's (its lease ran out and another request took it).
+    /// claim is not this request's (which its transaction's hold on the row rules out).
     pub(crate) async fn complete(
         &self,
         conn: &mut DB::Connection,
@@ -121,11 +154,5 @@ impl<DB: StoreBackend> IdempotencyStore<DB> {
         response: &StoredResponse,
     ) -> Result<bool, sqlx::Error> {
         DB::complete(conn, &self.names.sql, request, response).await
-    }
-
-    /// Deletes this claim's in-progress record, so the key's next request runs. `false` if
-    /// the claim is gone or completed.
-    pub(crate) async fn release(&self, request: &ClaimRequest<'_>) -> Result<bool, sqlx::Error> {
-        DB::release(&self.pool, &self.names.sql, request).await
     }
 }

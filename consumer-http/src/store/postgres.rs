@@ -4,7 +4,7 @@ use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use sqlx::{Pool, Postgres};
 
-use super::backend::{render, store_ops, StoreBackend, EXPIRED};
+use super::backend::{render, store_ops, StoreBackend, CLAIM, EXPIRED};
 use super::config::Names;
 use crate::Error;
 
@@ -16,10 +16,37 @@ const MIGRATIONS: &[(i32, &str)] = &[(
 impl StoreBackend for Postgres {
     const BACKEND: &'static str = "PostgreSQL";
     const HAS_SCHEMAS: bool = true;
-    const BEGIN: Option<&'static str> = None;
     // `clock_timestamp()`, not `now()`: a request's transaction lives as long as its
     // handler, and its completion's TTL counts from when it is stored.
     const NOW_MS: &'static str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+    fn begin_claim(wait_ms: i64) -> String {
+        // The connection's own lock timeout is kept in a setting of this transaction, for the
+        // claim statement to put back: the handler's statements run under it, not the wait.
+        // A lock timeout of 0 would wait for ever.
+        format!(
+            "BEGIN; SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true); \
+             SET LOCAL lock_timeout = {}",
+            wait_ms.max(1)
+        )
+    }
+
+    fn claim_template() -> String {
+        // The lock timeout is put back once the row is this request's (the outer query reads
+        // the claim's row only after the insert has waited its turn).
+        format!(
+            "WITH claimed AS ({CLAIM}) SELECT claim, \
+             set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true) \
+             FROM claimed"
+        )
+    }
+
+    fn is_lock_timeout(e: &sqlx::Error) -> bool {
+        // `lock_not_available`: the claim waited `lock_timeout` on another request's row.
+        e.as_database_error()
+            .and_then(|e| e.code())
+            .is_some_and(|code| code == "55P03")
+    }
 
     fn placeholders(sql: &str) -> String {
         sql.to_owned()
@@ -38,6 +65,9 @@ impl StoreBackend for Postgres {
 
     store_ops!(Postgres);
 }
+
+/// Where a request's transaction keeps its connection's lock timeout while the claim waits.
+const SAVED_LOCK_TIMEOUT: &str = "consumer_http.lock_timeout";
 
 /// The migration lock of a table: processes starting together would race on
 /// `CREATE ... IF NOT EXISTS`, which is not atomic in PostgreSQL.

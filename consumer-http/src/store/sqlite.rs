@@ -15,12 +15,21 @@ const MIGRATIONS: &[(i64, &str)] = &[(
 impl StoreBackend for Sqlite {
     const BACKEND: &'static str = "SQLite";
     const HAS_SCHEMAS: bool = false;
-    // The write lock first: a deferred transaction that read before the answer is stored
-    // would fail to upgrade (`SQLITE_BUSY_SNAPSHOT`) once another request had written.
-    const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
     // Julian days to Unix milliseconds; `'now'` has millisecond precision and is the same
     // throughout one statement.
     const NOW_MS: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
+    fn begin_claim(_wait_ms: i64) -> String {
+        // The write lock first (waiting up to the pool's busy timeout): the claim and the
+        // answer are written in this transaction, and a deferred one that had read first
+        // would fail to upgrade (`SQLITE_BUSY_SNAPSHOT`) once another request had written.
+        "BEGIN IMMEDIATE".to_owned()
+    }
+
+    fn is_lock_timeout(_e: &sqlx::Error) -> bool {
+        // One writer at a time: a duplicate waits for the write lock, not for a row.
+        false
+    }
 
     fn placeholders(sql: &str) -> String {
         // `$n` to `?n`: the statements hold no other `$`.

@@ -28,8 +28,9 @@
 //! - `WEBHOOK_SECRET` (`whsec_example`);
 //! - `PAYMENTS_API_KEYS` (`sk_example=acct_example`): the API keys and their accounts, as
 //!   `key=account` entries separated by commas (an error names the entry, never a key);
-//! - `IDEMPOTENCY_LEASE_MS` (60000): how long a request's claim holds its key if the process
-//!   dies mid-request;
+//! - `IDEMPOTENCY_LEASE_MS` (1000): how long the Redis fast path's lease holds a key if the
+//!   process dies mid-request (a running request renews it; the database's hold on the key
+//!   ends with the process);
 //! - `IDEMPOTENCY_TTL_MS` (86400000, 24 h, at least the lease): how long a completed answer
 //!   is replayed; after it the key runs again. Expired records are purged every TTL (at
 //!   least every second, at most every hour);
@@ -43,15 +44,14 @@
 //!
 //! - `PAYMENTS_PROVIDER_OUTAGE=N`: the payment provider is down for the first N charges
 //!   the process makes. Each answers `502 Bad Gateway` after its `INSERT`, which rolls back;
-//!   the layer does not store a 5xx and releases the key, so the client's retry with the
+//!   the layer does not store a 5xx and frees the key, so the client's retry with the
 //!   same `Idempotency-Key` runs the charge again, and charges once.
 //! - `PAYMENTS_PROVIDER_LATENCY_MS=MS`: each charge takes that long at the provider (after
 //!   its `INSERT`, before its answer): a retry sent meanwhile waits for the first request
 //!   and gets its answer.
 //! - `PAYMENTS_ABORT_AFTER_CHARGE=ORDER` makes the process abort right after charging that
 //!   order, before its transaction commits and before it answers: the charge rolls back
-//!   with the stored answer, and the client's retry (once the lease has run out) charges
-//!   once.
+//!   with the stored answer and the claim, and the client's retry charges once.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -281,7 +281,7 @@ async fn main() -> anyhow::Result<()> {
         std::env::var("PAYMENTS_API_KEYS").unwrap_or_else(|_| "sk_example=acct_example".to_owned());
     let api_keys = auth::ApiKeys::parse(&api_keys)
         .map_err(|e| anyhow::anyhow!("the setting PAYMENTS_API_KEYS: {e}"))?;
-    let lease = millis("IDEMPOTENCY_LEASE_MS", Duration::from_secs(60))?;
+    let lease = millis("IDEMPOTENCY_LEASE_MS", Duration::from_secs(1))?;
     let ttl = millis("IDEMPOTENCY_TTL_MS", Duration::from_secs(24 * 60 * 60))?;
     let config = IdempotencyConfig::builder()
         .lease(lease)
