@@ -99,12 +99,11 @@ impl Profile {
     }
 
     /// The Kafka runs' workers are static group members (named after their slot), so a
-    /// killed worker's restart takes its partitions back without a rebalance; members
-    /// added and removed still rebalance the groups. They kill every 4 s, half as often as
-    /// the RabbitMQ runs; CHAOS.md has the measurements.
+    /// killed worker's restart takes its partitions back without a rebalance, and they are
+    /// killed as often as the RabbitMQ runs' (CHAOS.md has the measurements); members added
+    /// and removed still rebalance the groups, every 15 s.
     pub(crate) fn for_broker(mut self, broker: BrokerKind) -> Self {
         if broker == BrokerKind::Kafka {
-            self.kill_every = Duration::from_secs(4);
             self.member_every = Duration::from_secs(15);
         }
         self

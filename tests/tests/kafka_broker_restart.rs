@@ -134,8 +134,7 @@ async fn across_a_restart(how: Restart) {
         || async { env.effect_count().await >= 600 && env.committed_up_to(&ends).await },
     )
     .await;
-    let stats = running.stop().await;
-    eprintln!("the worker's stats: {stats:?}");
+    running.stop().await;
 
     env.assert_each_job_once(600).await;
     assert!(
