@@ -23,11 +23,11 @@ impl StoreBackend for Postgres {
     fn begin_claim(wait_ms: i64) -> String {
         // The connection's own lock timeout is kept in a setting of this transaction, for the
         // claim statement to put back: the handler's statements run under it, not the wait.
-        // A lock timeout of 0 would wait for ever.
+        // A lock timeout of 0 would wait for ever; above `i32::MAX` ms the setting is refused.
         format!(
             "BEGIN; SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true); \
              SET LOCAL lock_timeout = {}",
-            wait_ms.max(1)
+            wait_ms.clamp(1, i64::from(i32::MAX))
         )
     }
 
@@ -117,4 +117,18 @@ async fn migrate(pool: &Pool<Postgres>, names: &Names) -> Result<(), Error> {
     }
     tx.commit().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait of zero still bounds the claim's wait (0 would be none), and a wait longer
+    /// than PostgreSQL's largest lock timeout is clamped to it rather than refused.
+    #[test]
+    fn the_claims_lock_timeout_is_within_what_postgresql_takes() {
+        assert!(Postgres::begin_claim(0).ends_with("lock_timeout = 1"));
+        assert!(Postgres::begin_claim(5000).ends_with("lock_timeout = 5000"));
+        assert!(Postgres::begin_claim(i64::MAX).ends_with("lock_timeout = 2147483647"));
+    }
 }
