@@ -43,6 +43,9 @@ pub enum OffsetEvent {
         /// librdkafka's error: `FencedInstanceId` or `UnreleasedInstanceId`.
         error: String,
     },
+    /// The group's coordinator stayed out of reach for `coordinator_timeout`: every
+    /// partition was revoked as lost, and a new consumer joins again.
+    CoordinatorLost,
     /// A settlement arrived after its partition was revoked and was dropped.
     SettlementDropped {
         /// Topic.
@@ -136,6 +139,15 @@ impl KafkaObserver {
         self.lock()
             .iter()
             .filter(|e| matches!(e, OffsetEvent::Fenced { .. }))
+            .count()
+    }
+
+    /// How many times the consumer was replaced because its group's coordinator stayed out
+    /// of reach.
+    pub fn coordinator_losses(&self) -> usize {
+        self.lock()
+            .iter()
+            .filter(|e| matches!(e, OffsetEvent::CoordinatorLost))
             .count()
     }
 

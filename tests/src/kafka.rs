@@ -179,7 +179,7 @@ impl KafkaEnv {
 
     /// The transport configuration for this test: the group protocol of
     /// [`group_protocol`], a short session timeout (classic; the consumer protocol's is the
-    /// broker's), frequent commits.
+    /// broker's), frequent commits, a consumer replaced after 15 s without its coordinator.
     pub fn config(&self) -> KafkaConfig {
         let mut c = KafkaConfig::new(brokers(), self.group.clone(), [self.topic.clone()]);
         c.consumer_properties
@@ -201,6 +201,9 @@ impl KafkaEnv {
         }
         c.commit_interval = Duration::from_millis(100);
         c.produce_timeout = Duration::from_secs(20);
+        // A few sessions (6 s): a consumer librdkafka left without its coordinator after a
+        // broker restart is replaced well within a test's waits.
+        c.coordinator_timeout = Duration::from_secs(15);
         c
     }
 

@@ -25,7 +25,7 @@ impl KafkaConfig {
     /// | `KAFKA_MESSAGE_ID_HEADER` | `message_id_header` |
     /// | `KAFKA_OFFSET_MESSAGE_IDS` = `true` \| `false` | `offset_message_ids` |
     /// | `KAFKA_COMMIT` = `manual` \| `auto-store` | `commit` |
-    /// | `KAFKA_COMMIT_INTERVAL_MS`, `KAFKA_REVOKE_TIMEOUT_MS`, `KAFKA_PRODUCE_TIMEOUT_MS` | durations |
+    /// | `KAFKA_COMMIT_INTERVAL_MS`, `KAFKA_REVOKE_TIMEOUT_MS`, `KAFKA_PRODUCE_TIMEOUT_MS`, `KAFKA_COORDINATOR_TIMEOUT_MS` | durations |
     /// | `KAFKA_MAX_BUFFERED_PER_PARTITION` | `max_buffered_per_partition` |
     /// | `KAFKA_MAX_BUFFERED_BYTES_PER_PARTITION` | `max_buffered_bytes_per_partition` |
     /// | `KAFKA_INSTANCE_ID` | `instance_id` (static membership) |
@@ -102,6 +102,7 @@ impl KafkaConfig {
                 "KAFKA_COMMIT_INTERVAL_MS" => c.commit_interval = millis(name, value)?,
                 "KAFKA_REVOKE_TIMEOUT_MS" => c.revoke_timeout = millis(name, value)?,
                 "KAFKA_PRODUCE_TIMEOUT_MS" => c.produce_timeout = millis(name, value)?,
+                "KAFKA_COORDINATOR_TIMEOUT_MS" => c.coordinator_timeout = millis(name, value)?,
                 "KAFKA_MAX_BUFFERED_PER_PARTITION" => {
                     c.max_buffered_per_partition = value
                         .parse()
@@ -159,11 +160,13 @@ mod tests {
             ("KAFKA_PROPERTY_SECURITY_PROTOCOL", "SASL_PLAINTEXT"),
             ("KAFKA_PROPERTY_SASL_PASSWORD", "pw"),
             ("KAFKA_CONSUMER_PROPERTY_SESSION_TIMEOUT_MS", "6000"),
+            ("KAFKA_COORDINATOR_TIMEOUT_MS", "20000"),
             ("KAFKA_UNRELATED", "ignored"),
             ("PATH", "/bin"),
         ])
         .unwrap();
         assert_eq!(c.topics, vec!["orders", "payments"]);
+        assert_eq!(c.coordinator_timeout, std::time::Duration::from_secs(20));
         assert_eq!(c.order, ProcessingOrder::Key);
         assert_eq!(c.retry, RetryMode::Blocking);
         assert!(c.offset_message_ids);

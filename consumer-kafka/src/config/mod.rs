@@ -117,6 +117,14 @@ pub struct KafkaConfig {
     pub revoke_timeout: Duration,
     /// Longest wait for a retry or dead-letter copy's delivery report (default 30s).
     pub produce_timeout: Duration,
+    /// How long the group's coordinator may stay out of reach before the consumer is
+    /// replaced by a new one (default 60s): its partitions are forgotten as lost, and the
+    /// new consumer finds the coordinator and joins again. After a broker restart
+    /// librdkafka can keep a consumer's coordinator connection down for good while every
+    /// broker answers; by then the member's session has lapsed and it owns nothing. Seen in
+    /// librdkafka's statistics, so it works only while they are on (`statistics.interval.ms`,
+    /// default 5000 here; with it, the timeout is met within one interval).
+    pub coordinator_timeout: Duration,
     /// Static group membership (`group.instance.id`, KIP-345): a name this worker keeps
     /// across restarts, unique in its group, e.g. a StatefulSet pod's name or a process
     /// slot. Off by default (`None`).
@@ -160,6 +168,7 @@ impl KafkaConfig {
             max_buffered_bytes_per_partition: 1 << 20,
             revoke_timeout: Duration::from_secs(10),
             produce_timeout: Duration::from_secs(30),
+            coordinator_timeout: Duration::from_secs(60),
             instance_id: None,
         }
     }

@@ -116,6 +116,12 @@ impl KafkaConfig {
                 "must be greater than zero",
             ));
         }
+        if self.coordinator_timeout.is_zero() {
+            return Err(Error::config(
+                "coordinator_timeout",
+                "must be greater than zero",
+            ));
+        }
         if self.max_buffered_per_partition == 0 {
             return Err(Error::config(
                 "max_buffered_per_partition",
@@ -265,6 +271,13 @@ mod tests {
             Err(Error::Config { field, .. }) => field,
             other => panic!("expected a config error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_zero_coordinator_timeout_is_refused() {
+        let mut c = valid();
+        c.coordinator_timeout = Duration::ZERO;
+        assert_eq!(field_of(&c), "coordinator_timeout");
     }
 
     #[test]

@@ -37,10 +37,12 @@ use crate::config::KafkaConfig;
 use crate::observer::KafkaObserver;
 use crate::producer;
 use crate::{Error, KafkaPublisher};
+use coordinator::CoordinatorWatch;
 use partitions::{KafkaAcker, Settings, Shared, State};
 use rebalance::ConsumerCtx;
 
 mod acker;
+mod coordinator;
 mod copies;
 mod fetch;
 mod partitions;
@@ -87,6 +89,7 @@ impl KafkaConsumer {
         let client = Client {
             config: config.consumer_client_config(),
             topics: config.subscribed_topics(),
+            coordinator_timeout: config.coordinator_timeout,
         };
         let consumer = client.open(&shared)?;
         tracing::info!(group = %config.group_id, topics = ?client.topics, "kafka consumer started");
@@ -130,10 +133,11 @@ impl KafkaConsumer {
 
 /// How the poll thread's librdkafka consumer is made: created from the configuration and
 /// subscribed, at start and again after another member took its instance id (see
-/// `poll::Fences`).
+/// `poll::Fences`) or its group's coordinator stayed out of reach (see `coordinator`).
 pub(super) struct Client {
     config: ClientConfig,
     topics: Vec<String>,
+    coordinator_timeout: std::time::Duration,
 }
 
 impl Client {
@@ -143,6 +147,7 @@ impl Client {
             .config
             .create_with_context(ConsumerCtx {
                 shared: shared.clone(),
+                coordinator: CoordinatorWatch::new(self.coordinator_timeout),
             })
             .map_err(|e| producer::client_error("creating the consumer", e))?;
         let names: Vec<&str> = self.topics.iter().map(String::as_str).collect();

@@ -1,8 +1,9 @@
 //! The poll thread: it owns the librdkafka consumer and polls whatever the handlers do,
 //! reads the consumer's queue and each partition's own (see [`Queues`]), holds back full
 //! partitions, pauses and resumes partitions, and commits every interval. When another
-//! member takes its instance id (static membership), it forgets its partitions and joins
-//! again with a new consumer.
+//! member takes its instance id (static membership), or the group's coordinator stays out
+//! of reach (see `coordinator`), it forgets its partitions and joins again with a new
+//! consumer.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use super::fetch::{fenced_by, handle_poll_error, Fetched, Room, Topic, CHUNK, PO
 use super::partitions::Shared;
 use super::queues::Queues;
 use super::rebalance::ConsumerCtx;
+use super::rebalance::Lost;
 use super::record::{Record, Spares};
 use super::Client;
 
@@ -179,30 +181,38 @@ pub(super) fn poll_loop(
     let _ = shared.poll_thread.set(std::thread::current());
     let mut poller = Poller::new(shared);
     let mut fences = Fences::default();
-    while let Ended::Fenced(code) = poller.run(consumer, shared) {
-        let Some(delay) = fences.admit(Instant::now()) else {
-            tracing::error!(
-                error = %code,
-                window = ?FENCE_WINDOW,
-                "the instance id stayed another member's: two live workers share it; the transport stops"
-            );
-            shared.fail(TransportError::new(
-                "the kafka instance id is another live member's",
-                KafkaError::MessageConsumptionFatal(code),
-            ));
-            break;
-        };
-        tracing::warn!(
-            error = %code,
-            ?delay,
-            "another member has this consumer's instance id: its partitions are forgotten and it joins again"
-        );
-        let until = Instant::now() + delay;
-        while !shared.stop.load(Ordering::SeqCst) && Instant::now() < until {
-            std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
-        }
-        if shared.stop.load(Ordering::SeqCst) {
-            break;
+    loop {
+        match poller.run(consumer, shared) {
+            Ended::Stopped => break,
+            Ended::Fenced(code) => {
+                let Some(delay) = fences.admit(Instant::now()) else {
+                    tracing::error!(
+                        error = %code,
+                        window = ?FENCE_WINDOW,
+                        "the instance id stayed another member's: two live workers share it; the transport stops"
+                    );
+                    shared.fail(TransportError::new(
+                        "the kafka instance id is another live member's",
+                        KafkaError::MessageConsumptionFatal(code),
+                    ));
+                    break;
+                };
+                tracing::warn!(
+                    error = %code,
+                    ?delay,
+                    "another member has this consumer's instance id: its partitions are forgotten and it joins again"
+                );
+                let until = Instant::now() + delay;
+                while !shared.stop.load(Ordering::SeqCst) && Instant::now() < until {
+                    std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
+                }
+                if shared.stop.load(Ordering::SeqCst) {
+                    break;
+                }
+            }
+            // At once: the new consumer's own watch waits `coordinator_timeout` again
+            // before it could be replaced in turn.
+            Ended::CoordinatorLost => {}
         }
         match client.open(shared) {
             Ok(c) => consumer = c,
@@ -232,6 +242,9 @@ enum Ended {
     /// consumer protocol's `UNRELEASED_INSTANCE_ID`) this consumer's instance id: its
     /// partitions were forgotten as lost and the consumer closed.
     Fenced(RDKafkaErrorCode),
+    /// The group's coordinator stayed out of reach for `coordinator_timeout` (see
+    /// `coordinator`): its partitions were forgotten as lost and the consumer closed.
+    CoordinatorLost,
 }
 
 /// How long a run of fences lasts at most: a consumer whose instance id is still another
@@ -365,12 +378,19 @@ impl Poller {
                 room = shared.ingest(&mut self.chunk);
                 chunk_bytes = 0;
             }
-            if let Some(code) = fenced {
-                shared.lose_all(code);
+            let ended = match fenced {
+                Some(code) => Some((Lost::Fenced(code), Ended::Fenced(code))),
+                None if consumer.context().coordinator.lost() => {
+                    Some((Lost::NoCoordinator, Ended::CoordinatorLost))
+                }
+                None => None,
+            };
+            if let Some((lost, ended)) = ended {
+                shared.lose_all(lost);
                 // The queues hold the consumer too: the last handle closes it.
                 drop(queues);
                 drop(consumer);
-                return Ended::Fenced(code);
+                return ended;
             }
             read_any |= queues.follow(&consumer, shared);
             if drained {

@@ -13,15 +13,27 @@ use rdkafka::error::KafkaResult;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
+use super::coordinator::{coordinator_reachable, CoordinatorWatch};
 use super::partitions::{Partition, Shared, State};
 use super::record::Tp;
 use crate::config::CommitMode;
 use crate::observer::OffsetEvent;
 use crate::producer;
 
-/// The librdkafka consumer's context: logging and the rebalance callbacks.
+/// Why a consumer's partitions are all forgotten at once (see [`Shared::lose_all`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Lost {
+    /// Another member took or held this consumer's instance id (`code`).
+    Fenced(RDKafkaErrorCode),
+    /// The group's coordinator stayed out of reach for `coordinator_timeout`.
+    NoCoordinator,
+}
+
+/// The librdkafka consumer's context: logging, the statistics (gauges and the watch over
+/// the group coordinator) and the rebalance callbacks.
 pub(super) struct ConsumerCtx {
     pub(super) shared: Arc<Shared>,
+    pub(super) coordinator: CoordinatorWatch,
 }
 
 impl ClientContext for ConsumerCtx {
@@ -37,8 +49,17 @@ impl ClientContext for ConsumerCtx {
     /// assigned to this consumer (its high watermark minus the group's committed position),
     /// as a gauge, 0 once a partition is no longer assigned; and the records librdkafka has
     /// fetched of each partition, as a counter (a record fetched again after a pause
-    /// counts again).
+    /// counts again); and whether the group's coordinator is in reach (see
+    /// [`CoordinatorWatch`]).
     fn stats(&self, statistics: rdkafka::Statistics) {
+        if let Some(reachable) = coordinator_reachable(&statistics) {
+            if let Some(out_of_reach) = self.coordinator.observe(reachable, Instant::now()) {
+                tracing::warn!(
+                    ?out_of_reach,
+                    "the group's coordinator has been out of reach too long: the consumer is replaced"
+                );
+            }
+        }
         let group = &self.shared.settings.group_id;
         for (topic, t) in &statistics.topics {
             // Partition -1 is librdkafka's internal "unassigned" queue.
@@ -264,18 +285,28 @@ impl Shared {
         self.send_commit(consumer, &commit, RdCommitMode::Sync);
     }
 
-    /// Forgets every owned partition as lost, after another member took or held this
-    /// consumer's instance id (`code`): nothing is committed for them, and settlements of
-    /// their records in flight are dropped (the partitions' next owner, maybe this member
-    /// again, redelivers them and the inbox deduplicates).
-    pub(super) fn lose_all(&self, code: RDKafkaErrorCode) {
-        metrics::counter!("consumer_kafka_fenced_total", "group" => self.settings.group_id.clone())
-            .increment(1);
+    /// Forgets every owned partition as lost, before the consumer is closed and replaced
+    /// (see [`Lost`]): nothing is committed for them, and settlements of their records in
+    /// flight are dropped (the partitions' next owner, maybe this member again, redelivers
+    /// them and the inbox deduplicates).
+    pub(super) fn lose_all(&self, why: Lost) {
+        let group = self.settings.group_id.clone();
+        let event = match why {
+            Lost::Fenced(code) => {
+                metrics::counter!("consumer_kafka_fenced_total", "group" => group).increment(1);
+                OffsetEvent::Fenced {
+                    error: format!("{code:?}"),
+                }
+            }
+            Lost::NoCoordinator => {
+                metrics::counter!("consumer_kafka_coordinator_lost_total", "group" => group)
+                    .increment(1);
+                OffsetEvent::CoordinatorLost
+            }
+        };
         let mut state = self.lock();
         self.revocations.fetch_add(1, Ordering::SeqCst);
-        let mut events = vec![OffsetEvent::Fenced {
-            error: format!("{code:?}"),
-        }];
+        let mut events = vec![event];
         let partitions = std::mem::take(&mut state.partitions);
         // Their records are freed outside the lock, which the stream and the settlements take.
         drop(state);
