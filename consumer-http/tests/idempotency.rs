@@ -577,45 +577,7 @@ async fn a_running_request_holds_its_key_however_long_it_runs(db: Db) {
     assert_eq!(db.effects().await, 1);
 }
 
-macro_rules! on_both {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Db::postgres().await).await
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Db::sqlite().await).await
-                }
-            )*
-        }
-        on_postgres!(postgres_redis: $($name),*);
-    };
-}
-
-/// The scenarios with the Redis fast path in front of PostgreSQL (a key prefix per test):
-/// every answer must be the same as on the database alone.
-macro_rules! on_postgres {
-    ($module:ident: $($name:ident),* $(,)?) => {
-        #[cfg(feature = "redis")]
-        mod $module {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Db::postgres_redis().await).await
-                }
-            )*
-        }
-    };
-}
-
-on_both!(
+common::on_both!(
     concurrent_requests_with_one_key_run_once,
     a_request_in_progress_is_waited_for,
     the_key_is_bound_to_its_request_route_and_caller,
