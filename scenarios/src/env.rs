@@ -12,6 +12,19 @@ use sqlx::Sqlite;
 /// The longest any test waits for a condition.
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
+/// The PostgreSQL URL the test command starts (see the README's test command).
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").expect(
+        "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
+    )
+}
+
+/// The Redis URL the test command starts (see the README's test command).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL")
+        .expect("REDIS_URL is not set: run the tests with `scripts/test.sh`, which starts Redis")
+}
+
 /// A name unique to this test run and call, usable as a schema, queue or topic name.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);

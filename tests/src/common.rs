@@ -9,20 +9,9 @@ use consumer_core::{Inbox, InboxConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
-pub use consumer_scenarios::env::{run_until, unique, wait_for, wait_until, SqliteEnv, DEADLINE};
-
-/// The PostgreSQL URL started by `scripts/postgres.sh` (see the README's test command).
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").expect(
-        "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
-    )
-}
-
-/// The Redis URL started by `scripts/servers.sh` (see the README's test command).
-pub fn redis_url() -> String {
-    std::env::var("REDIS_URL")
-        .expect("REDIS_URL is not set: run the tests with `scripts/test.sh`, which starts Redis")
-}
+pub use consumer_scenarios::env::{
+    database_url, redis_url, run_until, unique, wait_for, wait_until, SqliteEnv, DEADLINE,
+};
 
 /// A fresh PostgreSQL schema with the test tables; connections use it as `search_path`.
 pub struct PgEnv {

@@ -11,20 +11,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{PgPool, SqlitePool};
 
-use super::unique;
-
-/// The PostgreSQL URL the test command starts (see the README's test command).
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").expect(
-        "DATABASE_URL is not set: run the tests with `scripts/test.sh`, which starts PostgreSQL",
-    )
-}
-
-/// The Redis URL the test command starts (see the README's test command).
-pub fn redis_url() -> String {
-    std::env::var("REDIS_URL")
-        .expect("REDIS_URL is not set: run the tests with `scripts/test.sh`, which starts Redis")
-}
+use super::{database_url, redis_url, unique};
 
 /// A database for one test.
 pub enum Db {

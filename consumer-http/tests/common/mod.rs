@@ -11,10 +11,10 @@ mod db;
 
 #[allow(unused_imports)]
 pub use app::{App, Handlers, Killable, Scoping, ALICE, BOB, CAROL};
-pub use consumer_scenarios::env::{unique, wait_until};
+pub use consumer_scenarios::env::{database_url, redis_url, unique, wait_until};
 pub use consumer_scenarios::http::Answer;
 #[allow(unused_imports)]
-pub use db::{database_url, redis_url, Db};
+pub use db::Db;
 
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
