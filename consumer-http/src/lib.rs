@@ -19,7 +19,11 @@
 //!
 //! - no `Idempotency-Key` → 400 (or pass through, if the key is optional); a key that is
 //!   empty, repeated, over [`MAX_IDEMPOTENCY_KEY_BYTES`] or not printable ASCII → 400; a body
-//!   over the limit → 413. The layer's own answers are `application/problem+json`.
+//!   over the limit → 413. The layer's own answers are `application/problem+json`. The key
+//!   is a Structured Field string as the IETF draft writes it (`Idempotency-Key: "8e03"`:
+//!   the key is what the quotes hold; parameters after it are ignored) or, as many clients
+//!   send it, bare (`Idempotency-Key: 8e03`): the two forms are one key. A value that opens
+//!   with a double quote and is not a string → 400.
 //! - The record's **scope** is the caller and the route (method and path): what one caller
 //!   stored, another cannot read. The layer's builder requires a function naming the
 //!   authenticated caller of a request ([`IdempotencyLayerBuilder::caller`]; the layer keeps

@@ -16,6 +16,12 @@ pub(crate) struct InvalidKey(pub(crate) String);
 /// The request's `Idempotency-Key`: `Ok(None)` if it has none; refused if it is repeated,
 /// empty, longer than [`MAX_IDEMPOTENCY_KEY_BYTES`], or holds anything but printable
 /// ASCII (space to `~`).
+///
+/// The key is a Structured Field string (RFC 9651), `"8e03…"`, as the IETF draft
+/// `draft-ietf-httpapi-idempotency-key-header` writes it: its contents are the key
+/// (parameters after it are ignored, escapes undone). A value that does not start with a
+/// double quote is the key as it stands (the bare form many clients send): `"k"` and `k`
+/// are one key. A value that starts with a double quote and is not a string is refused.
 pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKey> {
     let mut values = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
@@ -26,7 +32,15 @@ pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKe
             "the request has more than one Idempotency-Key header".to_owned(),
         ));
     }
-    let bytes = value.as_bytes();
+    let raw = value.as_bytes();
+    let quoted = raw.iter().find(|b| **b != b' ') == Some(&b'"');
+    let string;
+    let bytes = if quoted {
+        string = structured_string(raw)?;
+        string.as_bytes()
+    } else {
+        raw
+    };
     if bytes.is_empty() {
         return Err(InvalidKey("the Idempotency-Key is empty".to_owned()));
     }
@@ -43,6 +57,22 @@ pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKe
     }
     // Checked above: every byte is printable ASCII.
     Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// The contents of a header value that is a Structured Field string item (its parameters
+/// ignored).
+fn structured_string(raw: &[u8]) -> Result<String, InvalidKey> {
+    let item: sfv::Item = sfv::Parser::new(raw).parse().map_err(|e| {
+        InvalidKey(format!(
+            "the Idempotency-Key starts with a double quote but is not a Structured Field string: {e}"
+        ))
+    })?;
+    item.bare_item
+        .as_string()
+        .map(|s| s.as_str().to_owned())
+        .ok_or_else(|| {
+            InvalidKey("the Idempotency-Key is a Structured Field item but not a string".to_owned())
+        })
 }
 
 /// The record's scope: the caller, if the layer scopes by caller (the hash
@@ -128,6 +158,30 @@ mod tests {
             http::HeaderValue::from_bytes("é".as_bytes()).unwrap(),
         );
         assert!(matches!(idempotency_key(&high), Err(InvalidKey(_))));
+    }
+
+    fn key_of(value: &str) -> Result<Option<String>, InvalidKey> {
+        idempotency_key(&parts("POST", "/", &[("Idempotency-Key", value)]))
+    }
+
+    #[test]
+    fn a_structured_field_string_is_the_key_it_holds() {
+        assert_eq!(key_of(r#""abc-123""#), Ok(Some("abc-123".to_owned())));
+        assert_eq!(key_of(r#""abc-123""#), key_of("abc-123"));
+        // Escapes undone, parameters ignored, white space around the item dropped.
+        assert_eq!(key_of(r#""a\"b\\c""#), Ok(Some(r#"a"b\c"#.to_owned())));
+        assert_eq!(key_of(r#""abc";v=1;x"#), Ok(Some("abc".to_owned())));
+        assert_eq!(key_of(r#" "abc" "#), Ok(Some("abc".to_owned())));
+        // A quote inside a bare key is part of it.
+        assert_eq!(key_of(r#"a"b"#), Ok(Some(r#"a"b"#.to_owned())));
+        // Not a string: refused, not taken as it stands.
+        for bad in [r#""abc"#, r#""abc" x"#, r#""a\qb""#, r#""""#] {
+            assert!(matches!(key_of(bad), Err(InvalidKey(_))), "{bad}");
+        }
+        let long = format!("\"{}\"", "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES + 1));
+        assert!(matches!(key_of(&long), Err(InvalidKey(_))));
+        let max = format!("\"{}\"", "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES));
+        assert!(key_of(&max).is_ok());
     }
 
     #[test]
