@@ -214,3 +214,21 @@ async fn a_retrying_client_loses_and_doubles_no_charge_while_the_server_is_kille
         "every order charged (none lost)"
     );
 }
+
+/// Started with a `DB_SCHEMA` that does not exist yet, the example creates it with its
+/// tables (as the invoices example does) and takes payments in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_creates_the_schema_it_is_given() {
+    let payments = Payments::new().await;
+    let own = format!("{}_own", payments.schema());
+    let server = payments.start(&[("DB_SCHEMA", &own)], "own-schema").await;
+    let paid = payments.pay(&server.base, "own-1", 7).await.expect("pay");
+    assert_eq!(paid.status, 201, "{paid:?}");
+    let charges: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{own}\".charges WHERE order_id = 7"
+    ))
+    .fetch_one(payments.pool())
+    .await
+    .expect("count the charges in the example's own schema");
+    assert_eq!(charges, 1);
+}

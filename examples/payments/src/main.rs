@@ -243,24 +243,40 @@ fn millis(name: &str, default: Duration) -> anyhow::Result<Duration> {
     Ok(Duration::from_millis(ms))
 }
 
+/// A pool on `url`, its connections in `schema` (validated, created if missing) when given,
+/// and the example's tables.
 async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
+    let schema = schema
+        .map(|s| consumer_core::Identifier::parse("DB_SCHEMA", s))
+        .transpose()?;
     let mut options = PgConnectOptions::from_str(url).context("DATABASE_URL is not a valid URL")?;
-    if let Some(schema) = schema {
-        options = options.options([("search_path", schema)]);
+    if let Some(schema) = &schema {
+        options = options.options([("search_path", schema.as_str())]);
     }
     let pool = PgPoolOptions::new()
         .max_connections(16)
         .connect_with(options)
         .await
         .context("connect to DATABASE_URL")?;
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS charges (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount BIGINT NOT NULL);
+    // The schema first, if there is one and it is missing: the tables go in it (the
+    // connections' `search_path`). Processes starting together take turns.
+    let create_schema = schema
+        .map(|s| format!("CREATE SCHEMA IF NOT EXISTS {};", s.quoted()))
+        .unwrap_or_default();
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('payments example schema'))")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql(&format!(
+        "{create_schema}
+         CREATE TABLE IF NOT EXISTS charges (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount BIGINT NOT NULL);
          CREATE TABLE IF NOT EXISTS provider_events (event_id TEXT PRIMARY KEY, kind TEXT NOT NULL);
-         CREATE TABLE IF NOT EXISTS operations (id BIGSERIAL PRIMARY KEY, kind TEXT NOT NULL, order_id BIGINT NOT NULL, amount BIGINT NOT NULL, status TEXT NOT NULL DEFAULT 'pending');",
-    )
-    .execute(&pool)
+         CREATE TABLE IF NOT EXISTS operations (id BIGSERIAL PRIMARY KEY, kind TEXT NOT NULL, order_id BIGINT NOT NULL, amount BIGINT NOT NULL, status TEXT NOT NULL DEFAULT 'pending');"
+    ))
+    .execute(&mut *tx)
     .await
-    .context("create the example's tables")?;
+    .context("create the example's schema and tables")?;
+    tx.commit().await?;
     Ok(pool)
 }
 
