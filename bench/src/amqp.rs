@@ -15,12 +15,13 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::{PgPool, Postgres};
 
+use crate::framework::{bench_worker, framework_figures, Fw};
+use crate::measure::{Clock, Figures};
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
-use crate::{
-    bench_worker, framework_figures, hand_batch, payload, timed, Acks, Clock, Figures, Fw, Job,
-    Options,
-};
+use crate::postgres::{hand_batch, hand_one, payload, Job, BATCH_WAIT};
+use crate::timing::{timed, Acks};
+use crate::Options;
 
 fn short(s: &str) -> anyhow::Result<ShortString> {
     ShortString::try_new(s).map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
@@ -146,7 +147,7 @@ pub(crate) async fn hand_written(
                 .as_ref()
                 .map(|m| m.to_string())
                 .unwrap_or_default();
-            crate::hand_one(&pool, &key, &job).await?;
+            hand_one(&pool, &key, &job).await?;
             delivery.acker.ack(BasicAckOptions::default()).await?;
             if let Ok(mut l) = latencies.lock() {
                 l.push(at.elapsed().as_micros() as u64);
@@ -176,11 +177,8 @@ pub(crate) async fn hand_batched(
     let (conn, _ch, consumer) = consume(url, queue, "hand-batched", o).await?;
     let mut latencies = Vec::with_capacity(o.messages);
     let clock = Clock::start();
-    let chunks = tokio_stream::StreamExt::chunks_timeout(
-        consumer.take(o.messages),
-        o.batch,
-        crate::BATCH_WAIT,
-    );
+    let chunks =
+        tokio_stream::StreamExt::chunks_timeout(consumer.take(o.messages), o.batch, BATCH_WAIT);
     let batches = chunks
         .map(|chunk| {
             let pool = pool.clone();

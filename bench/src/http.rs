@@ -27,8 +27,9 @@ use consumer_http::{
 };
 use sqlx::{PgPool, Postgres};
 
+use crate::measure::percentile_ms;
 use crate::report::Spread;
-use crate::{percentile_ms, Options};
+use crate::Options;
 
 /// One case's figures in one repetition.
 struct Case {

@@ -16,12 +16,13 @@ use rdkafka::consumer::{Consumer, DefaultConsumerContext, MessageStream, StreamC
 use rdkafka::{ClientConfig, Message as _};
 use sqlx::Postgres;
 
+use crate::framework::{bench_worker, framework_figures, Fw};
+use crate::measure::{Clock, Figures};
 use crate::outbox::{check_events, End, OutboxArm};
 use crate::outbox_latency::Received;
-use crate::{
-    bench_worker, framework_figures, hand_batch, hand_one, payload, timed, Acks, Clock, Figures,
-    Fw, Job, Options,
-};
+use crate::postgres::{hand_batch, hand_one, payload, Job, BATCH_WAIT};
+use crate::timing::{timed, Acks};
+use crate::Options;
 
 /// Partitions of a relay's destination topic.
 const RELAY_PARTITIONS: i32 = 4;
@@ -162,7 +163,7 @@ pub(crate) async fn hand_written(
     let mut latencies = Vec::with_capacity(o.messages);
     let done = &mut latencies;
     if batched {
-        let chunks = tokio_stream::StreamExt::chunks_timeout(records, o.batch, crate::BATCH_WAIT);
+        let chunks = tokio_stream::StreamExt::chunks_timeout(records, o.batch, BATCH_WAIT);
         let batches = chunks.map(|chunk| async move {
             let at = Instant::now();
             let mut jobs = Vec::with_capacity(chunk.len());

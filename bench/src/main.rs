@@ -71,6 +71,25 @@
 //! (`outbox_latency`).
 //! The servers come from `DATABASE_URL`, `AMQP_URL` and `KAFKA_BROKERS` (or `--database-url`,
 //! `--amqp-url`, `--kafka-brokers`).
+//!
+//! The files, by role:
+//!
+//! - `main.rs`: the command line (`Options`, `--metrics`' recorder) and the run (`measure`:
+//!   the database prepared, every arm in turn, then the report);
+//! - `arms.rs`: which arms a run keeps (`--arms`);
+//! - `postgres.rs`: the work every arm does in PostgreSQL: the bench's message (`Job`) and
+//!   handler (`record`), the hand-written consumers' transactions and the `db floor` arms;
+//! - `framework.rs`: what every framework arm shares, whatever its broker: its worker, what it
+//!   runs (`Fw`), and its figures once it has completed every message;
+//! - `memory.rs`, `amqp.rs`, `kafka.rs`: the arms on each broker;
+//! - `outbox.rs`: the `+ outbox` arms' handler and the relay beside them;
+//! - `measure.rs`: what an arm's figures are measured with: its clock, this process's RSS and
+//!   CPU time (by thread with `--thread-cpu`), the local servers' CPU time, the latency
+//!   quantiles, `--perf-ctl`;
+//! - `timing.rs`: the sampled deliveries' delivery-to-ack latencies;
+//! - `report.rs`: the report of a run, and its JSON; `compare.rs`: `--compare` and
+//!   `--compare-metrics`;
+//! - `http.rs`: `--http`; `outbox_latency.rs`: `--outbox-latency`.
 
 // A benchmark report is this program's output.
 #![allow(clippy::print_stdout)]
@@ -78,77 +97,30 @@
 mod amqp;
 mod arms;
 mod compare;
+mod framework;
 mod http;
 mod kafka;
+mod measure;
+mod memory;
 mod outbox;
 mod outbox_latency;
+mod postgres;
 mod report;
 mod timing;
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use arms::ArmFilter;
-use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    handler, BatchConfig, BatchContext, Context, Handler, HandlerError, Inbox, InboxConfig,
-    Settlement, Worker, WorkerConfig,
-};
-use futures::StreamExt;
+use consumer_core::{BatchConfig, Inbox, InboxConfig};
+use framework::Fw;
+use measure::{rss_kib, Figures, ThreadTimes, PERF_CTL, THREAD_CPU};
 use outbox::OutboxArm;
-use serde::{Deserialize, Serialize};
+use postgres::{db_floor, record, record_each, reset, BATCH_WAIT};
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{PgPool, Postgres};
-use timing::{timed, Acks, RECORD_LATENCY};
-
-#[derive(Debug, Deserialize)]
-struct Job {
-    id: u64,
-    body: String,
-}
-
-/// The bench's handler: one effect row per job. In batched mode its batch function writes a
-/// batch's rows with one statement.
-#[handler(name = "bench", retention = "1h", batch = "record_batch")]
-async fn record(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
-    sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
-        .bind(i64::try_from(job.id).unwrap_or(i64::MAX))
-        .bind(&job.body)
-        .execute(ctx.db())
-        .await?;
-    Ok(())
-}
-
-/// `record`'s batch function: the same rows, one `INSERT ... SELECT FROM unnest` a batch.
-async fn record_batch(
-    ctx: &mut BatchContext<'_, Postgres>,
-    jobs: Vec<Job>,
-) -> Result<(), HandlerError> {
-    let (ids, bodies): (Vec<i64>, Vec<String>) = jobs
-        .into_iter()
-        .map(|j| (i64::try_from(j.id).unwrap_or(i64::MAX), j.body))
-        .unzip();
-    sqlx::query(
-        "INSERT INTO effects (job_id, body) SELECT * FROM unnest($1::bigint[], $2::text[])",
-    )
-    .bind(ids)
-    .bind(bodies)
-    .execute(ctx.db())
-    .await?;
-    Ok(())
-}
-
-/// `record` without a batch function: batched mode then calls it once per message, in the
-/// batch's transaction.
-#[handler(name = "bench", retention = "1h")]
-async fn record_each(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
-    record::call(ctx, job).await
-}
-
-/// The batch window of the batched arms (framework and hand-written alike).
-const BATCH_WAIT: Duration = Duration::from_millis(5);
+use timing::RECORD_LATENCY;
 
 /// Whether a metrics recorder is installed (`--metrics`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -295,573 +267,8 @@ impl Options {
     }
 }
 
-/// One arm's figures from one repetition.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-struct Figures {
-    rate: f64,
-    cpu_us_per_msg: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-    rss_mib: f64,
-    /// CPU time of the PostgreSQL server processes per message (all of them: backends,
-    /// WAL writer, checkpointer), if readable.
-    server_us_per_msg: f64,
-    /// CPU time of the broker processes (RabbitMQ's `beam.smp`, Kafka's `java`) per message.
-    broker_us_per_msg: f64,
-    measured_latency: bool,
-    /// The `+ outbox` arms': how fast they consumed, and how long the relay took after.
-    #[serde(default)]
-    relay: Option<outbox::RelayFigures>,
-}
-
-/// `--thread-cpu`: every live thread's CPU time when the running arm's clock started and when
-/// its CPU time was read ([`cpu_since`]); `None` without the flag.
-static THREAD_CPU: Mutex<Option<ThreadTimes>> = Mutex::new(None);
-
-/// The two readings of the threads' CPU time of one arm (see [`THREAD_CPU`]).
-#[derive(Default)]
-struct ThreadTimes {
-    start: Vec<ThreadTime>,
-    end: Vec<ThreadTime>,
-}
-
-/// One thread of this process: its id, name, and CPU time in nanoseconds.
-struct ThreadTime {
-    id: u64,
-    name: String,
-    ns: u64,
-}
-
-/// Every live thread of this process (its CPU time is the first field of its schedstat).
-fn threads_cpu() -> Vec<ThreadTime> {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Vec::new();
-    };
-    tasks
-        .filter_map(|t| {
-            let dir = t.ok()?.path();
-            let id = dir.file_name()?.to_str()?.parse().ok()?;
-            let name = std::fs::read_to_string(dir.join("comm")).ok()?;
-            let ns = std::fs::read_to_string(dir.join("schedstat"))
-                .ok()?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()?;
-            Some(ThreadTime {
-                id,
-                name: name.trim().to_owned(),
-                ns,
-            })
-        })
-        .collect()
-}
-
-/// With `--thread-cpu`, `f` applied to the running arm's readings; `None` without the flag.
-fn with_thread_times<R>(f: impl FnOnce(&mut ThreadTimes) -> R) -> Option<R> {
-    THREAD_CPU
-        .lock()
-        .ok()
-        .as_deref_mut()
-        .and_then(Option::as_mut)
-        .map(f)
-}
-
-/// With `--thread-cpu`, reads every thread's CPU time into the running arm's `start` or `end`.
-fn read_threads_cpu(into: fn(&mut ThreadTimes) -> &mut Vec<ThreadTime>) {
-    with_thread_times(|times| *into(times) = threads_cpu());
-}
-
-/// This process's CPU time since `cpu0`, read when an arm's clock stops; with
-/// `--thread-cpu`, every thread's is read at the same moment.
-fn cpu_since(cpu0: Duration) -> Duration {
-    let cpu = cpu_time() - cpu0;
-    read_threads_cpu(|t| &mut t.end);
-    cpu
-}
-
-/// `--thread-cpu`: prints the running arm's CPU time per message (of `n`) by thread name,
-/// from its clock's start to the reading of its CPU time; threads that ended meanwhile are
-/// not seen (the arm's `CPU µs` holds them).
-fn print_threads_cpu(n: usize) {
-    let Some(times) = with_thread_times(std::mem::take) else {
-        return;
-    };
-    let mut by_name: BTreeMap<String, (usize, u64)> = BTreeMap::new();
-    for t in times.end {
-        let was = times
-            .start
-            .iter()
-            .find(|s| s.id == t.id)
-            .map_or(0, |s| s.ns);
-        let e = by_name.entry(t.name).or_default();
-        e.0 += 1;
-        e.1 += t.ns.saturating_sub(was);
-    }
-    let line: Vec<String> = by_name
-        .iter()
-        .filter(|(_, (_, ns))| *ns > 0)
-        .map(|(name, (k, ns))| format!("{name} x{k} {:.2}", *ns as f64 / 1e3 / n as f64))
-        .collect();
-    eprintln!("threads, CPU µs a message: {}", line.join(", "));
-}
-
-/// Resident set size of this process (VmRSS) in KiB, to show memory stays bounded.
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or_default()
-}
-
-/// What an arm's figures other than its clocks are measured from, read when it starts and
-/// again when it stops: this process's RSS and the local servers' CPU time.
-#[derive(Debug, Clone, Copy)]
-struct Baseline {
-    rss_kib: u64,
-    servers: ServersCpu,
-}
-
-impl Baseline {
-    fn now() -> Self {
-        Baseline {
-            rss_kib: rss_kib(),
-            servers: ServersCpu::now(),
-        }
-    }
-}
-
-/// An arm's clock: its wall time and this process's CPU time from the moment it starts, and
-/// the [`Baseline`] it started at. Every arm starts one just before its first message is
-/// handled.
-#[derive(Debug, Clone, Copy)]
-struct Clock {
-    start: Instant,
-    cpu0: Duration,
-    base: Baseline,
-}
-
-impl Clock {
-    /// Does the bench's own bookkeeping (the [`Baseline`], whose servers' CPU time is read
-    /// from every process's /proc entry, a few ms; `--thread-cpu`'s readings) and then starts
-    /// the clocks, so that none of it is counted in the arm's figures.
-    fn start() -> Self {
-        let base = Baseline::now();
-        read_threads_cpu(|t| &mut t.start);
-        perf_control("enable");
-        let cpu0 = cpu_time();
-        Clock {
-            start: Instant::now(),
-            cpu0,
-            base,
-        }
-    }
-
-    /// The arm's figures (see [`figures`]), with both clocks stopped now.
-    fn figures(&self, n: usize, latencies: &mut [u64]) -> Figures {
-        self.stop().figures(n, latencies)
-    }
-
-    /// Stops both clocks, for an arm with more to check before its figures.
-    fn stop(&self) -> Stopped {
-        let wall = self.start.elapsed();
-        Stopped {
-            wall,
-            cpu: self.cpu(),
-            base: self.base,
-        }
-    }
-
-    /// This process's CPU time since the clock started (see [`cpu_since`]).
-    fn cpu(&self) -> Duration {
-        cpu_since(self.cpu0)
-    }
-}
-
-/// An arm's clocks, stopped (see [`Clock::stop`]).
-#[derive(Debug, Clone, Copy)]
-struct Stopped {
-    wall: Duration,
-    cpu: Duration,
-    base: Baseline,
-}
-
-impl Stopped {
-    /// The arm's figures (see [`figures`]).
-    fn figures(self, n: usize, latencies: &mut [u64]) -> Figures {
-        figures(n, self.wall, self.cpu, latencies, self.base)
-    }
-}
-
-/// This process's CPU time, every thread's (the process CPU-time clock, to the nanosecond;
-/// /proc/self/stat's 10 ms ticks if that clock cannot be read).
-fn cpu_time() -> Duration {
-    if let Ok(t) = cpu_time::ProcessTime::try_now() {
-        return t.as_duration();
-    }
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let after = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
-            // Fields 14 and 15 (utime, stime) are the 12th and 13th after the comm field.
-            Some(after.get(11)?.parse::<u64>().ok()? + after.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or_default();
-    // USER_HZ is 100 on Linux.
-    Duration::from_millis(ticks * 10)
-}
-
-/// User + system CPU time of the local servers' processes, from /proc (zero where not
-/// readable): PostgreSQL's (the benchmark's database is local), and the brokers' (RabbitMQ
-/// runs in `beam.smp`; Kafka in `java`), every such process on this machine, so another broker node
-/// running beside the bench is counted too.
-#[derive(Debug, Clone, Copy)]
-struct ServersCpu {
-    postgres: Duration,
-    brokers: Duration,
-}
-
-impl ServersCpu {
-    /// Reads every process's `stat` once.
-    fn now() -> Self {
-        let (mut postgres, mut brokers) = (0u64, 0u64);
-        if let Ok(dir) = std::fs::read_dir("/proc") {
-            for entry in dir.flatten() {
-                let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-                    continue;
-                };
-                let Some((head, tail)) = stat.rsplit_once(')') else {
-                    continue;
-                };
-                let Some((_, comm)) = head.rsplit_once('(') else {
-                    continue;
-                };
-                let sum = match comm {
-                    "postgres" => &mut postgres,
-                    "beam.smp" | "java" => &mut brokers,
-                    _ => continue,
-                };
-                let f: Vec<&str> = tail.split_whitespace().collect();
-                let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-                *sum += get(11) + get(12);
-            }
-        }
-        // USER_HZ is 100 on Linux.
-        ServersCpu {
-            postgres: Duration::from_millis(postgres * 10),
-            brokers: Duration::from_millis(brokers * 10),
-        }
-    }
-}
-
-/// CPU time per message of `n` messages from `start` to `end`.
-fn per_msg(start: Duration, end: Duration, n: usize) -> f64 {
-    end.saturating_sub(start).as_secs_f64() * 1e6 / n as f64
-}
-
-/// A framework arm's figures once its clock has stopped at `end`, after `cpu` of this
-/// process's CPU: the worker (its counters `s`) must have completed every message.
-fn framework_figures(
-    o: &Options,
-    s: &consumer_core::StatsSnapshot,
-    end: &outbox::End,
-    cpu: Duration,
-    acks: &Acks,
-    base: Baseline,
-) -> anyhow::Result<Figures> {
-    ensure_completed(o, s)?;
-    Ok(end.figures(figures(
-        o.messages,
-        end.wall,
-        cpu,
-        &mut acks.latencies(),
-        base,
-    )))
-}
-
-/// Fails unless the worker (its counters `s`) completed every message of the arm.
-fn ensure_completed(o: &Options, s: &consumer_core::StatsSnapshot) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        s.completed == o.messages as u64,
-        "framework arm completed {} of {}: {s:?}",
-        s.completed,
-        o.messages
-    );
-    Ok(())
-}
-
-/// The `--perf-ctl` FIFO, opened once at start.
-static PERF_CTL: OnceLock<Mutex<std::fs::File>> = OnceLock::new();
-
-/// Writes `command` to the `--perf-ctl` FIFO, if there is one.
-fn perf_control(command: &str) {
-    if let Some(ctl) = PERF_CTL.get() {
-        if let Ok(mut f) = ctl.lock() {
-            let _ = std::io::Write::write_all(&mut *f, format!("{command}\n").as_bytes());
-        }
-    }
-}
-
-/// An arm's figures, taken when its clock stops (which also stops a `--perf-ctl` profile).
-fn figures(
-    n: usize,
-    wall: Duration,
-    cpu: Duration,
-    latencies: &mut [u64],
-    base: Baseline,
-) -> Figures {
-    perf_control("disable");
-    let now = Baseline::now();
-    print_threads_cpu(n);
-    latencies.sort_unstable();
-    let pct = |p: f64| percentile_ms(latencies, p);
-    Figures {
-        rate: n as f64 / wall.as_secs_f64(),
-        cpu_us_per_msg: cpu.as_secs_f64() * 1e6 / n as f64,
-        p50_ms: pct(0.50),
-        p99_ms: pct(0.99),
-        rss_mib: now.rss_kib.saturating_sub(base.rss_kib) as f64 / 1024.0,
-        server_us_per_msg: per_msg(base.servers.postgres, now.servers.postgres, n),
-        broker_us_per_msg: per_msg(base.servers.brokers, now.servers.brokers, n),
-        measured_latency: !latencies.is_empty(),
-        relay: None,
-    }
-}
-
-/// The `p` quantile (0 to 1) of `sorted` microseconds, in milliseconds; 0 for none.
-fn percentile_ms(sorted: &[u64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i] as f64 / 1000.0
-}
-
-fn payload(id: u64, size: usize) -> String {
-    serde_json::json!({"id": id, "body": "x".repeat(size)}).to_string()
-}
-
-fn fill(broker: &MemoryBroker, queue: &str, first: u64, o: &Options) {
-    for id in first..first + o.messages as u64 {
-        broker.publish(
-            queue,
-            Message {
-                id: Some(format!("m-{id}")),
-                payload: payload(id, o.size).into(),
-                ..Message::default()
-            },
-        );
-    }
-}
-
-async fn reset(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::raw_sql(
-        "TRUNCATE effects; TRUNCATE floor_inbox; TRUNCATE consumer_inbox; \
-         TRUNCATE consumer_inbox_outbox;",
-    )
-    .execute(pool)
-    .await?;
-    Ok(())
-}
-
-/// The floor: inbox insert plus effect insert per message, `per_tx` messages a transaction.
-/// With `effect_per_message`, the effects are inserted one statement per message (as a
-/// handler called once per message does), the inbox rows still with one statement.
-async fn db_floor(
-    pool: &PgPool,
-    first: u64,
-    o: &Options,
-    per_tx: usize,
-    effect_per_message: bool,
-) -> anyhow::Result<Figures> {
-    let clock = Clock::start();
-    let ids: Vec<u64> = (first..first + o.messages as u64).collect();
-    let body = "x".repeat(o.size);
-    // The same concurrency as the framework arms, so neither side is starved of connections.
-    let chunks: Vec<Vec<u64>> = ids.chunks(per_tx).map(<[u64]>::to_vec).collect();
-    let work = futures::stream::iter(chunks).map(|chunk| {
-        let pool = pool.clone();
-        let body = body.clone();
-        async move {
-            let mut tx = pool.begin().await?;
-            let keys: Vec<String> = chunk.iter().map(|id| format!("m-{id}")).collect();
-            let job_ids: Vec<i64> = chunk.iter().map(|id| *id as i64).collect();
-            sqlx::query(
-                "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
-                 SELECT 'bench', k, 'h', 'completed', 1 FROM unnest($1::text[]) AS k \
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(&keys)
-            .execute(&mut *tx)
-            .await?;
-            if effect_per_message {
-                for id in &job_ids {
-                    sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
-                        .bind(id)
-                        .bind(&body)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-            } else {
-                sqlx::query(
-                    "INSERT INTO effects (job_id, body) SELECT j, $2 FROM unnest($1::bigint[]) AS j",
-                )
-                .bind(&job_ids)
-                .bind(&body)
-                .execute(&mut *tx)
-                .await?;
-            }
-            tx.commit().await?;
-            anyhow::Ok(())
-        }
-    });
-    let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
-    results.into_iter().collect::<anyhow::Result<()>>()?;
-    Ok(clock.figures(o.messages, &mut []))
-}
-
-/// A hand-written per-message consumer's transaction: claims `key` in the inbox and, if it
-/// was not claimed before, writes the message's effect; commits.
-pub(crate) async fn hand_one(pool: &PgPool, key: &str, job: &Job) -> anyhow::Result<()> {
-    let mut tx = pool.begin().await?;
-    let fresh = sqlx::query(
-        "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
-         VALUES ('bench', $1, 'h', 'completed', 1) ON CONFLICT DO NOTHING",
-    )
-    .bind(key)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected()
-        == 1;
-    if fresh {
-        sqlx::query("INSERT INTO effects (job_id, body) VALUES ($1, $2)")
-            .bind(job.id as i64)
-            .bind(&job.body)
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
-    Ok(())
-}
-
-/// A hand-written batched consumer's transaction: claims the batch's keys with one inbox
-/// insert, writes the effects of the keys it claimed with one insert, commits.
-async fn hand_batch(pool: &PgPool, batch: Vec<(String, Job)>) -> anyhow::Result<()> {
-    let keys: Vec<&str> = batch.iter().map(|(k, _)| k.as_str()).collect();
-    let mut tx = pool.begin().await?;
-    let claimed: std::collections::HashSet<String> = sqlx::query_scalar(
-        "INSERT INTO floor_inbox (handler, key, payload_hash, status, attempts) \
-         SELECT 'bench', k, 'h', 'completed', 1 FROM unnest($1::text[]) AS k \
-         ON CONFLICT DO NOTHING RETURNING key",
-    )
-    .bind(&keys)
-    .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .collect();
-    let (ids, bodies): (Vec<i64>, Vec<&str>) = batch
-        .iter()
-        .filter(|(k, _)| claimed.contains(k))
-        .map(|(_, j)| (j.id as i64, j.body.as_str()))
-        .unzip();
-    sqlx::query(
-        "INSERT INTO effects (job_id, body) SELECT * FROM unnest($1::bigint[], $2::text[])",
-    )
-    .bind(&ids)
-    .bind(&bodies)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(())
-}
-
-/// A hand-written consumer of the in-memory broker: one transaction per message, then ack.
-async fn hand_written(pool: &PgPool, first: u64, o: &Options) -> anyhow::Result<Figures> {
-    let broker = MemoryBroker::new();
-    fill(&broker, "q", first, o);
-    let acks = Acks::new(o.messages);
-    let clock = Clock::start();
-    let consumer = broker.consume("q").take(o.messages);
-    let work = consumer.map(|incoming| {
-        let pool = pool.clone();
-        let acks = acks.clone();
-        async move {
-            let incoming = timed(incoming?, &acks);
-            let job: Job = serde_json::from_slice(&incoming.delivery.payload)?;
-            let key = incoming.delivery.message_id.as_deref().unwrap_or_default();
-            hand_one(&pool, key, &job).await?;
-            incoming.acker.settle(Settlement::Ack).await?;
-            anyhow::Ok(())
-        }
-    });
-    let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
-    results.into_iter().collect::<anyhow::Result<()>>()?;
-    let stopped = clock.stop();
-    Ok(stopped.figures(o.messages, &mut acks.latencies()))
-}
-
-/// The framework's worker for the `record` handler, as every framework arm runs it: the
-/// bench's concurrency, `batch`, no retention task.
-fn bench_worker<H: Handler<Postgres>>(
-    inbox: &Inbox<Postgres>,
-    handler: H,
-    o: &Options,
-    batch: Option<BatchConfig>,
-) -> anyhow::Result<Worker<Postgres, H>> {
-    Ok(Worker::with_config(
-        inbox.clone(),
-        handler,
-        WorkerConfig::default()
-            .with_concurrency(o.concurrency)
-            .with_retention_interval(None)
-            .with_batch(batch),
-    )?)
-}
-
-/// A framework arm on a broker: its handler, batched or not, and for an `+ outbox` arm the
-/// relay whose last publish stops the arm's clock.
-pub(crate) struct Fw<'a, H> {
-    pub(crate) handler: H,
-    pub(crate) batch: Option<BatchConfig>,
-    pub(crate) relay: Option<&'a outbox::Relaying>,
-}
-
-impl<H> Fw<'static, H> {
-    /// The framework without an outbox.
-    fn alone(handler: H, batch: Option<BatchConfig>) -> Self {
-        Fw {
-            handler,
-            batch,
-            relay: None,
-        }
-    }
-}
-
-/// The framework on the in-memory broker.
-async fn framework<H: Handler<Postgres>>(
-    inbox: &Inbox<Postgres>,
-    handler: H,
-    first: u64,
-    o: &Options,
-    batch: Option<BatchConfig>,
-) -> anyhow::Result<Figures> {
-    let broker = MemoryBroker::new();
-    fill(&broker, "q", first, o);
-    let acks = Acks::new(o.messages);
-    let worker = bench_worker(inbox, handler, o, batch)?;
-    let clock = Clock::start();
-    let a2 = acks.clone();
-    let consumer = broker.consume("q").map(move |r| r.map(|i| timed(i, &a2)));
-    worker.run(consumer, broker.drained("q")).await?;
-    let stopped = clock.stop();
-    ensure_completed(o, &worker.snapshot())?;
-    Ok(stopped.figures(o.messages, &mut acks.latencies()))
-}
-
+/// Runs the pair of `--compare` or `--compare-metrics`, or else installs the recorder of
+/// `--metrics on` and measures on a tokio runtime.
 fn main() -> anyhow::Result<()> {
     let o = <Options as clap::Parser>::parse();
     if let Some(before) = &o.compare {
@@ -1041,11 +448,13 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                 "db floor, 1/tx" => db_floor(&pool, first, &o, 1, false).await?,
                 "db floor, N/tx" => db_floor(&pool, first, &o, o.batch, false).await?,
                 "db floor, N/tx, 1 stmt/msg" => db_floor(&pool, first, &o, o.batch, true).await?,
-                "memory: hand 1/tx" => hand_written(&pool, first, &o).await?,
-                "memory: fw 1/tx" => framework(&inbox, record, first, &o, None).await?,
-                "memory: fw batched" => framework(&inbox, record, first, &o, batched).await?,
+                "memory: hand 1/tx" => memory::hand_written(&pool, first, &o).await?,
+                "memory: fw 1/tx" => memory::framework(&inbox, record, first, &o, None).await?,
+                "memory: fw batched" => {
+                    memory::framework(&inbox, record, first, &o, batched).await?
+                }
                 "memory: fw batched, 1 stmt/msg" => {
-                    framework(&inbox, record_each, first, &o, batched).await?
+                    memory::framework(&inbox, record_each, first, &o, batched).await?
                 }
                 "amqp: raw consume+ack" => amqp::raw(url, &queue, &o, false).await?,
                 "amqp: raw ack each" => amqp::raw(url, &queue, &o, true).await?,

@@ -10,11 +10,13 @@ use consumer_core::{
     OutboxMessage, PublishError, Publisher, Relay, RelayConfig,
 };
 use futures::future::BoxFuture;
-use serde::{Deserialize, Serialize};
 use sqlx::Postgres;
 use tokio::sync::{oneshot, watch};
 
-use crate::{figures, Clock, Figures, Fw, Job, Options};
+use crate::framework::Fw;
+use crate::measure::{figures, Clock, Figures, RelayFigures};
+use crate::postgres::{record, record_batch, Job};
+use crate::Options;
 
 /// How long an arm (or a latency sample) waits for its relay before it fails.
 const RELAY_DEADLINE: Duration = Duration::from_secs(300);
@@ -49,7 +51,7 @@ impl Handler<Postgres> for RecordAndPublish {
 
     /// `record`'s: the same name, so both arms write the same inbox rows.
     fn options(&self) -> HandlerOptions {
-        Handler::<Postgres>::options(&crate::record)
+        Handler::<Postgres>::options(&record)
     }
 
     fn handle<'a, 'c>(
@@ -62,7 +64,7 @@ impl Handler<Postgres> for RecordAndPublish {
     {
         Box::pin(async move {
             let event = self.event(job.id)?;
-            crate::record::call(ctx, job).await?;
+            record::call(ctx, job).await?;
             ctx.publish(event).await?;
             Ok(())
         })
@@ -85,7 +87,7 @@ impl Handler<Postgres> for RecordAndPublish {
                 .iter()
                 .map(|j| self.event(j.id))
                 .collect::<Result<Vec<_>, _>>()?;
-            crate::record_batch(ctx, jobs).await?;
+            record_batch(ctx, jobs).await?;
             ctx.publish_all(events.into_iter().enumerate()).await?;
             Ok(())
         })
@@ -247,18 +249,6 @@ impl Relaying {
         );
         Ok(stats.published)
     }
-}
-
-/// The relay's part of an `+ outbox` arm's figures.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub(crate) struct RelayFigures {
-    /// Messages consumed (acked) a second: the arm's rate up to its last ack.
-    pub(crate) consumed_rate: f64,
-    /// How long after the last ack the broker confirmed the last event, in ms (negative: the
-    /// last event was relayed before the last ack).
-    pub(crate) tail_ms: f64,
-    /// The share of the events the broker had confirmed at the last ack.
-    pub(crate) relayed_at_ack: f64,
 }
 
 /// When a framework arm's clock stopped: at its last ack or, with a relay, at the later of

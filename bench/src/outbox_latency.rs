@@ -21,8 +21,9 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 use tokio::sync::mpsc;
 
+use crate::measure::percentile_ms;
 use crate::outbox::Relaying;
-use crate::{amqp, kafka, percentile_ms, Options};
+use crate::{amqp, kafka, Options};
 
 /// How long a sample waits for its message at the consumer (a Kafka consumer's first one
 /// waits for its group to form).

@@ -11,8 +11,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::outbox::RelayFigures;
-use crate::Figures;
+use crate::measure::{Figures, RelayFigures};
 
 /// What one invocation measured: the arms in the order they ran, and each arm's figures,
 /// one entry per repetition.
