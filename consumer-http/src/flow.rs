@@ -320,7 +320,7 @@ where
         answered(Outcome::Unavailable);
         problem::store_unavailable(config.retry_after)
     };
-    let slot = TxSlot::new(tx);
+    let slot = TxSlot::new(tx, claim.scope, claim.key);
     parts.extensions.insert(slot.clone());
     let request = Request::from_parts(parts, Body::from(body));
     let mut inner = inner;

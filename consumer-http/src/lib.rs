@@ -70,6 +70,9 @@
 //!    request's token>` — and commits. The claim, the handler's rows and the stored answer
 //!    commit together, in one commit, or not at all. A 5xx, a panic, an error or a failure
 //!    to store rolls the transaction back, which takes the claim with it: the key is free.
+//!    A call outside the database (a payment provider) cannot roll back: the handler hands
+//!    it [`IdempotentTx::idempotency_key`], the same on every run of the request's key, so
+//!    the provider sees a run that rolled back and its retry as one request.
 //!
 //! What follows:
 //!

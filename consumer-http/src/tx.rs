@@ -14,24 +14,36 @@ use crate::store::StoreBackend;
 
 /// Where the layer keeps the request's transaction while the handler runs: the handler
 /// borrows it through [`IdempotentTx`], the layer takes it back to store the answer and
-/// commit.
-pub(crate) struct TxSlot<DB: StoreBackend>(Arc<Mutex<Option<Transaction<'static, DB>>>>);
+/// commit. With it, the record the request holds (its scope and key), for the handler's
+/// stable keys ([`IdempotentTx::idempotency_key`]).
+pub(crate) struct TxSlot<DB: StoreBackend> {
+    tx: Arc<Mutex<Option<Transaction<'static, DB>>>>,
+    record: Arc<str>,
+}
 
 impl<DB: StoreBackend> Clone for TxSlot<DB> {
     fn clone(&self) -> Self {
-        TxSlot(self.0.clone())
+        TxSlot {
+            tx: self.tx.clone(),
+            record: self.record.clone(),
+        }
     }
 }
 
 impl<DB: StoreBackend> TxSlot<DB> {
-    pub(crate) fn new(tx: Transaction<'static, DB>) -> Self {
-        TxSlot(Arc::new(Mutex::new(Some(tx))))
+    /// The slot of `tx`, which holds the record of (`scope`, `key`).
+    pub(crate) fn new(tx: Transaction<'static, DB>, scope: &str, key: &str) -> Self {
+        TxSlot {
+            tx: Arc::new(Mutex::new(Some(tx))),
+            // Length-prefixed: no scope and key run into another pair.
+            record: Arc::from(format!("{}:{scope}:{key}", scope.len())),
+        }
     }
 
     /// The transaction back from the handler; `None` if the handler still holds it (it
     /// kept its [`IdempotentTx`] past its answer, e.g. in a spawned task).
     pub(crate) fn take(&self) -> Option<Transaction<'static, DB>> {
-        self.0.try_lock().ok().and_then(|mut slot| slot.take())
+        self.tx.try_lock().ok().and_then(|mut slot| slot.take())
     }
 }
 
@@ -48,6 +60,19 @@ impl<DB: StoreBackend> TxSlot<DB> {
 /// key is optional, a route without the layer) is answered 500.
 pub struct IdempotentTx<DB: StoreBackend> {
     guard: OwnedMutexGuard<Option<Transaction<'static, DB>>>,
+    record: Arc<str>,
+}
+
+impl<DB: StoreBackend> IdempotentTx<DB> {
+    /// A stable key for an effect outside the database, e.g. the `Idempotency-Key` this
+    /// handler sends a payment provider: the same on every run of this request's key (a
+    /// retry that runs again after a rollback, or after the process died mid-request), other
+    /// for another `effect`, another key, another caller or another route. `ik-` and 64 hex
+    /// characters, as a queue handler's
+    /// [`Context::idempotency_key`](consumer_core::Context::idempotency_key).
+    pub fn idempotency_key(&self, effect: &str) -> String {
+        consumer_core::idempotency_key("http", &self.record, effect)
+    }
 }
 
 impl<DB: StoreBackend> std::fmt::Debug for IdempotentTx<DB> {
@@ -73,11 +98,14 @@ impl<S: Send + Sync, DB: StoreBackend> FromRequestParts<S> for IdempotentTx<DB> 
             .get::<TxSlot<DB>>()
             .cloned()
             .ok_or_else(missing)?;
-        let guard = slot.0.lock_owned().await;
+        let guard = slot.tx.lock_owned().await;
         if guard.is_none() {
             return Err(missing());
         }
-        Ok(IdempotentTx { guard })
+        Ok(IdempotentTx {
+            guard,
+            record: slot.record,
+        })
     }
 }
 

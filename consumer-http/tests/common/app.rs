@@ -31,6 +31,9 @@ pub struct Handlers {
     pub gate: Notify,
     /// How many handlers are waiting at the gate.
     pub held: AtomicU32,
+    /// The key `/flaky` got for its effect outside the database
+    /// (`IdempotentTx::idempotency_key("charge")`) on each run.
+    pub effect_keys: std::sync::Mutex<Vec<String>>,
 }
 
 /// The handlers, for one database: each writes through its `IdempotentTx`.
@@ -71,6 +74,10 @@ macro_rules! routes {
             async fn flaky(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
                 let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
                 record(&mut tx, "flaky", run).await;
+                h.effect_keys
+                    .lock()
+                    .expect("the effect keys")
+                    .push(tx.idempotency_key("charge"));
                 if h.fail_next.swap(false, Ordering::SeqCst) {
                     return (StatusCode::BAD_GATEWAY, "provider down").into_response();
                 }
