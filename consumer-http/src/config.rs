@@ -37,7 +37,23 @@ pub struct IdempotencyConfig {
     pub(crate) ttl: Duration,
     pub(crate) store_client_errors: bool,
     pub(crate) stored_headers: Vec<HeaderName>,
+    pub(crate) purge: Purge,
 }
+
+/// How often the layer deletes expired records (see
+/// [`IdempotencyConfigBuilder::purge_interval`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Purge {
+    /// Every TTL, at least every second, at most every hour.
+    EveryTtl,
+    /// Every this long.
+    Every(Duration),
+    /// Never: the application purges ([`IdempotencyStore::purge_expired`](crate::IdempotencyStore::purge_expired)).
+    Off,
+}
+
+/// The layer's purge deletes this many expired rows per statement.
+pub(crate) const PURGE_BATCH: u32 = 1000;
 
 impl Default for IdempotencyConfig {
     fn default() -> Self {
@@ -53,6 +69,7 @@ impl Default for IdempotencyConfig {
             ttl: Duration::from_secs(24 * 60 * 60),
             store_client_errors: true,
             stored_headers: vec![http::header::CONTENT_TYPE],
+            purge: Purge::EveryTtl,
         }
     }
 }
@@ -75,6 +92,18 @@ impl IdempotencyConfig {
             return self.store_client_errors && !TRANSIENT_CLIENT_ERRORS.contains(&status);
         }
         status.is_success() || status.is_redirection()
+    }
+
+    /// How often the layer deletes expired records; `None`: never.
+    pub(crate) fn purge_interval(&self) -> Option<Duration> {
+        match self.purge {
+            Purge::EveryTtl => Some(
+                self.ttl
+                    .clamp(Duration::from_secs(1), Duration::from_secs(60 * 60)),
+            ),
+            Purge::Every(every) => Some(every),
+            Purge::Off => None,
+        }
     }
 
     /// Whether the layer handles requests with this method.
@@ -156,8 +185,8 @@ impl IdempotencyConfigBuilder {
     }
 
     /// How long a completed record is kept and replayed (default 24 h); after it the key
-    /// runs again, and [`IdempotencyStore::purge_expired`](crate::IdempotencyStore::purge_expired)
-    /// deletes the row.
+    /// runs again, and the layer's purge deletes the row (see
+    /// [`purge_interval`](IdempotencyConfigBuilder::purge_interval)).
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
         self
@@ -183,6 +212,24 @@ impl IdempotencyConfigBuilder {
         self
     }
 
+    /// How often the layer deletes expired records (default: every TTL, at least every
+    /// second, at most every hour), 1,000 rows per statement, from its first request on,
+    /// for as long as the layer lives. An expired record is never replayed even before it is
+    /// purged: the purge only reclaims space. Every process purges; their deletes do not
+    /// get in each other's way.
+    pub fn purge_interval(mut self, every: Duration) -> Self {
+        self.config.purge = Purge::Every(every);
+        self
+    }
+
+    /// The layer never purges: the application calls
+    /// [`IdempotencyStore::purge_expired`](crate::IdempotencyStore::purge_expired) itself
+    /// (e.g. from one scheduled job rather than every process).
+    pub fn no_purge(mut self) -> Self {
+        self.config.purge = Purge::Off;
+        self
+    }
+
     /// Checks the configuration; the error names the field.
     pub fn build(self) -> Result<IdempotencyConfig, Error> {
         let c = self.config;
@@ -197,6 +244,12 @@ impl IdempotencyConfigBuilder {
         }
         if c.poll_interval.is_zero() {
             return Err(Error::config("poll_interval", "must be above 0"));
+        }
+        if c.purge == Purge::Every(Duration::ZERO) {
+            return Err(Error::config(
+                "purge_interval",
+                "must be above 0 (no_purge turns the purge off)",
+            ));
         }
         if c.lease < Duration::from_millis(1) {
             return Err(Error::config("lease", "must be at least 1 ms"));
@@ -251,6 +304,27 @@ mod tests {
             field(IdempotencyConfig::builder().max_body_bytes(0)),
             "max_body_bytes"
         );
+        assert_eq!(
+            field(IdempotencyConfig::builder().purge_interval(Duration::ZERO)),
+            "purge_interval"
+        );
+    }
+
+    #[test]
+    fn the_purge_runs_every_ttl_within_bounds_unless_told_otherwise() {
+        let every = |b: IdempotencyConfigBuilder| b.build().unwrap().purge_interval();
+        let hour = Duration::from_secs(3600);
+        assert_eq!(every(IdempotencyConfig::builder()), Some(hour));
+        let ttl = |ms| {
+            IdempotencyConfig::builder()
+                .lease(Duration::from_millis(1))
+                .ttl(Duration::from_millis(ms))
+        };
+        assert_eq!(every(ttl(120_000)), Some(Duration::from_secs(120)));
+        assert_eq!(every(ttl(10)), Some(Duration::from_secs(1)));
+        let explicit = IdempotencyConfig::builder().purge_interval(Duration::from_millis(50));
+        assert_eq!(every(explicit), Some(Duration::from_millis(50)));
+        assert_eq!(every(IdempotencyConfig::builder().no_purge()), None);
     }
 
     #[test]

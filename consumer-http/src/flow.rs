@@ -37,6 +37,8 @@ pub(crate) struct Shared<DB: StoreBackend> {
     pub(crate) held: Arc<HeldKeys>,
     #[cfg(feature = "redis")]
     pub(crate) fast: Option<crate::fast::RedisFastPath>,
+    /// Whether the layer's purge has been started (see `purge`).
+    pub(crate) purge_started: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<DB: StoreBackend> Clone for Shared<DB> {
@@ -48,6 +50,7 @@ impl<DB: StoreBackend> Clone for Shared<DB> {
             held: self.held.clone(),
             #[cfg(feature = "redis")]
             fast: self.fast.clone(),
+            purge_started: self.purge_started.clone(),
         }
     }
 }

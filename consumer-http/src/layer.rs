@@ -180,6 +180,7 @@ impl<DB: StoreBackend, C> IdempotencyLayerBuilder<DB, C> {
                 held: Default::default(),
                 #[cfg(feature = "redis")]
                 fast: self.fast,
+                purge_started: Default::default(),
             }),
         }
     }
@@ -240,6 +241,7 @@ where
         // The service that was polled ready takes the request; a clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
+        self.shared.start_purge();
         Box::pin(flow::handle(self.shared.clone(), inner, request))
     }
 }

@@ -233,8 +233,9 @@
 //! - `layer`: [`IdempotencyLayer`], its builder and its service [`Idempotency`]; `caller`:
 //!   whose a record is ([`Callers`], the builder's states); `flow`: one request
 //!   through them (decide, run, store or roll back); `held`: the keys a layer's requests
-//!   are running in this process; `tx`: [`IdempotentTx`]; [`metrics`]:
-//!   what the layer counts (answers by outcome, the time to decide on a key).
+//!   are running in this process; `tx`: [`IdempotentTx`]; `purge`: the layer's own
+//!   purge of expired records; [`metrics`]: what the layer counts (answers by outcome, the
+//!   time to decide on a key, the records purged).
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
 //!   lease, the cached answer's encoding).
 //! - `store`: [`IdempotencyStore`] on PostgreSQL or SQLite, its configuration
@@ -258,6 +259,7 @@ mod held;
 mod layer;
 pub mod metrics;
 mod problem;
+mod purge;
 mod request;
 mod store;
 mod stored;

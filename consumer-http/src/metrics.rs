@@ -5,6 +5,7 @@
 //! | `consumer_http_requests_total` | counter | `outcome` | requests with a key, by how they were answered: `completed` (ran, answer stored), `replayed` (the stored answer), `mismatch` (422), `in_progress` (409), `released` (ran, not stored: a 5xx, a panic, an error; the key released), `unavailable` (the store failed: 503), `invalid_key` (400), `no_caller` (401: the caller function named no caller) |
 //! | `consumer_http_store_seconds` | histogram | | time to read or claim a key (the decision before a run or a replay) |
 //! | `consumer_http_redis_failures_total` | counter | `op` | Redis calls that failed or timed out (the database answered alone) |
+//! | `consumer_http_records_purged_total` | counter | | expired records the layer's purge deleted |
 
 use std::time::Duration;
 

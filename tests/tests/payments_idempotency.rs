@@ -187,7 +187,7 @@ async fn a_5xx_releases_the_key_and_the_retry_runs_again(store: Store) {
 }
 
 /// With `IDEMPOTENCY_TTL_MS=2000` a completed key is replayed until its TTL, then runs
-/// again (a new charge, a new answer), and the example's purge deletes an expired record.
+/// again (a new charge, a new answer), and the layer's purge deletes an expired record.
 /// Waiting past the TTL is a poll of the answer, with a deadline.
 async fn after_its_ttl_a_key_runs_again_and_its_record_is_purged(store: Store) {
     let payments = Payments::on(store).await;
@@ -221,8 +221,8 @@ async fn after_its_ttl_a_key_runs_again_and_its_record_is_purged(store: Store) {
     assert_ne!(rerun.body, first.body, "a new charge, a new answer");
     assert_eq!(payments.charges(61).await, 2);
 
-    // The purge logs after its delete committed: wait for both.
-    wait_until("the example to purge the expired record", || async {
+    // The layer's purge logs after its delete committed: wait for both.
+    wait_until("the layer to purge the expired record", || async {
         let logged = server
             .process
             .log()

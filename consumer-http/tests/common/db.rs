@@ -11,7 +11,9 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{PgPool, SqlitePool};
 
-use super::{database_url, redis_url, unique};
+#[cfg(feature = "redis")]
+use super::redis_url;
+use super::{database_url, unique};
 
 /// A database for one test.
 pub enum Db {

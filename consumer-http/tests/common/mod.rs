@@ -11,6 +11,7 @@ mod db;
 
 #[allow(unused_imports)]
 pub use app::{App, Handlers, Killable, Scoping, ALICE, BOB, CAROL};
+#[allow(unused_imports)]
 pub use consumer_scenarios::env::{database_url, redis_url, unique, wait_until};
 pub use consumer_scenarios::http::Answer;
 #[allow(unused_imports)]

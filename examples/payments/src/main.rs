@@ -32,8 +32,8 @@
 //!   process dies mid-request (a running request renews it; the database's hold on the key
 //!   ends with the process);
 //! - `IDEMPOTENCY_TTL_MS` (86400000, 24 h, at least the lease): how long a completed answer
-//!   is replayed; after it the key runs again. Expired records are purged every TTL (at
-//!   least every second, at most every hour);
+//!   is replayed; after it the key runs again. The layer purges expired records every TTL
+//!   (at least every second, at most every hour);
 //! - `REDIS_URL` (unset or empty: none): puts the Redis fast path in front of the database
 //!   (replays and concurrent duplicates answered from Redis; the database still decides).
 //!
@@ -205,22 +205,6 @@ async fn on_provider_event(
     Ok(())
 }
 
-/// Deletes the expired idempotency records every `ttl` (at least every second, at most every
-/// hour). An expired record is never replayed even before this runs: it only reclaims space.
-async fn purge_expired(store: IdempotencyStore<Postgres>, ttl: Duration) {
-    let every = ttl.clamp(Duration::from_secs(1), Duration::from_secs(60 * 60));
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        match store.purge_expired(1000).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(n, "purged expired idempotency records"),
-            Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
-        }
-    }
-}
-
 /// The setting `name`, `what` it holds, or `default` if it is unset; an error names it.
 fn setting<T: FromStr>(name: &str, what: &str, default: T) -> anyhow::Result<T> {
     match std::env::var(name) {
@@ -339,7 +323,6 @@ async fn main() -> anyhow::Result<()> {
         inbox_config = inbox_config.with_schema(schema.clone());
     }
     let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
-    tokio::spawn(purge_expired(store.clone(), ttl));
     // Each account's answers are its own: the caller is the account `authenticate` found.
     let mut idempotency = IdempotencyLayer::builder(store, config)
         .caller(|parts| parts.extensions.get::<auth::Account>().map(|a| a.0.clone()));
