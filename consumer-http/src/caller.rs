@@ -55,6 +55,11 @@ impl Callers {
         Callers(Scoping::Shared)
     }
 
+    /// Whether every caller shares the records (no caller function).
+    pub(crate) fn is_shared(&self) -> bool {
+        matches!(self.0, Scoping::Shared)
+    }
+
     /// The caller's part of the request's scope: the SHA-256 (hex) of the name the function
     /// gave, so neither the store nor Redis ever holds what it returned (a credential
     /// returned by mistake included); `None` when shared.

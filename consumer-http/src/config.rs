@@ -38,6 +38,68 @@ pub struct IdempotencyConfig {
     pub(crate) store_client_errors: bool,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) purge: Purge,
+    pub(crate) key_format: KeyFormat,
+    pub(crate) policy_url: Option<String>,
+}
+
+/// What an `Idempotency-Key` must look like besides printable ASCII of at most
+/// [`MAX_IDEMPOTENCY_KEY_BYTES`] bytes: the key format a service declares in its idempotency
+/// policy (see [`IdempotencyConfigBuilder::key_format`]). A key of another format is 400.
+#[derive(Clone, Copy)]
+pub struct KeyFormat {
+    description: &'static str,
+    check: fn(&str) -> bool,
+}
+
+impl KeyFormat {
+    /// Any key (the default).
+    pub fn any() -> Self {
+        KeyFormat {
+            description: "any",
+            check: |_| true,
+        }
+    }
+
+    /// A UUID in its hyphenated form, e.g. `8e03978e-40d5-43e8-bc93-6894a57f9324`, as the
+    /// IETF draft recommends (any version; letters in either case).
+    pub fn uuid() -> Self {
+        KeyFormat {
+            description: "a UUID (8-4-4-4-12 hexadecimal digits)",
+            check: is_uuid,
+        }
+    }
+
+    /// A format of the service's own: `description` names it in the 400's detail and in the
+    /// policy document (e.g. `"ord_ followed by 24 letters or digits"`), `check` accepts a key.
+    pub fn custom(description: &'static str, check: fn(&str) -> bool) -> Self {
+        KeyFormat { description, check }
+    }
+
+    /// What the format asks for, in words.
+    pub fn description(&self) -> &'static str {
+        self.description
+    }
+
+    /// Whether `key` has this format.
+    pub fn accepts(&self, key: &str) -> bool {
+        (self.check)(key)
+    }
+}
+
+impl std::fmt::Debug for KeyFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("KeyFormat").field(&self.description).finish()
+    }
+}
+
+/// Whether `key` is a hyphenated UUID.
+fn is_uuid(key: &str) -> bool {
+    let b = key.as_bytes();
+    b.len() == 36
+        && b.iter().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => *c == b'-',
+            _ => c.is_ascii_hexdigit(),
+        })
 }
 
 /// How often the layer deletes expired records (see
@@ -70,6 +132,8 @@ impl Default for IdempotencyConfig {
             store_client_errors: true,
             stored_headers: vec![http::header::CONTENT_TYPE],
             purge: Purge::EveryTtl,
+            key_format: KeyFormat::any(),
+            policy_url: None,
         }
     }
 }
@@ -230,6 +294,25 @@ impl IdempotencyConfigBuilder {
         self
     }
 
+    /// The format a key must have (default [`KeyFormat::any`]); a key of another format is
+    /// answered 400, naming the format.
+    pub fn key_format(mut self, format: KeyFormat) -> Self {
+        self.config.key_format = format;
+        self
+    }
+
+    /// Where the service publishes its idempotency policy (key format, expiry, what makes
+    /// two requests the same), as the IETF draft asks a server to: an absolute URL or a path,
+    /// e.g. `/docs/idempotency`. The layer's answers about a key (400 for the key, 409, 422)
+    /// then carry `Link: <url>; rel="describedby"` and a problem `type` of `url#<problem>`
+    /// (`#invalid-key`, `#in-progress`, `#key-reused`) instead of `about:blank`.
+    /// [`IdempotencyLayer::policy_document`](crate::IdempotencyLayer::policy_document) writes
+    /// the policy this configuration keeps, for the service to serve there.
+    pub fn policy_url(mut self, url: impl Into<String>) -> Self {
+        self.config.policy_url = Some(url.into());
+        self
+    }
+
     /// Checks the configuration; the error names the field.
     pub fn build(self) -> Result<IdempotencyConfig, Error> {
         let c = self.config;
@@ -244,6 +327,16 @@ impl IdempotencyConfigBuilder {
         }
         if c.poll_interval.is_zero() {
             return Err(Error::config("poll_interval", "must be above 0"));
+        }
+        if let Some(url) = &c.policy_url {
+            // In a header (`Link: <url>`) and a JSON string: a URI reference, nothing that
+            // could end the header's angle brackets.
+            if url.is_empty() || url.parse::<http::Uri>().is_err() || url.contains(['<', '>']) {
+                return Err(Error::config(
+                    "policy_url",
+                    "must be an absolute URL or a path (a URI reference)",
+                ));
+            }
         }
         if c.purge == Purge::Every(Duration::ZERO) {
             return Err(Error::config(
@@ -308,6 +401,38 @@ mod tests {
             field(IdempotencyConfig::builder().purge_interval(Duration::ZERO)),
             "purge_interval"
         );
+    }
+
+    #[test]
+    fn key_formats_accept_what_they_describe() {
+        let uuid = KeyFormat::uuid();
+        assert!(uuid.accepts("8e03978e-40d5-43e8-bc93-6894a57f9324"));
+        assert!(uuid.accepts("8E03978E-40D5-43E8-BC93-6894A57F9324"));
+        for bad in [
+            "8e03978e40d543e8bc936894a57f9324",
+            "8e03978e-40d5-43e8-bc93-6894a57f932",
+            "8e03978e-40d5-43e8-bc93-6894a57f932g",
+            "8e03978e-40d5+43e8-bc93-6894a57f9324",
+        ] {
+            assert!(!uuid.accepts(bad), "{bad}");
+        }
+        assert!(KeyFormat::any().accepts("anything"));
+        let custom = KeyFormat::custom("ord_ and digits", |k| k.starts_with("ord_"));
+        assert!(custom.accepts("ord_1") && !custom.accepts("1"));
+        assert_eq!(custom.description(), "ord_ and digits");
+    }
+
+    #[test]
+    fn a_policy_url_must_be_a_uri_reference() {
+        let field = |url: &str| match IdempotencyConfig::builder().policy_url(url).build() {
+            Err(Error::Config { field, .. }) => Some(field),
+            _ => None,
+        };
+        assert_eq!(field("https://api.example.com/docs/idempotency"), None);
+        assert_eq!(field("/docs/idempotency"), None);
+        for bad in ["", "a b", "/x>; rel=evil"] {
+            assert_eq!(field(bad), Some("policy_url"), "{bad}");
+        }
     }
 
     #[test]

@@ -114,12 +114,14 @@ where
         return Ok(inner.call(request).await?.map(Body::new));
     }
     let (parts, body) = request.into_parts();
-    let key = match request::idempotency_key(&parts) {
+    let policy = config.policy_url.as_deref();
+    let key = match request::idempotency_key(&parts, &config.key_format) {
         Ok(Some(key)) => key,
         Ok(None) if config.key_required => {
             answered(Outcome::InvalidKey);
             return Ok(problem::bad_key(
                 "the request has no Idempotency-Key header",
+                policy,
             ));
         }
         Ok(None) => {
@@ -128,7 +130,7 @@ where
         }
         Err(invalid) => {
             answered(Outcome::InvalidKey);
-            return Ok(problem::bad_key(&invalid.0));
+            return Ok(problem::bad_key(&invalid.0, policy));
         }
     };
     let caller = match shared.callers.of(&parts) {
@@ -176,11 +178,14 @@ where
         }
         Ok(Decision::Mismatch) => {
             answered(Outcome::Mismatch);
-            Ok(problem::mismatch())
+            Ok(problem::mismatch(config.policy_url.as_deref()))
         }
         Ok(Decision::InProgress) => {
             answered(Outcome::InProgress);
-            Ok(problem::in_progress(config.retry_after))
+            Ok(problem::in_progress(
+                config.retry_after,
+                config.policy_url.as_deref(),
+            ))
         }
         Err(e) => {
             tracing::warn!(error = %e, "idempotency store failed reading a key");

@@ -74,6 +74,16 @@ impl<DB: StoreBackend> std::fmt::Debug for IdempotencyLayer<DB> {
 }
 
 impl<DB: StoreBackend> IdempotencyLayer<DB> {
+    /// The idempotency policy this layer keeps, as a Markdown document for the service to
+    /// serve at its [`policy_url`](crate::IdempotencyConfigBuilder::policy_url): methods,
+    /// key format, scope, fingerprint, expiry, what is stored and replayed, and each answer
+    /// about a key, written from the layer's own configuration (so it cannot drift from
+    /// it). Its sections carry the anchors the problem types name (`#invalid-key`,
+    /// `#in-progress`, `#key-reused`).
+    pub fn policy_document(&self) -> String {
+        crate::policy::document(&self.shared.config, self.shared.callers.is_shared())
+    }
+
     /// A builder of the layer on `store` with `config`; name the caller
     /// ([`IdempotencyLayerBuilder::caller`] or
     /// [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers)), then

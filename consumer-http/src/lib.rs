@@ -23,7 +23,13 @@
 //!   is a Structured Field string as the IETF draft writes it (`Idempotency-Key: "8e03"`:
 //!   the key is what the quotes hold; parameters after it are ignored) or, as many clients
 //!   send it, bare (`Idempotency-Key: 8e03`): the two forms are one key. A value that opens
-//!   with a double quote and is not a string → 400.
+//!   with a double quote and is not a string → 400. A key not of the format the service declares
+//!   ([`IdempotencyConfigBuilder::key_format`], e.g. [`KeyFormat::uuid`]) → 400.
+//! - The service's idempotency policy, as the draft asks a server to publish it:
+//!   [`IdempotencyLayer::policy_document`] writes the one the configuration keeps, to serve
+//!   at [`IdempotencyConfigBuilder::policy_url`]; the answers about a key (400 for the key,
+//!   409, 422) then link to it (`Link: <url>; rel="describedby"`, problem type
+//!   `url#invalid-key`, `#in-progress`, `#key-reused`).
 //! - The record's **scope** is the caller and the route (method and path): what one caller
 //!   stored, another cannot read. The layer's builder requires a function naming the
 //!   authenticated caller of a request ([`IdempotencyLayerBuilder::caller`]; the layer keeps
@@ -233,7 +239,8 @@
 //! - `layer`: [`IdempotencyLayer`], its builder and its service [`Idempotency`]; `caller`:
 //!   whose a record is ([`Callers`], the builder's states); `flow`: one request
 //!   through them (decide, run, store or roll back); `held`: the keys a layer's requests
-//!   are running in this process; `tx`: [`IdempotentTx`]; `purge`: the layer's own
+//!   are running in this process; `tx`: [`IdempotentTx`]; `policy`: the idempotency
+//!   policy a layer keeps, written out to publish; `purge`: the layer's own
 //!   purge of expired records; [`metrics`]: what the layer counts (answers by outcome, the
 //!   time to decide on a key, the records purged).
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
@@ -258,6 +265,7 @@ mod flow;
 mod held;
 mod layer;
 pub mod metrics;
+mod policy;
 mod problem;
 mod purge;
 mod request;
@@ -268,7 +276,8 @@ pub mod webhook;
 
 pub use caller::{CallerNamed, CallerUnnamed, Callers};
 pub use config::{
-    IdempotencyConfig, IdempotencyConfigBuilder, MAX_IDEMPOTENCY_KEY_BYTES, TRANSIENT_CLIENT_ERRORS,
+    IdempotencyConfig, IdempotencyConfigBuilder, KeyFormat, MAX_IDEMPOTENCY_KEY_BYTES,
+    TRANSIENT_CLIENT_ERRORS,
 };
 pub use error::Error;
 #[cfg(feature = "redis")]

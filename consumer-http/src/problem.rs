@@ -9,10 +9,15 @@ use http::{header, HeaderValue, StatusCode};
 /// The content type of the layer's own answers.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// A problem answer with `status`, a `title` and a `detail`.
+/// A problem answer with `status`, a `title` and a `detail`, of type `about:blank`.
 pub(crate) fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
+    typed(status, "about:blank", title, detail)
+}
+
+/// A problem answer of type `kind`.
+fn typed(status: StatusCode, kind: &str, title: &str, detail: &str) -> Response {
     let body = serde_json::json!({
-        "type": "about:blank",
+        "type": kind,
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
@@ -25,9 +30,37 @@ pub(crate) fn problem(status: StatusCode, title: &str, detail: &str) -> Response
     response
 }
 
+/// A problem about the request's key: with the service's idempotency policy at `policy`
+/// (see [`IdempotencyConfigBuilder::policy_url`](crate::IdempotencyConfigBuilder::policy_url)),
+/// of type `<policy>#<fragment>` and with `Link: <policy>; rel="describedby"`; without one,
+/// of type `about:blank`.
+fn about_key(
+    status: StatusCode,
+    fragment: &str,
+    title: &str,
+    detail: &str,
+    policy: Option<&str>,
+) -> Response {
+    let Some(policy) = policy else {
+        return problem(status, title, detail);
+    };
+    let mut response = typed(status, &format!("{policy}#{fragment}"), title, detail);
+    // A URI reference without angle brackets (checked when the configuration was built).
+    if let Ok(link) = HeaderValue::from_str(&format!("<{policy}>; rel=\"describedby\"")) {
+        response.headers_mut().insert(header::LINK, link);
+    }
+    response
+}
+
 /// 400: the key is missing or unusable.
-pub(crate) fn bad_key(detail: &str) -> Response {
-    problem(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", detail)
+pub(crate) fn bad_key(detail: &str, policy: Option<&str>) -> Response {
+    about_key(
+        StatusCode::BAD_REQUEST,
+        "invalid-key",
+        "Invalid Idempotency-Key",
+        detail,
+        policy,
+    )
 }
 
 /// 401: the caller function named no caller, so the answer could be stored for no one.
@@ -58,11 +91,13 @@ pub(crate) fn unreadable_body() -> Response {
 }
 
 /// 422: the key was used with another request.
-pub(crate) fn mismatch() -> Response {
-    problem(
+pub(crate) fn mismatch(policy: Option<&str>) -> Response {
+    about_key(
         StatusCode::UNPROCESSABLE_ENTITY,
+        "key-reused",
         "Idempotency-Key reused",
         "this Idempotency-Key was used with another request (method, path or body)",
+        policy,
     )
 }
 
@@ -73,7 +108,11 @@ pub(crate) fn retry_later(
     detail: &str,
     after: Duration,
 ) -> Response {
-    let mut response = problem(status, title, detail);
+    with_retry_after(problem(status, title, detail), after)
+}
+
+/// `response` with a `Retry-After` of `after`, rounded up to whole seconds (at least 1).
+fn with_retry_after(mut response: Response, after: Duration) -> Response {
     let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
     response
         .headers_mut()
@@ -82,13 +121,15 @@ pub(crate) fn retry_later(
 }
 
 /// 409 with `Retry-After`: a request with the key is still in progress.
-pub(crate) fn in_progress(retry_after: Duration) -> Response {
-    retry_later(
+pub(crate) fn in_progress(retry_after: Duration, policy: Option<&str>) -> Response {
+    let response = about_key(
         StatusCode::CONFLICT,
+        "in-progress",
         "Request in progress",
         "a request with this Idempotency-Key is still in progress; retry later",
-        retry_after,
-    )
+        policy,
+    );
+    with_retry_after(response, retry_after)
 }
 
 /// 503 with `Retry-After`: the store failed; the request may be retried with the same key.

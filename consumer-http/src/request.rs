@@ -4,7 +4,7 @@
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
-use crate::config::MAX_IDEMPOTENCY_KEY_BYTES;
+use crate::config::{KeyFormat, MAX_IDEMPOTENCY_KEY_BYTES};
 
 /// The request header that carries the key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -22,7 +22,11 @@ pub(crate) struct InvalidKey(pub(crate) String);
 /// (parameters after it are ignored, escapes undone). A value that does not start with a
 /// double quote is the key as it stands (the bare form many clients send): `"k"` and `k`
 /// are one key. A value that starts with a double quote and is not a string is refused.
-pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKey> {
+/// Last, the key must have the service's `format`.
+pub(crate) fn idempotency_key(
+    parts: &Parts,
+    format: &KeyFormat,
+) -> Result<Option<String>, InvalidKey> {
     let mut values = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -56,7 +60,14 @@ pub(crate) fn idempotency_key(parts: &Parts) -> Result<Option<String>, InvalidKe
         )));
     }
     // Checked above: every byte is printable ASCII.
-    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+    let key = String::from_utf8_lossy(bytes).into_owned();
+    if !format.accepts(&key) {
+        return Err(InvalidKey(format!(
+            "the Idempotency-Key is not {}",
+            format.description()
+        )));
+    }
+    Ok(Some(key))
 }
 
 /// The contents of a header value that is a Structured Field string item (its parameters
@@ -138,30 +149,65 @@ mod tests {
 
     #[test]
     fn keys_are_checked() {
-        assert_eq!(idempotency_key(&parts("POST", "/", &[])), Ok(None));
+        assert_eq!(
+            idempotency_key(&parts("POST", "/", &[]), &KeyFormat::any()),
+            Ok(None)
+        );
         let ok = parts("POST", "/", &[("Idempotency-Key", "abc-123 x")]);
-        assert_eq!(idempotency_key(&ok), Ok(Some("abc-123 x".to_owned())));
+        assert_eq!(
+            idempotency_key(&ok, &KeyFormat::any()),
+            Ok(Some("abc-123 x".to_owned()))
+        );
         let long = "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES + 1);
         let too_long = parts("POST", "/", &[("Idempotency-Key", &long)]);
-        assert!(matches!(idempotency_key(&too_long), Err(InvalidKey(_))));
+        assert!(matches!(
+            idempotency_key(&too_long, &KeyFormat::any()),
+            Err(InvalidKey(_))
+        ));
         let max = "k".repeat(MAX_IDEMPOTENCY_KEY_BYTES);
-        assert!(idempotency_key(&parts("POST", "/", &[("Idempotency-Key", &max)])).is_ok());
+        assert!(idempotency_key(
+            &parts("POST", "/", &[("Idempotency-Key", &max)]),
+            &KeyFormat::any()
+        )
+        .is_ok());
         let mut tab = parts("POST", "/", &[]);
         tab.headers.insert(
             IDEMPOTENCY_KEY,
             http::HeaderValue::from_bytes(b"a\tb").unwrap(),
         );
-        assert!(matches!(idempotency_key(&tab), Err(InvalidKey(_))));
+        assert!(matches!(
+            idempotency_key(&tab, &KeyFormat::any()),
+            Err(InvalidKey(_))
+        ));
         let mut high = parts("POST", "/", &[]);
         high.headers.insert(
             IDEMPOTENCY_KEY,
             http::HeaderValue::from_bytes("é".as_bytes()).unwrap(),
         );
-        assert!(matches!(idempotency_key(&high), Err(InvalidKey(_))));
+        assert!(matches!(
+            idempotency_key(&high, &KeyFormat::any()),
+            Err(InvalidKey(_))
+        ));
     }
 
     fn key_of(value: &str) -> Result<Option<String>, InvalidKey> {
-        idempotency_key(&parts("POST", "/", &[("Idempotency-Key", value)]))
+        idempotency_key(
+            &parts("POST", "/", &[("Idempotency-Key", value)]),
+            &KeyFormat::any(),
+        )
+    }
+
+    #[test]
+    fn a_key_of_another_format_than_the_services_is_refused() {
+        let uuid = KeyFormat::uuid();
+        let key = |v: &str| idempotency_key(&parts("POST", "/", &[("Idempotency-Key", v)]), &uuid);
+        let id = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+        assert_eq!(key(id), Ok(Some(id.to_owned())));
+        assert_eq!(key(&format!("\"{id}\"")), Ok(Some(id.to_owned())));
+        match key("order-7") {
+            Err(InvalidKey(detail)) => assert!(detail.contains("UUID"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -361,11 +361,31 @@ async fn router(
                 Some(fast) => layer.redis(fast.clone()),
                 None => layer,
             };
-            pg_routes::router(handlers).layer(layer.build())
+            with_policy(pg_routes::router(handlers), layer.build())
         }
         Db::Sqlite { pool, .. } => {
             let layer = layer!(sqlite_store(pool).await).build();
-            sqlite_routes::router(handlers).layer(layer)
+            with_policy(sqlite_routes::router(handlers), layer)
         }
     }
+}
+
+/// Where the test app serves the layer's policy document.
+pub const POLICY_PATH: &str = "/docs/idempotency";
+
+/// `routes` behind `layer`, and `GET` [`POLICY_PATH`] serving the layer's policy document
+/// (a GET passes the layer through), as a service publishes it.
+fn with_policy<DB: consumer_http::StoreBackend>(
+    routes: Router,
+    layer: IdempotencyLayer<DB>,
+) -> Router {
+    let policy = layer.policy_document();
+    routes
+        .route(
+            POLICY_PATH,
+            axum::routing::get(move || async move {
+                ([(http::header::CONTENT_TYPE, "text/markdown")], policy)
+            }),
+        )
+        .layer(layer)
 }

@@ -10,7 +10,7 @@ mod app;
 mod db;
 
 #[allow(unused_imports)]
-pub use app::{App, Handlers, Killable, Scoping, ALICE, BOB, CAROL};
+pub use app::{App, Handlers, Killable, Scoping, ALICE, BOB, CAROL, POLICY_PATH};
 #[allow(unused_imports)]
 pub use consumer_scenarios::env::{database_url, redis_url, unique, wait_until};
 pub use consumer_scenarios::http::Answer;
