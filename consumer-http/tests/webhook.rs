@@ -1,214 +1,20 @@
-//! The webhook ingress end to end: its router served on `127.0.0.1:0`, a `Worker` with a
-//! `#[handler]` on its transport, a reqwest client signing like a provider (with the `hmac`
-//! crate directly, not the crate's own `sign`), and PostgreSQL (`DATABASE_URL`, a fresh
-//! schema per test). The handler writes one `effects` row per run that commits.
+//! The webhook ingress end to end, on the harness of `common::webhook` (its router on
+//! `127.0.0.1:0`, a worker on its transport, a client signing like a provider, PostgreSQL).
 
 // A scenario's setup failing is the test failing.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::str::FromStr;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use common::{database_url, unique, wait_until, Answer};
-use consumer_core::{
-    handler, Context, EntryStatus, HandlerError, Inbox, InboxConfig, Worker, WorkerConfig,
-};
+use common::webhook::{assert_problem, now, signature, Ingress, HANDLER, OLD_SECRET, SECRET};
+use common::{wait_until, Answer};
+use consumer_core::EntryStatus;
 use consumer_http::webhook::DEFAULT_SIGNATURE_HEADER;
-use consumer_http::{WebhookIngress, WebhookIngressBuilder};
+use consumer_http::WebhookIngressBuilder;
 use futures::StreamExt;
-use hmac::{Hmac, Mac};
 use serde_json::{json, Value};
-use sha2::Sha256;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Postgres};
-
-const SECRET: &str = "whsec_current";
-const OLD_SECRET: &str = "whsec_rotated_out";
-const HANDLER: &str = "provider_events";
-
-/// Records the event as an effect in the key's transaction. `"permanent": true` fails for
-/// good; `"fail_before_attempt": n` fails (after its write, which rolls back) until the
-/// inbox counts attempt `n`; `"hold_ms": n` takes that long first.
-#[handler(name = "provider_events", max_attempts = 3, backoff = "10ms..50ms")]
-async fn on_event(ctx: &mut Context<'_, Postgres>, event: Value) -> Result<(), HandlerError> {
-    if let Some(ms) = event["hold_ms"].as_u64() {
-        // A slow call to the provider's API, before the write.
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-    if event["permanent"] == json!(true) {
-        return Err(HandlerError::permanent("the event names no known account"));
-    }
-    sqlx::query("INSERT INTO effects (event_id, body) VALUES ($1, $2)")
-        .bind(ctx.key().to_owned())
-        .bind(event.to_string())
-        .execute(ctx.db())
-        .await?;
-    if let Some(n) = event["fail_before_attempt"].as_u64() {
-        if u64::from(ctx.attempt()) < n {
-            return Err(HandlerError::transient("the provider's API is unavailable"));
-        }
-    }
-    Ok(())
-}
-
-/// The ingress's router on `127.0.0.1:0`, a worker on its transport, and the database.
-struct Ingress {
-    base: String,
-    client: reqwest::Client,
-    pool: PgPool,
-    inbox: Inbox<Postgres>,
-    worker: Worker<Postgres, on_event>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    running: Option<tokio::task::JoinHandle<Result<(), consumer_core::Error>>>,
-}
-
-impl Ingress {
-    /// The ingress at `/webhooks/provider` with the current and the rotated-out secret,
-    /// changed by `configure`.
-    async fn start(configure: impl FnOnce(WebhookIngressBuilder) -> WebhookIngressBuilder) -> Self {
-        let schema = unique("webhook");
-        let options = PgConnectOptions::from_str(&database_url())
-            .expect("DATABASE_URL")
-            .options([("search_path", schema.as_str())]);
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(options)
-            .await
-            .expect("connect to PostgreSQL");
-        sqlx::raw_sql(&format!(
-            "CREATE SCHEMA \"{schema}\"; \
-             CREATE TABLE \"{schema}\".effects (event_id TEXT NOT NULL, body TEXT NOT NULL);"
-        ))
-        .execute(&pool)
-        .await
-        .expect("create the test schema");
-        let inbox = Inbox::new(pool.clone(), InboxConfig::in_schema(schema))
-            .await
-            .expect("inbox");
-        let builder = WebhookIngress::builder("/webhooks/provider")
-            .secret(OLD_SECRET)
-            .secret(SECRET)
-            .answer_within(Duration::from_secs(60));
-        let (router, transport) = configure(builder).build().expect("ingress").into_parts();
-        let config = WorkerConfig::default().with_concurrency(8);
-        let worker = Worker::with_config(inbox.clone(), on_event, config).expect("worker");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let running = tokio::spawn({
-            let worker = worker.clone();
-            async move {
-                worker
-                    .run(transport, async {
-                        let _ = stopped.await;
-                    })
-                    .await
-            }
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("address");
-        tokio::spawn(async move { axum::serve(listener, router).await });
-        Ingress {
-            base: format!("http://{addr}/webhooks/provider"),
-            client: reqwest::Client::new(),
-            pool,
-            inbox,
-            worker,
-            stop: Some(stop),
-            running: Some(running),
-        }
-    }
-
-    /// Posts `body` with the signature header `signature` (none if `None`) and `headers`.
-    async fn post(&self, body: &str, signature: Option<&str>, headers: &[(&str, &str)]) -> Answer {
-        let mut request = self
-            .client
-            .post(&self.base)
-            .header("content-type", "application/json")
-            .body(body.to_owned());
-        if let Some(signature) = signature {
-            request = request.header(DEFAULT_SIGNATURE_HEADER, signature);
-        }
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        Answer::read(request.send().await.expect("send"))
-            .await
-            .expect("body")
-    }
-
-    /// Posts `body` signed now with the current secret, as the provider does.
-    async fn deliver(&self, body: &Value) -> Answer {
-        let body = body.to_string();
-        self.post(&body, Some(&signature(SECRET, now(), &body)), &[])
-            .await
-    }
-
-    /// The effect rows, and the distinct event ids among them.
-    async fn effects(&self) -> (i64, i64) {
-        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
-            .fetch_one(&self.pool)
-            .await
-            .expect("count effects")
-    }
-
-    /// Every row of the inbox table, of any handler.
-    async fn inbox_rows(&self) -> i64 {
-        let sql = format!("SELECT count(*) FROM {}", self.inbox.table());
-        sqlx::query_scalar(&sql)
-            .fetch_one(&self.pool)
-            .await
-            .expect("count inbox rows")
-    }
-
-    async fn entry_status(&self, key: &str) -> Option<(EntryStatus, u32)> {
-        self.inbox
-            .entry(HANDLER, key)
-            .await
-            .expect("inbox entry")
-            .map(|e| (e.status, e.attempts))
-    }
-
-    /// Stops the worker gracefully.
-    async fn stop_worker(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            stop.send(()).expect("the worker is still running");
-        }
-        if let Some(running) = self.running.take() {
-            running
-                .await
-                .expect("the worker task")
-                .expect("the worker stopped cleanly");
-        }
-    }
-}
-
-/// The signature header a provider sends: `t=<t>,v1=<hex HMAC-SHA256 of "<t>.<body>">`.
-fn signature(secret: &str, t: i64, body: &str) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
-    mac.update(format!("{t}.{body}").as_bytes());
-    format!("t={t},v1={}", hex::encode(mac.finalize().into_bytes()))
-}
-
-fn now() -> i64 {
-    let secs = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    i64::try_from(secs).unwrap()
-}
-
-fn assert_problem(answer: &Answer, status: u16) {
-    assert_eq!(answer.status, status, "{answer:?}");
-    assert_eq!(
-        answer.header("content-type"),
-        Some("application/problem+json"),
-        "{answer:?}"
-    );
-}
 
 /// A signed event is answered 200 once its effect committed; its resends, signed at other
 /// times and under the rotated-out secret, are 200 and run nothing.
@@ -560,4 +366,34 @@ async fn a_request_dropped_before_its_answer_still_commits_once() {
     let stats = ingress.worker.snapshot();
     assert_eq!((stats.handler_runs, stats.settle_errors), (1, 0));
     ingress.stop_worker().await;
+}
+
+/// With `payload_hash_ids`, an event without an id is keyed by its body's canonical hash: its
+/// resends, one with its keys in another order and other white space, are answered 200 and
+/// run nothing; an event with another body runs. Without it, such an event is 400.
+#[tokio::test]
+async fn an_event_without_an_id_is_keyed_by_its_payload_when_asked() {
+    let mut ingress = Ingress::start(WebhookIngressBuilder::payload_hash_ids).await;
+    let event = r#"{"kind": "payment.paid", "amount": 5, "at": 1700000000}"#;
+    let reordered = r#"{ "at": 1700000000, "amount": 5,   "kind": "payment.paid" }"#;
+    for body in [event, event, reordered] {
+        let answer = ingress
+            .post(body, Some(&signature(SECRET, now(), body)), &[])
+            .await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    let other = r#"{"kind": "payment.paid", "amount": 5, "at": 1700000001}"#;
+    let answer = ingress
+        .post(other, Some(&signature(SECRET, now(), other)), &[])
+        .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(ingress.effects().await, (2, 2));
+    ingress.stop_worker().await;
+
+    let strict = Ingress::start(|b| b).await;
+    let refused = strict
+        .post(event, Some(&signature(SECRET, now(), event)), &[])
+        .await;
+    assert_problem(&refused, 400);
+    assert_eq!(strict.effects().await, (0, 0));
 }

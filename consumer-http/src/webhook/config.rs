@@ -31,6 +31,8 @@ pub(crate) struct Settings {
     pub(crate) signature_header: HeaderName,
     pub(crate) tolerance: Duration,
     pub(crate) event_id: EventIdSource,
+    /// An event without an id is keyed by the canonical hash of its body.
+    pub(crate) payload_hash_ids: bool,
     pub(crate) max_body_bytes: usize,
     pub(crate) buffer: usize,
     pub(crate) answer_within: Duration,
@@ -55,6 +57,7 @@ pub struct WebhookIngressBuilder {
     signature_header: String,
     tolerance: Duration,
     event_id: EventIdFrom,
+    payload_hash_ids: bool,
     max_body_bytes: usize,
     buffer: usize,
     answer_within: Duration,
@@ -68,6 +71,7 @@ impl WebhookIngressBuilder {
             signature_header: DEFAULT_SIGNATURE_HEADER.to_owned(),
             tolerance: Duration::from_secs(300),
             event_id: EventIdFrom::Field(DEFAULT_EVENT_ID_FIELD.to_owned()),
+            payload_hash_ids: false,
             max_body_bytes: consumer_core::DEFAULT_MAX_PAYLOAD_BYTES,
             buffer: 64,
             answer_within: Duration::from_secs(10),
@@ -108,6 +112,17 @@ impl WebhookIngressBuilder {
     /// (default [`DEFAULT_EVENT_ID_FIELD`]).
     pub fn event_id_field(mut self, name: impl Into<String>) -> Self {
         self.event_id = EventIdFrom::Field(name.into());
+        self
+    }
+
+    /// Keys an event that has no id (its field or header missing) by the canonical hash of
+    /// its JSON body, `payload-` and 64 hex digits, instead of refusing it with 400: a
+    /// resend of the same body deduplicates, whatever its key order and white space. Off by
+    /// default, as two distinct events with the same body would be taken for one: use it
+    /// for a provider whose events carry no id but differ in content (a timestamp, a
+    /// sequence number). An id that is there but malformed is still a 400.
+    pub fn payload_hash_ids(mut self) -> Self {
+        self.payload_hash_ids = true;
         self
     }
 
@@ -182,6 +197,7 @@ impl WebhookIngressBuilder {
             signature_header,
             tolerance: self.tolerance,
             event_id,
+            payload_hash_ids: self.payload_hash_ids,
             max_body_bytes: self.max_body_bytes,
             buffer: self.buffer,
             answer_within: self.answer_within,

@@ -61,7 +61,11 @@ pub(super) async fn receive(State(shared): State<Arc<Shared>>, request: Request<
     };
     let event_id = match serde_json::from_slice::<Value>(&body) {
         Err(_) => Err("the body is not JSON".to_owned()),
-        Ok(value) => event_id(&s.event_id, &parts, &value),
+        Ok(value) => event_id(&s.event_id, &parts, &value).and_then(|id| match id {
+            Some(id) => Ok(id),
+            None if s.payload_hash_ids => Ok(payload_id(&value)),
+            None => Err(missing_id(&s.event_id)),
+        }),
     };
     let event_id = match event_id {
         Ok(id) => id,
@@ -92,8 +96,9 @@ fn unix_now() -> i64 {
 }
 
 /// The event id, from its header or its top-level JSON field (a string, or an integer
-/// written in decimal), checked to be a key the inbox can hold; `Err` is the 400's detail.
-fn event_id(source: &EventIdSource, parts: &Parts, body: &Value) -> Result<String, String> {
+/// written in decimal), checked to be a key the inbox can hold; `Ok(None)` when the header
+/// or field is not there; `Err` is the 400's detail.
+fn event_id(source: &EventIdSource, parts: &Parts, body: &Value) -> Result<Option<String>, String> {
     let id = match source {
         EventIdSource::Header(name) => {
             let mut values = parts.headers.get_all(name).iter();
@@ -102,7 +107,7 @@ fn event_id(source: &EventIdSource, parts: &Parts, body: &Value) -> Result<Strin
                     .to_str()
                     .map_err(|_| format!("the `{name}` header is not visible ASCII"))?
                     .to_owned(),
-                (None, _) => return Err(format!("the request has no `{name}` header")),
+                (None, _) => return Ok(None),
                 (Some(_), Some(_)) => {
                     return Err(format!("the request has more than one `{name}` header"))
                 }
@@ -116,7 +121,7 @@ fn event_id(source: &EventIdSource, parts: &Parts, body: &Value) -> Result<Strin
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
                 Some(_) => return Err(format!("the field `{field}` is not a string or integer")),
-                None => return Err(format!("the body has no field `{field}`")),
+                None => return Ok(None),
             }
         }
     };
@@ -132,7 +137,21 @@ fn event_id(source: &EventIdSource, parts: &Parts, body: &Value) -> Result<Strin
     if id.chars().any(char::is_control) {
         return Err("the event id holds a control character".to_owned());
     }
-    Ok(id)
+    Ok(Some(id))
+}
+
+/// The 400's detail for an event whose id is not there.
+fn missing_id(source: &EventIdSource) -> String {
+    match source {
+        EventIdSource::Header(name) => format!("the request has no `{name}` header"),
+        EventIdSource::Field(field) => format!("the body has no field `{field}`"),
+    }
+}
+
+/// The id of an event that has none, with [`payload_hash_ids`](super::WebhookIngressBuilder::payload_hash_ids):
+/// the canonical hash of its body (the inbox's payload hash).
+fn payload_id(body: &Value) -> String {
+    format!("payload-{}", consumer_core::canonical_hash(body))
 }
 
 /// The delivery of a verified event: the event id as its message id, the body as its
@@ -259,15 +278,33 @@ mod tests {
     }
 
     #[test]
+    fn an_event_without_an_id_is_keyed_by_its_canonical_payload() {
+        let a = payload_id(&serde_json::json!({"kind": "paid", "amount": 5}));
+        let b = payload_id(
+            &serde_json::from_str::<Value>(r#"{ "amount": 5,  "kind": "paid" }"#).unwrap(),
+        );
+        assert_eq!(a, b);
+        assert_ne!(
+            a,
+            payload_id(&serde_json::json!({"kind": "paid", "amount": 6}))
+        );
+        assert!(a.starts_with("payload-") && a.len() == 8 + 64, "{a}");
+        assert!(a.len() <= MAX_KEY_BYTES);
+    }
+
+    #[test]
     fn the_event_id_comes_from_its_field_or_header_and_is_checked() {
         let field = EventIdSource::Field("id".into());
         let none = parts(&[]);
         let id = |body: Value| event_id(&field, &none, &body);
-        assert_eq!(id(serde_json::json!({"id": "evt_1"})), Ok("evt_1".into()));
-        assert_eq!(id(serde_json::json!({"id": 42})), Ok("42".into()));
+        assert_eq!(
+            id(serde_json::json!({"id": "evt_1"})),
+            Ok(Some("evt_1".into()))
+        );
+        assert_eq!(id(serde_json::json!({"id": 42})), Ok(Some("42".into())));
         assert!(id(serde_json::json!({"id": 4.2})).is_err());
         assert!(id(serde_json::json!({"id": null})).is_err());
-        assert!(id(serde_json::json!({"other": "x"})).is_err());
+        assert_eq!(id(serde_json::json!({"other": "x"})), Ok(None));
         assert!(id(serde_json::json!(["id"])).is_err());
         assert!(id(serde_json::json!({"id": ""})).is_err());
         assert!(id(serde_json::json!({"id": "a\nb"})).is_err());
@@ -276,8 +313,8 @@ mod tests {
         let header = EventIdSource::Header(HeaderName::from_static("webhook-id"));
         let body = serde_json::json!({});
         let with = parts(&[("webhook-id", "msg_1")]);
-        assert_eq!(event_id(&header, &with, &body), Ok("msg_1".into()));
-        assert!(event_id(&header, &none, &body).is_err());
+        assert_eq!(event_id(&header, &with, &body), Ok(Some("msg_1".into())));
+        assert_eq!(event_id(&header, &none, &body), Ok(None));
         let twice = parts(&[("webhook-id", "a"), ("webhook-id", "b")]);
         assert!(event_id(&header, &twice, &body).is_err());
     }

@@ -1,13 +1,14 @@
 //! Shared by the HTTP tests: `db`, a database per test (a fresh PostgreSQL schema, with or
 //! without the Redis fast path, or a temporary SQLite file); `app`, an axum app with the
-//! layer served on `127.0.0.1:0` and a reqwest client; and the macros that run a scenario on
-//! each database.
+//! layer served on `127.0.0.1:0` and a reqwest client; `webhook`, the webhook ingress with a
+//! worker behind it; and the macros that run a scenario on each database.
 
 // Each test binary uses a part of what is here.
 #![allow(dead_code, unreachable_pub, unused_macros)]
 
 mod app;
 mod db;
+pub mod webhook;
 
 #[allow(unused_imports)]
 pub use app::{App, Handlers, Killable, Scoping, ALICE, BOB, CAROL, POLICY_PATH};
