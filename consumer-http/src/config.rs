@@ -38,6 +38,7 @@ pub struct IdempotencyConfig {
     pub(crate) store_client_errors: bool,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) purge: Purge,
+    pub(crate) gauge_interval: Duration,
     pub(crate) key_format: KeyFormat,
     pub(crate) policy_url: Option<String>,
 }
@@ -132,6 +133,7 @@ impl Default for IdempotencyConfig {
             store_client_errors: true,
             stored_headers: vec![http::header::CONTENT_TYPE],
             purge: Purge::EveryTtl,
+            gauge_interval: Duration::from_secs(30),
             key_format: KeyFormat::any(),
             policy_url: None,
         }
@@ -286,6 +288,14 @@ impl IdempotencyConfigBuilder {
         self
     }
 
+    /// How often the layer sets its gauges (default 30 s): the records by status, counted
+    /// in the table (`consumer_http_records`: a `count(*)` of the table each time), and the
+    /// age of this process's longest-running request (`consumer_http_oldest_in_progress_seconds`).
+    pub fn gauge_interval(mut self, every: Duration) -> Self {
+        self.config.gauge_interval = every;
+        self
+    }
+
     /// The layer never purges: the application calls
     /// [`IdempotencyStore::purge_expired`](crate::IdempotencyStore::purge_expired) itself
     /// (e.g. from one scheduled job rather than every process).
@@ -337,6 +347,9 @@ impl IdempotencyConfigBuilder {
                     "must be an absolute URL or a path (a URI reference)",
                 ));
             }
+        }
+        if c.gauge_interval.is_zero() {
+            return Err(Error::config("gauge_interval", "must be above 0"));
         }
         if c.purge == Purge::Every(Duration::ZERO) {
             return Err(Error::config(

@@ -21,7 +21,7 @@ use crate::caller::{Callers, NoCaller};
 use crate::config::IdempotencyConfig;
 use crate::fast::{FastRequest, Settled};
 use crate::held::{HeldKey, HeldKeys, Hold};
-use crate::metrics::{answered, decided, Outcome};
+use crate::metrics::{Counting, Outcome};
 use crate::problem;
 use crate::request;
 use crate::store::{Claim, ClaimRequest, IdempotencyStore, StoreBackend};
@@ -37,8 +37,8 @@ pub(crate) struct Shared<DB: StoreBackend> {
     pub(crate) held: Arc<HeldKeys>,
     #[cfg(feature = "redis")]
     pub(crate) fast: Option<crate::fast::RedisFastPath>,
-    /// Whether the layer's purge has been started (see `purge`).
-    pub(crate) purge_started: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the layer's background task has been started (see `housekeeping`).
+    pub(crate) housekeeping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<DB: StoreBackend> Clone for Shared<DB> {
@@ -50,7 +50,7 @@ impl<DB: StoreBackend> Clone for Shared<DB> {
             held: self.held.clone(),
             #[cfg(feature = "redis")]
             fast: self.fast.clone(),
-            purge_started: self.purge_started.clone(),
+            housekeeping: self.housekeeping.clone(),
         }
     }
 }
@@ -114,11 +114,12 @@ where
         return Ok(inner.call(request).await?.map(Body::new));
     }
     let (parts, body) = request.into_parts();
+    let count = Counting::of(&parts);
     let policy = config.policy_url.as_deref();
     let key = match request::idempotency_key(&parts, &config.key_format) {
         Ok(Some(key)) => key,
         Ok(None) if config.key_required => {
-            answered(Outcome::InvalidKey);
+            count.answered(Outcome::InvalidKey);
             return Ok(problem::bad_key(
                 "the request has no Idempotency-Key header",
                 policy,
@@ -129,14 +130,14 @@ where
             return Ok(inner.call(request).await?.map(Body::new));
         }
         Err(invalid) => {
-            answered(Outcome::InvalidKey);
+            count.answered(Outcome::InvalidKey);
             return Ok(problem::bad_key(&invalid.0, policy));
         }
     };
     let caller = match shared.callers.of(&parts) {
         Ok(caller) => caller,
         Err(NoCaller) => {
-            answered(Outcome::NoCaller);
+            count.answered(Outcome::NoCaller);
             return Ok(problem::no_caller());
         }
     };
@@ -159,7 +160,7 @@ where
     let fast = fast.as_ref();
     let deciding = Instant::now();
     let decision = decide(&shared, &claim, fast).await;
-    decided(deciding.elapsed());
+    count.decided(deciding.elapsed());
     let answer = match decision {
         Ok(Decision::Run(tx, held)) => {
             let answer = run(&shared, inner, parts, body, tx, &claim, fast).await;
@@ -173,15 +174,15 @@ where
             if let (Some(fast), Some(until)) = (fast, cache_until) {
                 fast.publish(&stored, until).await;
             }
-            answered(Outcome::Replayed);
+            count.answered(Outcome::Replayed);
             Ok(stored.replay())
         }
         Ok(Decision::Mismatch) => {
-            answered(Outcome::Mismatch);
+            count.answered(Outcome::Mismatch);
             Ok(problem::mismatch(config.policy_url.as_deref()))
         }
         Ok(Decision::InProgress) => {
-            answered(Outcome::InProgress);
+            count.answered(Outcome::InProgress);
             Ok(problem::in_progress(
                 config.retry_after,
                 config.policy_url.as_deref(),
@@ -189,7 +190,7 @@ where
         }
         Err(e) => {
             tracing::warn!(error = %e, "idempotency store failed reading a key");
-            answered(Outcome::Unavailable);
+            count.answered(Outcome::Unavailable);
             Ok(problem::store_unavailable(config.retry_after))
         }
     };
@@ -324,8 +325,9 @@ where
 {
     let store = &shared.store;
     let config = &shared.config;
+    let count = Counting::of(&parts);
     let unavailable = || {
-        answered(Outcome::Unavailable);
+        count.answered(Outcome::Unavailable);
         problem::store_unavailable(config.retry_after)
     };
     let slot = TxSlot::new(tx, claim.scope, claim.key);
@@ -341,12 +343,12 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(e)) => {
             abandon(&slot).await;
-            answered(Outcome::Released);
+            count.answered(Outcome::Released);
             return Err(e);
         }
         Err(_panic) => {
             abandon(&slot).await;
-            answered(Outcome::Released);
+            count.answered(Outcome::Released);
             return Ok(problem::internal("the handler panicked"));
         }
     };
@@ -354,7 +356,7 @@ where
     let status = head.status;
     if !config.stores(status) {
         abandon(&slot).await;
-        answered(Outcome::Released);
+        count.answered(Outcome::Released);
         return Ok(http::Response::from_parts(head, Body::new(response_body)));
     }
     let response_body = match Limited::new(response_body, config.max_response_bytes)
@@ -364,7 +366,7 @@ where
         Ok(collected) => collected.to_bytes(),
         Err(_) => {
             abandon(&slot).await;
-            answered(Outcome::Released);
+            count.answered(Outcome::Released);
             return Ok(problem::internal(
                 "the answer could not be stored: its body failed or is over the limit",
             ));
@@ -373,7 +375,7 @@ where
     let Some(mut tx) = slot.take() else {
         // The handler kept its `IdempotentTx` (a spawned task): its transaction rolls back,
         // freeing the key, when that ends.
-        answered(Outcome::Released);
+        count.answered(Outcome::Released);
         return Ok(problem::internal(
             "the handler kept its IdempotentTx past its answer",
         ));
@@ -396,7 +398,7 @@ where
             // its writes cannot commit, so its answer must not be given as a success.
             tracing::warn!(error = %e, "the handler's transaction was aborted by an earlier error it ignored");
             let _ = tx.rollback().await;
-            answered(Outcome::Released);
+            count.answered(Outcome::Released);
             return Ok(problem::internal(
                 "the handler's transaction was aborted by an earlier error it ignored",
             ));
@@ -416,7 +418,7 @@ where
     if let Some(fast) = fast {
         fast.publish(&stored, completing + config.ttl).await;
     }
-    answered(Outcome::Completed);
+    count.answered(Outcome::Completed);
     Ok(http::Response::from_parts(head, Body::from(stored.body)))
 }
 

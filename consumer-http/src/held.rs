@@ -7,17 +7,18 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::OwnedMutexGuard;
 
 type Table = HashMap<String, Entry>;
 
-/// A key held or waited for: its lock, and the fingerprint of the request that holds it.
+/// A key held or waited for: its lock, and the fingerprint of the request that holds it
+/// with when it took the key.
 #[derive(Debug, Default)]
 struct Entry {
     lock: Arc<tokio::sync::Mutex<()>>,
-    holder: Option<String>,
+    holder: Option<(String, Instant)>,
 }
 
 /// What asking for a key came to.
@@ -52,7 +53,7 @@ impl HeldKeys {
         let key_lock = {
             let mut table = lock(&self.table);
             let entry = table.entry(name.clone()).or_default();
-            if entry.holder.as_deref().is_some_and(|f| f != fingerprint) {
+            if entry.holder.as_ref().is_some_and(|(f, _)| f != fingerprint) {
                 return Hold::OtherRequest;
             }
             entry.lock.clone()
@@ -70,9 +71,19 @@ impl HeldKeys {
             return Hold::Busy;
         }
         if let Some(entry) = lock(&self.table).get_mut(&held.name) {
-            entry.holder = Some(fingerprint.to_owned());
+            entry.holder = Some((fingerprint.to_owned(), Instant::now()));
         }
         Hold::Held(held)
+    }
+
+    /// How long the longest-running request holding a key has held it (`None`: none).
+    pub(crate) fn oldest(&self) -> Option<Duration> {
+        let now = Instant::now();
+        lock(&self.table)
+            .values()
+            .filter_map(|e| e.holder.as_ref())
+            .map(|(_, since)| now.duration_since(*since))
+            .max()
     }
 }
 
@@ -107,8 +118,10 @@ mod tests {
     #[tokio::test]
     async fn a_held_key_makes_its_duplicate_wait_and_lets_it_in_when_dropped() {
         let keys = HeldKeys::default();
+        assert_eq!(keys.oldest(), None);
         let first = keys.hold("k".into(), "f", Duration::ZERO).await;
         assert!(matches!(first, Hold::Held(_)));
+        assert!(keys.oldest().is_some());
         assert!(matches!(
             keys.hold("k".into(), "f", Duration::ZERO).await,
             Hold::Busy
@@ -127,5 +140,6 @@ mod tests {
         drop(first);
         assert!(matches!(waiting.await, Hold::Held(_)));
         assert!(lock(&keys.table).is_empty(), "every entry forgotten");
+        assert_eq!(keys.oldest(), None);
     }
 }

@@ -190,7 +190,7 @@ impl<DB: StoreBackend, C> IdempotencyLayerBuilder<DB, C> {
                 held: Default::default(),
                 #[cfg(feature = "redis")]
                 fast: self.fast,
-                purge_started: Default::default(),
+                housekeeping: Default::default(),
             }),
         }
     }
@@ -251,7 +251,7 @@ where
         // The service that was polled ready takes the request; a clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        self.shared.start_purge();
+        self.shared.start_housekeeping();
         Box::pin(flow::handle(self.shared.clone(), inner, request))
     }
 }

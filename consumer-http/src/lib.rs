@@ -240,9 +240,10 @@
 //!   whose a record is ([`Callers`], the builder's states); `flow`: one request
 //!   through them (decide, run, store or roll back); `held`: the keys a layer's requests
 //!   are running in this process; `tx`: [`IdempotentTx`]; `policy`: the idempotency
-//!   policy a layer keeps, written out to publish; `purge`: the layer's own
-//!   purge of expired records; [`metrics`]: what the layer counts (answers by outcome, the
-//!   time to decide on a key, the records purged).
+//!   policy a layer keeps, written out to publish; `housekeeping`: the layer's background
+//!   task (the purge of expired records, the gauges); [`metrics`]: what the layer counts
+//!   (answers by route and outcome, the time to decide on a key, the records by status and
+//!   purged, the oldest request in progress).
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
 //!   lease, the cached answer's encoding).
 //! - `store`: [`IdempotencyStore`] on PostgreSQL or SQLite, its configuration
@@ -263,11 +264,11 @@ mod error;
 mod fast;
 mod flow;
 mod held;
+mod housekeeping;
 mod layer;
 pub mod metrics;
 mod policy;
 mod problem;
-mod purge;
 mod request;
 mod store;
 mod stored;

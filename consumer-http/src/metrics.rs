@@ -2,10 +2,12 @@
 //!
 //! | metric | type | labels | what |
 //! |---|---|---|---|
-//! | `consumer_http_requests_total` | counter | `outcome` | requests with a key, by how they were answered: `completed` (ran, answer stored), `replayed` (the stored answer), `mismatch` (422), `in_progress` (409), `released` (ran, not stored: a 5xx, a panic, an error; the key released), `unavailable` (the store failed: 503), `invalid_key` (400), `no_caller` (401: the caller function named no caller) |
-//! | `consumer_http_store_seconds` | histogram | | time to read or claim a key (the decision before a run or a replay) |
+//! | `consumer_http_requests_total` | counter | `route`, `outcome` | requests with a key, by route (the method and the route's path as the router matched it, e.g. `POST /payments/{id}`; `POST unmatched` outside an axum router) and how they were answered: `completed` (ran, answer stored), `replayed` (the stored answer), `mismatch` (422), `in_progress` (409), `released` (ran, not stored: a 5xx, a panic, an error; the key released), `unavailable` (the store failed: 503), `invalid_key` (400), `no_caller` (401: the caller function named no caller) |
+//! | `consumer_http_store_seconds` | histogram | `route` | time to decide on a key before a run or a replay: the read or claim, and the wait on a running request with the key |
 //! | `consumer_http_redis_failures_total` | counter | `op` | Redis calls that failed or timed out (the database answered alone) |
-//! | `consumer_http_records_purged_total` | counter | | expired records the layer's purge deleted |
+//! | `consumer_http_records_purged_total` | counter | `table` | expired records the layer's purge deleted |
+//! | `consumer_http_records` | gauge | `table`, `status` | committed records, `in_progress` (claims an earlier version of the layer committed) and `completed` (expired ones until purged), counted every `gauge_interval` |
+//! | `consumer_http_oldest_in_progress_seconds` | gauge | `table` | how long this process's longest-running request with a key has run (0: none), every `gauge_interval` |
 
 use std::time::Duration;
 
@@ -37,12 +39,38 @@ impl Outcome {
     }
 }
 
-/// Counts one answered request.
-pub(crate) fn answered(outcome: Outcome) {
-    metrics::counter!("consumer_http_requests_total", "outcome" => outcome.as_str()).increment(1);
+/// The counts of one request, under its route.
+pub(crate) struct Counting {
+    route: String,
 }
 
-/// Records how long the decision on a key took.
-pub(crate) fn decided(took: Duration) {
-    metrics::histogram!("consumer_http_store_seconds").record(took.as_secs_f64());
+impl Counting {
+    /// The counts of the request of `parts`: its route is the method and the path the axum
+    /// router matched (a template such as `/payments/{id}`, never the request's own path,
+    /// which would make a series per id), or `unmatched` without one.
+    pub(crate) fn of(parts: &http::request::Parts) -> Self {
+        let path = parts
+            .extensions
+            .get::<axum::extract::MatchedPath>()
+            .map_or("unmatched", axum::extract::MatchedPath::as_str);
+        Counting {
+            route: format!("{} {path}", parts.method),
+        }
+    }
+
+    /// Counts the request answered.
+    pub(crate) fn answered(&self, outcome: Outcome) {
+        metrics::counter!(
+            "consumer_http_requests_total",
+            "route" => self.route.clone(),
+            "outcome" => outcome.as_str()
+        )
+        .increment(1);
+    }
+
+    /// Records how long the decision on its key took.
+    pub(crate) fn decided(&self, took: Duration) {
+        metrics::histogram!("consumer_http_store_seconds", "route" => self.route.clone())
+            .record(took.as_secs_f64());
+    }
 }

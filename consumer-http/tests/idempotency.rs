@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{wait_until, App, Db, Scoping, ALICE, BOB, CAROL};
+use common::{App, Db, Scoping, ALICE, BOB, CAROL};
 use consumer_http::IdempotencyConfig;
 use serde_json::json;
 
@@ -434,25 +434,6 @@ async fn a_4xx_is_stored_unless_configured_not_to(db: Db) {
     assert_eq!(app.runs(), 2);
 }
 
-/// After its TTL a key runs again, and the expired records are purged.
-async fn an_expired_key_runs_again_and_is_purged(db: Db) {
-    let ttl = Duration::from_secs(2);
-    let app = App::serve(&db, config().lease(ttl).ttl(ttl).build().unwrap()).await;
-    let body = json!({"amount": 1});
-    assert_eq!(app.post("/payments", Some("t"), &body).await.status, 201);
-    wait_until("the key to run again after its TTL", || async {
-        !app.post("/payments", Some("t"), &body).await.replayed()
-    })
-    .await;
-    assert_eq!(app.runs(), 2);
-    assert_eq!(db.effects().await, 2);
-    wait_until("the expired record to be purged", || async {
-        db.purge_expired().await == 1
-    })
-    .await;
-    assert_eq!(db.records().await, 0);
-}
-
 /// A process killed mid-request (after its handler's write, before the commit) leaves no
 /// effect and no claim: its transaction held the key and died with it, so the key's next
 /// request runs at once, long before the lease (30 s here) could have run out, and once.
@@ -592,7 +573,6 @@ common::on_both!(
     a_request_without_a_caller_is_refused_before_running,
     shared_across_callers_answers_any_caller_the_stored_answer,
     transient_client_errors_are_never_stored,
-    an_expired_key_runs_again_and_is_purged,
     a_killed_request_frees_its_key_at_once,
     a_client_that_hangs_up_frees_its_key_at_once,
     a_running_request_holds_its_key_however_long_it_runs,

@@ -39,6 +39,10 @@ pub(crate) const COMPLETE: &str = "UPDATE {table} SET status = 'completed', \
      expires_at_ms = {now} + $7 \
      WHERE scope = $1 AND key = $2 AND claim = $3 AND status = 'in_progress'";
 
+/// How many records there are of each status (committed ones: a running request's claim
+/// is not seen).
+pub(crate) const COUNTS: &str = "SELECT status, count(*) FROM {table} GROUP BY status";
+
 /// The condition [`CLAIM`] takes a row over on regardless of its fingerprint.
 pub(crate) const EXPIRED: &str =
     "expires_at_ms <= {now} AND (status = 'completed' OR lease_until_ms <= {now})";
@@ -152,6 +156,7 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
             fetch: render::<Self>(names, FETCH),
             complete: render::<Self>(names, COMPLETE),
             purge: render::<Self>(names, &Self::purge_template()),
+            counts: render::<Self>(names, COUNTS),
         }
     }
 
@@ -191,6 +196,12 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
         sql: &'a Statements,
         batch: i64,
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+
+    #[doc(hidden)]
+    fn counts<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Statements,
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, sqlx::Error>>;
 }
 
 /// `template` with `{table}`, `{expires_index}` and `{now}` (the database's clock in Unix
@@ -294,6 +305,13 @@ macro_rules! store_ops {
                 let done = sqlx::query(&sql.purge).bind(batch).execute(pool).await?;
                 Ok(done.rows_affected())
             })
+        }
+
+        fn counts<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            sql: &'a $crate::store::config::Statements,
+        ) -> futures::future::BoxFuture<'a, Result<Vec<(String, i64)>, sqlx::Error>> {
+            Box::pin(async move { sqlx::query_as(&sql.counts).fetch_all(pool).await })
         }
     };
 }

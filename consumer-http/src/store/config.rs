@@ -92,6 +92,7 @@ pub struct Statements {
     pub(crate) fetch: String,
     pub(crate) complete: String,
     pub(crate) purge: String,
+    pub(crate) counts: String,
 }
 
 impl Names {

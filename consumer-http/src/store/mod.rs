@@ -38,6 +38,13 @@ pub(crate) enum Claim<DB: StoreBackend> {
     Busy,
 }
 
+/// How many committed records a store holds, by status.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RecordCounts {
+    pub(crate) in_progress: u64,
+    pub(crate) completed: u64,
+}
+
 /// The records of idempotent requests on a connection pool. Cheap to clone.
 pub struct IdempotencyStore<DB: StoreBackend> {
     pool: Pool<DB>,
@@ -99,6 +106,20 @@ impl<DB: StoreBackend> IdempotencyStore<DB> {
                 return Ok(total);
             }
         }
+    }
+
+    /// How many committed records there are in progress (claims committed by an earlier
+    /// version of the layer) and completed, expired ones included until purged.
+    pub(crate) async fn counts(&self) -> Result<RecordCounts, sqlx::Error> {
+        let mut counts = RecordCounts::default();
+        for (status, n) in DB::counts(&self.pool, &self.names.sql).await? {
+            let n = u64::try_from(n).unwrap_or(0);
+            match status.as_str() {
+                "completed" => counts.completed += n,
+                _ => counts.in_progress += n,
+            }
+        }
+        Ok(counts)
     }
 
     /// A connection for one request: its record is read on it, and its transaction begun on
