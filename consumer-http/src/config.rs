@@ -41,6 +41,8 @@ pub struct IdempotencyConfig {
     pub(crate) gauge_interval: Duration,
     pub(crate) key_format: KeyFormat,
     pub(crate) policy_url: Option<String>,
+    pub(crate) accepted_while_in_progress: bool,
+    pub(crate) echo_key: bool,
 }
 
 /// What an `Idempotency-Key` must look like besides printable ASCII of at most
@@ -136,6 +138,8 @@ impl Default for IdempotencyConfig {
             gauge_interval: Duration::from_secs(30),
             key_format: KeyFormat::any(),
             policy_url: None,
+            accepted_while_in_progress: false,
+            echo_key: false,
         }
     }
 }
@@ -320,6 +324,23 @@ impl IdempotencyConfigBuilder {
     /// the policy this configuration keeps, for the service to serve there.
     pub fn policy_url(mut self, url: impl Into<String>) -> Self {
         self.config.policy_url = Some(url.into());
+        self
+    }
+
+    /// A retry that finds its key's first request still running after the wait is answered
+    /// `202 Accepted` with `Retry-After` ("taken, not done yet: ask again") instead of
+    /// `409 Conflict` (the default), for clients that treat a 409 as final. The body says
+    /// the same either way.
+    pub fn accepted_while_in_progress(mut self) -> Self {
+        self.config.accepted_while_in_progress = true;
+        self
+    }
+
+    /// Every answer to a request with a key (the first run's, a replay, the layer's own)
+    /// carries the key back in `Idempotency-Key`, as the client sent it (off by default), so
+    /// a client or a proxy can match answers to keys.
+    pub fn echo_key(mut self) -> Self {
+        self.config.echo_key = true;
         self
     }
 

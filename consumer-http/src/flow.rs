@@ -115,6 +115,38 @@ where
     }
     let (parts, body) = request.into_parts();
     let count = Counting::of(&parts);
+    let echo = config
+        .echo_key
+        .then(|| parts.headers.get(request::IDEMPOTENCY_KEY).cloned())
+        .flatten();
+    let answer = answer(&shared, inner, parts, body, &count).await;
+    Ok(match (answer?, echo) {
+        (mut answer, Some(key)) => {
+            answer.headers_mut().insert(request::IDEMPOTENCY_KEY, key);
+            answer
+        }
+        (answer, None) => answer,
+    })
+}
+
+/// The answer to a request with a key (or without one, where the key is optional): a
+/// refusal, a replay, or the inner service's answer stored.
+async fn answer<S, DB, ResBody>(
+    shared: &Arc<Shared<DB>>,
+    mut inner: S,
+    parts: Parts,
+    body: Body,
+    count: &Counting,
+) -> Result<Response, S::Error>
+where
+    DB: StoreBackend,
+    S: Service<Request<Body>, Response = http::Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    let config = &shared.config;
     let policy = config.policy_url.as_deref();
     let key = match request::idempotency_key(&parts, &config.key_format) {
         Ok(Some(key)) => key,
@@ -159,11 +191,11 @@ where
     let fast = shared.fast_request(&claim);
     let fast = fast.as_ref();
     let deciding = Instant::now();
-    let decision = decide(&shared, &claim, fast).await;
+    let decision = decide(shared, &claim, fast).await;
     count.decided(deciding.elapsed());
     let answer = match decision {
         Ok(Decision::Run(tx, held)) => {
-            let answer = run(&shared, inner, parts, body, tx, &claim, fast).await;
+            let answer = run(shared, inner, parts, body, tx, &claim, fast).await;
             drop(held);
             answer
         }
@@ -186,6 +218,7 @@ where
             Ok(problem::in_progress(
                 config.retry_after,
                 config.policy_url.as_deref(),
+                config.accepted_while_in_progress,
             ))
         }
         Err(e) => {

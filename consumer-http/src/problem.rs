@@ -120,15 +120,27 @@ fn with_retry_after(mut response: Response, after: Duration) -> Response {
     response
 }
 
-/// 409 with `Retry-After`: a request with the key is still in progress.
-pub(crate) fn in_progress(retry_after: Duration, policy: Option<&str>) -> Response {
-    let response = about_key(
-        StatusCode::CONFLICT,
+/// 409 (or, `accepted`, 202) with `Retry-After`: a request with the key is still in
+/// progress. A 202 is not an error: its body has the same members, as `application/json`.
+pub(crate) fn in_progress(retry_after: Duration, policy: Option<&str>, accepted: bool) -> Response {
+    let status = if accepted {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::CONFLICT
+    };
+    let mut response = about_key(
+        status,
         "in-progress",
         "Request in progress",
         "a request with this Idempotency-Key is still in progress; retry later",
         policy,
     );
+    if accepted {
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+    }
     with_retry_after(response, retry_after)
 }
 

@@ -127,6 +127,37 @@ async fn the_published_policy_is_the_configurations(db: Db) {
     }
 }
 
+/// Configured so, a retry that finds its key's request running gets 202 with `Retry-After`
+/// instead of 409, and every answer to a request with a key carries the key back as sent.
+async fn in_progress_can_be_202_and_the_key_echoed(db: Db) {
+    let config = IdempotencyConfig::builder()
+        .accepted_while_in_progress()
+        .echo_key()
+        .wait(Duration::ZERO)
+        .build()
+        .unwrap();
+    let app = Arc::new(App::serve(&db, config).await);
+    let body = json!({"amount": 5});
+    app.handlers.hold_next.store(true, Ordering::SeqCst);
+    let first = tokio::spawn({
+        let (app, body) = (app.clone(), body.clone());
+        async move { app.post("/payments", Some("\"e-1\""), &body).await }
+    });
+    app.wait_held(1).await;
+    let busy = app.post("/payments", Some("e-1"), &body).await;
+    assert_eq!(busy.status, 202, "{busy:?}");
+    assert!(busy.header("retry-after").is_some(), "{busy:?}");
+    assert_eq!(busy.header("idempotency-key"), Some("e-1"));
+    app.open_gate();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("idempotency-key"), Some("\"e-1\""));
+    let replay = app.post("/payments", Some("e-1"), &body).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.header("idempotency-key"), Some("e-1"));
+    assert_eq!(app.runs(), 1);
+}
+
 /// Without a published policy the problems are typed `about:blank` and carry no `Link`.
 async fn without_a_policy_problems_are_about_blank(db: Db) {
     let app = App::serve(&db, IdempotencyConfig::builder().build().unwrap()).await;
@@ -168,4 +199,5 @@ common::on_both!(
     answers_about_a_key_point_at_the_published_policy,
     without_a_policy_problems_are_about_blank,
     the_published_policy_is_the_configurations,
+    in_progress_can_be_202_and_the_key_echoed,
 );
