@@ -10,7 +10,7 @@ use sqlx::Postgres;
 
 use crate::measure::{figures, Baseline, Figures};
 use crate::timing::Acks;
-use crate::{outbox, Options};
+use crate::{relay, Options};
 
 /// The framework's worker for the `record` handler, as every framework arm runs it: the
 /// bench's concurrency, `batch`, no retention task.
@@ -38,7 +38,7 @@ pub(crate) struct Fw<'a, H> {
     /// How the worker batches messages (`None`: one a transaction).
     pub(crate) batch: Option<BatchConfig>,
     /// The `+ outbox` arm's relay (`None`: the clock stops at the last ack).
-    pub(crate) relay: Option<&'a outbox::Relaying>,
+    pub(crate) relay: Option<&'a relay::Relaying>,
 }
 
 impl<H> Fw<'static, H> {
@@ -57,7 +57,7 @@ impl<H> Fw<'static, H> {
 pub(crate) fn framework_figures(
     o: &Options,
     s: &consumer_core::StatsSnapshot,
-    end: &outbox::End,
+    end: &relay::End,
     cpu: Duration,
     acks: &Acks,
     base: Baseline,

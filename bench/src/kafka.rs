@@ -18,9 +18,10 @@ use sqlx::Postgres;
 
 use crate::framework::{bench_worker, framework_figures, Fw};
 use crate::measure::{Clock, Figures};
-use crate::outbox::{check_events, End, OutboxArm};
+use crate::outbox::OutboxArm;
 use crate::outbox_latency::Received;
 use crate::postgres::{hand_batch, hand_one, payload, Job, BATCH_WAIT};
+use crate::relay::{check_events, End};
 use crate::timing::{timed, Acks};
 use crate::Options;
 

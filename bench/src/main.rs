@@ -105,6 +105,7 @@ mod memory;
 mod outbox;
 mod outbox_latency;
 mod postgres;
+mod relay;
 mod report;
 mod timing;
 

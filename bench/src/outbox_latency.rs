@@ -22,7 +22,7 @@ use sqlx::{PgPool, Postgres};
 use tokio::sync::mpsc;
 
 use crate::measure::percentile_ms;
-use crate::outbox::Relaying;
+use crate::relay::Relaying;
 use crate::{amqp, kafka, Options};
 
 /// How long a sample waits for its message at the consumer (a Kafka consumer's first one

@@ -13,8 +13,9 @@
 //!   waits (bounded) for their in-flight records, commits what is contiguous and forgets them;
 //!   later settlements for them are dropped.
 //!
-//! This module holds [`KafkaConsumer`] and its stream; `record` is a fetched record and its
-//! headers, `partitions` the shared table of owned partitions and a record's acknowledger,
+//! This module holds [`KafkaConsumer`] and its stream; `client` makes the librdkafka
+//! consumer (at start, and again after a fence or a lost coordinator, see `coordinator`);
+//! `record` is a fetched record and its headers, `partitions` the shared table of owned partitions and a record's acknowledger,
 //! `rebalance` the rebalance callbacks and the commits, `poll` the poll thread, `acker` a
 //! record's settlement, and `copies` what its retry and dead-letter copies carry.
 
@@ -29,19 +30,17 @@ use std::time::Instant;
 use consumer_core::{Incoming, LogPosition, TransportError};
 use crossbeam_utils::CachePadded;
 use futures::Stream;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::ClientConfig;
 use tokio::sync::watch;
 
 use crate::config::KafkaConfig;
 use crate::observer::KafkaObserver;
 use crate::producer;
 use crate::{Error, KafkaPublisher};
-use coordinator::CoordinatorWatch;
+use client::Client;
 use partitions::{KafkaAcker, Settings, Shared, State};
-use rebalance::ConsumerCtx;
 
 mod acker;
+mod client;
 mod coordinator;
 mod copies;
 mod fetch;
@@ -86,13 +85,9 @@ impl KafkaConsumer {
         let producer = producer::create(&config.producer_client_config(), config.produce_timeout)?;
         let (closed_tx, closed_rx) = watch::channel(false);
         let shared = Arc::new(Shared::new(&config, producer, closed_tx));
-        let client = Client {
-            config: config.consumer_client_config(),
-            topics: config.subscribed_topics(),
-            coordinator_timeout: config.coordinator_timeout,
-        };
+        let client = Client::new(&config);
         let consumer = client.open(&shared)?;
-        tracing::info!(group = %config.group_id, topics = ?client.topics, "kafka consumer started");
+        tracing::info!(group = %config.group_id, topics = ?client.topics(), "kafka consumer started");
         let thread_shared = shared.clone();
         std::thread::Builder::new()
             .name("kafka-poll".to_owned())
@@ -128,33 +123,6 @@ impl KafkaConsumer {
             // An error means the sender is gone: the thread has ended too.
             let _ = rx.wait_for(|closed| *closed).await;
         }
-    }
-}
-
-/// How the poll thread's librdkafka consumer is made: created from the configuration and
-/// subscribed, at start and again after another member took its instance id (see
-/// `poll::Fences`) or its group's coordinator stayed out of reach (see `coordinator`).
-pub(super) struct Client {
-    config: ClientConfig,
-    topics: Vec<String>,
-    coordinator_timeout: std::time::Duration,
-}
-
-impl Client {
-    /// A new librdkafka consumer, subscribed; its callbacks act on `shared`.
-    fn open(&self, shared: &Arc<Shared>) -> Result<BaseConsumer<ConsumerCtx>, Error> {
-        let consumer: BaseConsumer<ConsumerCtx> = self
-            .config
-            .create_with_context(ConsumerCtx {
-                shared: shared.clone(),
-                coordinator: CoordinatorWatch::new(self.coordinator_timeout),
-            })
-            .map_err(|e| producer::client_error("creating the consumer", e))?;
-        let names: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-        consumer
-            .subscribe(&names)
-            .map_err(|e| producer::client_error("subscribing", e))?;
-        Ok(consumer)
     }
 }
 

@@ -15,13 +15,13 @@ use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
 
+use super::client::Client;
 use super::fetch::{fenced_by, handle_poll_error, Fetched, Room, Topic, CHUNK, POLL_BATCH};
 use super::partitions::Shared;
 use super::queues::Queues;
 use super::rebalance::ConsumerCtx;
 use super::rebalance::Lost;
 use super::record::{Record, Spares};
-use super::Client;
 
 /// How long the poll thread sleeps, when a round read nothing, before housekeeping runs
 /// (a record arriving in an empty queue wakes it sooner).
