@@ -25,6 +25,7 @@
 #![allow(clippy::print_stdout)]
 
 mod amqp;
+mod broker;
 mod cluster;
 mod database;
 mod fleet;
@@ -41,8 +42,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use sqlx::PgPool;
 
-use invoices::Part;
-
+use crate::broker::Broker;
+pub(crate) use crate::broker::{DeadSeen, Names};
 use crate::database::{Db, DbFigures, StopMode};
 use crate::fleet::{Fleet, Role};
 use crate::profile::{Args, BrokerKind};
@@ -51,124 +52,6 @@ use crate::workload::Workload;
 
 /// The exit status of a run whose oracle found a violation.
 const VIOLATION: i32 = 3;
-
-/// The run's names: schema, exchanges or topics, queues or groups.
-#[derive(Debug, Clone)]
-pub(crate) struct Names {
-    pub(crate) prefix: String,
-    pub(crate) schema: String,
-    /// Where the jobs are published.
-    pub(crate) exchange: String,
-    /// Where the relay publishes the `invoice_ready` events.
-    pub(crate) events: String,
-}
-
-impl Names {
-    fn new(seed: u64) -> Self {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() % 100_000_000)
-            .unwrap_or(0);
-        let prefix = format!("chaos_{seed}_{t}_{}", std::process::id());
-        Names {
-            schema: prefix.clone(),
-            exchange: format!("{prefix}_jobs"),
-            events: format!("{prefix}_ready"),
-            prefix,
-        }
-    }
-
-    /// The queue (RabbitMQ) or consumer group (Kafka) of a handler.
-    pub(crate) fn queue(&self, part: Part) -> String {
-        match part {
-            Part::Invoices => format!("{}_invoices", self.prefix),
-            Part::Emails => format!("{}_emails", self.prefix),
-        }
-    }
-
-    /// The settings every worker process gets for these names (and a broker's own
-    /// variables), as the example reads them.
-    pub(crate) fn settings(
-        &self,
-        vars: &[(&str, String)],
-    ) -> anyhow::Result<invoices::settings::Settings> {
-        let mut all: std::collections::BTreeMap<&str, String> = self.vars().into_iter().collect();
-        all.insert("DATABASE_URL", "postgres://unused".to_owned());
-        all.extend(vars.iter().cloned());
-        invoices::settings::Settings::from_lookup(|k| all.get(k).cloned())
-    }
-
-    /// The example's variables naming the run's exchanges (topics) and queues (groups).
-    pub(crate) fn vars(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("EXCHANGE", self.exchange.clone()),
-            ("EVENTS", self.events.clone()),
-            ("INVOICE_QUEUE", self.queue(Part::Invoices)),
-            ("EMAIL_QUEUE", self.queue(Part::Emails)),
-        ]
-    }
-}
-
-/// A message found in a dead-letter destination.
-#[derive(Debug, Clone)]
-pub(crate) struct DeadSeen {
-    /// Whose dead letter it is.
-    pub(crate) part: Part,
-    pub(crate) label: String,
-    pub(crate) reason: Option<String>,
-}
-
-enum Broker {
-    Amqp(amqp::Amqp),
-    Kafka(kafka::Kafka),
-}
-
-impl Broker {
-    fn worker_env(&self) -> Vec<(String, String)> {
-        match self {
-            Broker::Amqp(b) => b.worker_env(),
-            Broker::Kafka(b) => b.worker_env(),
-        }
-    }
-
-    async fn publish(&self, m: &workload::Outgoing) -> anyhow::Result<()> {
-        match self {
-            Broker::Amqp(b) => b.publish(m).await,
-            Broker::Kafka(b) => b.publish(m).await,
-        }
-    }
-
-    async fn backlog(&self) -> Option<u64> {
-        match self {
-            Broker::Amqp(b) => b.backlog().await,
-            Broker::Kafka(b) => b.backlog().await,
-        }
-    }
-
-    async fn restart(&self) -> anyhow::Result<()> {
-        match self {
-            Broker::Amqp(b) => b.restart().await,
-            Broker::Kafka(b) => b.restart().await,
-        }
-    }
-
-    async fn dead_letters(&self) -> anyhow::Result<Vec<DeadSeen>> {
-        match self {
-            Broker::Amqp(b) => b.dead_letters().await,
-            Broker::Kafka(b) => b.dead_letters().await,
-        }
-    }
-
-    async fn cleanup(&self) -> anyhow::Result<()> {
-        match self {
-            Broker::Amqp(b) => b.cleanup().await,
-            Broker::Kafka(b) => b.cleanup().await,
-        }
-    }
-}
-
-/// The relay's fault points abort at the profile's rate divided by this (see `run`).
-const RELAY_FAULT_DIVISOR: f64 = 10.0;
 
 /// The repository's `scripts/` directory.
 fn scripts_dir() -> PathBuf {
@@ -356,18 +239,7 @@ async fn run() -> anyhow::Result<bool> {
     if args.slow_job_ms > 0 {
         env.push(("SLOW_JOB_MS".to_owned(), args.slow_job_ms.to_string()));
     }
-    let r = p.fault_rate;
-    // The relay's points are checked for every row of a round (up to
-    // `RelayConfig::batch`, 500 rows), and a crash undoes the whole round's marks (its rows
-    // go out again from the next relay): at the workers' rate a full round would meet 10
-    // crashes on average and a backlog would never drain. At a tenth of it about a third
-    // of the full rounds complete, and most of the smaller ones.
-    let relay = r / RELAY_FAULT_DIVISOR;
-    let faults = format!(
-        "before_commit={r},after_commit={r},after_ack={r},in_effect={r},\
-         outbox_before_publish={relay},outbox_after_publish={relay}"
-    );
-    let mut fleet = Fleet::new(&bin_dir, &log_dir, env, Some(faults), args.seed);
+    let mut fleet = Fleet::new(&bin_dir, &log_dir, env, Some(p.faults()), args.seed);
     if args.broker == BrokerKind::Kafka {
         // Static membership: a worker restarted in its slot takes its partitions back at
         // once (CHAOS.md).

@@ -43,7 +43,26 @@ pub(crate) struct Profile {
     pub(crate) cluster: bool,
 }
 
+/// The relay's fault points abort at the profile's rate divided by this (see
+/// [`Profile::faults`]).
+const RELAY_FAULT_DIVISOR: f64 = 10.0;
+
 impl Profile {
+    /// The workers' fault points and their rates (`CONSUMER_FAULTS`): the runtime's at
+    /// `fault_rate` each. The relay's are checked for every row of a round (up to
+    /// `RelayConfig::batch`, 500 rows), and a crash undoes the whole round's marks (its rows
+    /// go out again from the next relay): at the workers' rate a full round would meet 10
+    /// crashes on average and a backlog would never drain. At a tenth of it about a third
+    /// of the full rounds complete, and most of the smaller ones.
+    pub(crate) fn faults(&self) -> String {
+        let r = self.fault_rate;
+        let relay = r / RELAY_FAULT_DIVISOR;
+        format!(
+            "before_commit={r},after_commit={r},after_ack={r},in_effect={r},\
+             outbox_before_publish={relay},outbox_after_publish={relay}"
+        )
+    }
+
     pub(crate) fn new(name: &str, broker: BrokerKind) -> anyhow::Result<Self> {
         let restarts = |n| n;
         Ok(match name {
