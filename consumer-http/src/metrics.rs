@@ -41,7 +41,8 @@ impl Outcome {
 
 /// The counts of one request, under its route.
 pub(crate) struct Counting {
-    route: String,
+    /// Shared, so each metric call takes a reference count rather than a copy.
+    route: metrics::SharedString,
 }
 
 impl Counting {
@@ -53,8 +54,9 @@ impl Counting {
             .extensions
             .get::<axum::extract::MatchedPath>()
             .map_or("unmatched", axum::extract::MatchedPath::as_str);
+        let route: std::sync::Arc<str> = format!("{} {path}", parts.method).into();
         Counting {
-            route: format!("{} {path}", parts.method),
+            route: metrics::SharedString::from_shared(route),
         }
     }
 

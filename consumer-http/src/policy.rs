@@ -3,8 +3,8 @@
 //! the same): [`IdempotencyLayer::policy_document`](crate::IdempotencyLayer::policy_document), whose sections the problem types of the
 //! layer's answers about a key point to (`#invalid-key`, `#in-progress`, `#key-reused`).
 
+use consumer_options::format_duration;
 use std::fmt::Write as _;
-use std::time::Duration;
 
 use crate::config::{IdempotencyConfig, MAX_IDEMPOTENCY_KEY_BYTES};
 
@@ -59,7 +59,7 @@ pub(crate) fn document(c: &IdempotencyConfig, shared_across_callers: bool) -> St
         d,
         "The answer to a key is kept for {} after it was given; after that the key is \
          free and a request with it runs again.\n",
-        human(c.ttl)
+        format_duration(c.ttl)
     );
     let _ = writeln!(d, "## Answers\n");
     let _ = writeln!(
@@ -83,7 +83,7 @@ pub(crate) fn document(c: &IdempotencyConfig, shared_across_callers: bool) -> St
         d,
         "- <a id=\"in-progress\"></a>**409 Conflict** (`#in-progress`): the first request \
          with the key still runs after a wait of {}; send it again after `Retry-After`.",
-        human(c.wait)
+        format_duration(c.wait)
     );
     let _ = writeln!(
         d,
@@ -105,24 +105,10 @@ pub(crate) fn document(c: &IdempotencyConfig, shared_across_callers: bool) -> St
     d
 }
 
-/// `d` in words: whole hours, minutes or seconds where it is one, else milliseconds.
-fn human(d: Duration) -> String {
-    let ms = d.as_millis();
-    let plural = |n: u128, unit: &str| format!("{n} {unit}{}", if n == 1 { "" } else { "s" });
-    match ms {
-        0 => "no time".to_owned(),
-        ms if ms % 3_600_000 == 0 => plural(ms / 3_600_000, "hour"),
-        ms if ms % 60_000 == 0 => plural(ms / 60_000, "minute"),
-        ms if ms % 1000 == 0 => plural(ms / 1000, "second"),
-        ms => plural(ms, "millisecond"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{document, human};
+    use super::document;
     use crate::IdempotencyConfig;
-    use std::time::Duration;
 
     /// The repository's page is the policy of the default configuration, each caller's
     /// records their own: regenerate it with `POLICY_WRITE=1 cargo test -p consumer-http
@@ -136,13 +122,5 @@ mod tests {
         }
         let page = std::fs::read_to_string(path).expect("docs/idempotency-policy.md");
         assert_eq!(page, written, "docs/idempotency-policy.md is out of date");
-    }
-
-    #[test]
-    fn durations_read_in_their_largest_whole_unit() {
-        assert_eq!(human(Duration::from_secs(24 * 3600)), "24 hours");
-        assert_eq!(human(Duration::from_secs(60)), "1 minute");
-        assert_eq!(human(Duration::from_secs(5)), "5 seconds");
-        assert_eq!(human(Duration::from_millis(1500)), "1500 milliseconds");
     }
 }

@@ -113,7 +113,7 @@ async fn the_published_policy_is_the_configurations(db: Db) {
     let text = page.text().await.unwrap();
     for expected in [
         "a UUID",
-        "24 hours",
+        "kept for 1d",
         "authenticated caller",
         "POST, PATCH",
         "id=\"invalid-key\"",
