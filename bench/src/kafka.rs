@@ -306,6 +306,47 @@ pub(crate) async fn outbox(
     Ok(f)
 }
 
+/// Raw rdkafka producing what `kafka: relay alone` publishes (the same keys and JSON
+/// bodies, to a fresh topic of [`RELAY_PARTITIONS`], idempotent as the framework's producer
+/// is), every record in flight at once; the clock runs until the last delivery report. What
+/// the relay's publishing costs at best, without the outbox's reads and writes. Deletes
+/// the topic after.
+pub(crate) async fn raw_produce(
+    brokers: &str,
+    topic: &str,
+    o: &Options,
+) -> anyhow::Result<Figures> {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let events = format!("{topic}_events");
+    consumer_kafka::create_topics(&config(brokers, "relay", &events), RELAY_PARTITIONS, 1).await?;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .create()?;
+    let records: Vec<(String, String)> = (0..o.messages)
+        .map(|id| {
+            (
+                format!("job-{id}"),
+                serde_json::json!({ "job_id": id }).to_string(),
+            )
+        })
+        .collect();
+    let clock = Clock::start();
+    let sends = records.iter().map(|(key, body)| {
+        producer.send(
+            FutureRecord::to(&events).key(key).payload(body),
+            Duration::from_secs(30),
+        )
+    });
+    let reports = futures::future::join_all(sends).await;
+    let f = clock.figures(o.messages, &mut []);
+    for report in reports {
+        report.map_err(|(e, _)| anyhow::anyhow!("{events}: {e}"))?;
+    }
+    delete_topic(brokers, &events).await;
+    Ok(f)
+}
+
 /// How many distinct events `topic` holds, read back from the start (by a consumer of its own
 /// group) until `n` have been read and no more come for 2 s; fails on a duplicate.
 async fn events_in(brokers: &str, topic: &str, n: usize) -> anyhow::Result<u64> {

@@ -15,6 +15,9 @@
 //! - `db floor, N/tx`: the same rows, N messages per transaction;
 //! - `db floor, N/tx, 1 stmt/msg`: the same, but the effects inserted one statement per
 //!   message, as a handler called once per message does: the floor of batched mode;
+//! - `db floor, 1/tx + event`, `db floor, N/tx + event`: the floor's rows and one outbox
+//!   row a message, with the framework's statement: the handler side of the `+ outbox` arms
+//!   at best, before a relay reads, publishes or deletes anything;
 //! - `hand-written 1/tx`: a hand-written consumer of the in-memory broker doing the same as
 //!   the floor per message, then acking;
 //! - `framework 1/tx` and `framework batched`: the runtime on the in-memory broker (batched:
@@ -32,7 +35,9 @@
 //!   report adds their rate up to the last ack and how long after it the last event was
 //!   confirmed, and checks that the destination holds every event once. `amqp: relay alone`
 //!   and `kafka: relay alone`: the relay by itself, draining an outbox filled with as many
-//!   such events before its clock starts (what the relay can publish a second).
+//!   such events before its clock starts (what the relay can publish a second);
+//!   `kafka: raw produce`: raw rdkafka producing the same events, every one in flight at
+//!   once (what publishing them costs without the outbox).
 //!
 //! It prints msgs/s, this process's CPU time per message (`CPU µs`), the CPU time of the
 //! local PostgreSQL server processes (`PG µs`) and broker processes (`broker`: RabbitMQ's
@@ -119,7 +124,7 @@ use consumer_core::{BatchConfig, Inbox, InboxConfig};
 use framework::Fw;
 use measure::{rss_kib, Figures, ThreadTimes, PERF_CTL, THREAD_CPU};
 use outbox::OutboxArm;
-use postgres::{db_floor, record, record_each, reset, BATCH_WAIT};
+use postgres::{db_floor, record, record_each, reset, Floor, BATCH_WAIT};
 use sqlx::postgres::PgPoolOptions;
 use timing::RECORD_LATENCY;
 
@@ -371,6 +376,8 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         "db floor, 1/tx",
         "db floor, N/tx",
         "db floor, N/tx, 1 stmt/msg",
+        "db floor, 1/tx + event",
+        "db floor, N/tx + event",
         "memory: hand 1/tx",
         "memory: fw 1/tx",
         "memory: fw batched",
@@ -403,6 +410,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
             "kafka: fw 1/tx + outbox",
             "kafka: fw batched + outbox",
             "kafka: relay alone",
+            "kafka: raw produce",
         ]);
     } else {
         eprintln!("KAFKA_BROKERS is not set: skipping the Kafka arms");
@@ -432,7 +440,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
         for (index, &arm) in arms.iter().enumerate() {
             reset(&pool).await?;
             // The `relay alone` arms consume nothing.
-            let consumes = !arm.ends_with("relay alone");
+            let consumes = !arm.ends_with("relay alone") && !arm.ends_with("raw produce");
             if arm.starts_with("amqp") && consumes {
                 amqp::fill(amqp_url.as_deref().unwrap_or_default(), &queue, first, &o).await?;
             }
@@ -446,9 +454,23 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                 kafka::fill(brokers, &topic, first, &o).await?;
             }
             let f = match arm {
-                "db floor, 1/tx" => db_floor(&pool, first, &o, 1, false).await?,
-                "db floor, N/tx" => db_floor(&pool, first, &o, o.batch, false).await?,
-                "db floor, N/tx, 1 stmt/msg" => db_floor(&pool, first, &o, o.batch, true).await?,
+                "db floor, 1/tx" => db_floor(&pool, first, &o, Floor::new(1)).await?,
+                "db floor, N/tx" => db_floor(&pool, first, &o, Floor::new(o.batch)).await?,
+                "db floor, N/tx, 1 stmt/msg" => {
+                    db_floor(
+                        &pool,
+                        first,
+                        &o,
+                        Floor::new(o.batch).statement_per_message(),
+                    )
+                    .await?
+                }
+                "db floor, 1/tx + event" => {
+                    db_floor(&pool, first, &o, Floor::new(1).with_event()).await?
+                }
+                "db floor, N/tx + event" => {
+                    db_floor(&pool, first, &o, Floor::new(o.batch).with_event()).await?
+                }
                 "memory: hand 1/tx" => memory::hand_written(&pool, first, &o).await?,
                 "memory: fw 1/tx" => memory::framework(&inbox, record, first, &o, None).await?,
                 "memory: fw batched" => {
@@ -498,6 +520,7 @@ async fn measure(o: Options) -> anyhow::Result<()> {
                     let arm = OutboxArm::Framework(batched);
                     kafka::outbox(brokers, &topic, &group, &inbox, &o, arm).await?
                 }
+                "kafka: raw produce" => kafka::raw_produce(brokers, &topic, &o).await?,
                 "kafka: relay alone" => {
                     let arm = OutboxArm::RelayAlone;
                     kafka::outbox(brokers, &topic, &group, &inbox, &o, arm).await?

@@ -85,16 +85,67 @@ pub(crate) async fn reset(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The floor: inbox insert plus effect insert per message, `per_tx` messages a transaction.
-/// With `effect_per_message`, the effects are inserted one statement per message (as a
-/// handler called once per message does), the inbox rows still with one statement.
+/// What a `db floor` arm writes in each of its transactions.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Floor {
+    /// Messages a transaction.
+    per_tx: usize,
+    /// The effects inserted one statement a message (as a handler called once a message
+    /// does) rather than one statement a transaction; the inbox rows still in one.
+    effect_per_message: bool,
+    /// Also one outbox event a message, with the framework's statement
+    /// ([`OUTBOX_INSERT_ALL`]): what the handler side of the `+ outbox` arms writes at best,
+    /// before any relay reads, publishes or deletes it.
+    event: bool,
+}
+
+impl Floor {
+    /// `per_tx` messages a transaction, the effects in one statement, no event.
+    pub(crate) fn new(per_tx: usize) -> Self {
+        Floor {
+            per_tx,
+            effect_per_message: false,
+            event: false,
+        }
+    }
+
+    /// The effects one statement a message.
+    pub(crate) fn statement_per_message(self) -> Self {
+        Floor {
+            effect_per_message: true,
+            ..self
+        }
+    }
+
+    /// Also an outbox event a message.
+    pub(crate) fn with_event(self) -> Self {
+        Floor {
+            event: true,
+            ..self
+        }
+    }
+}
+
+/// The framework's statement for a batch of outbox rows (`Context::publish_all`), so the
+/// floor's event costs what the framework's does.
+const OUTBOX_INSERT_ALL: &str =
+    "INSERT INTO consumer_inbox_outbox (message_id, destination, ordering_key, headers, payload) \
+     SELECT m, d, k, h, p FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], \
+     $5::bytea[]) WITH ORDINALITY AS r(m, d, k, h, p, n) ORDER BY n";
+
+/// The floor: inbox insert plus effect insert per message (and the event, with
+/// [`Floor::event`]), [`Floor::per_tx`] messages a transaction.
 pub(crate) async fn db_floor(
     pool: &PgPool,
     first: u64,
     o: &Options,
-    per_tx: usize,
-    effect_per_message: bool,
+    floor: Floor,
 ) -> anyhow::Result<Figures> {
+    let Floor {
+        per_tx,
+        effect_per_message,
+        event,
+    } = floor;
     let clock = Clock::start();
     let ids: Vec<u64> = (first..first + o.messages as u64).collect();
     let body = "x".repeat(o.size);
@@ -132,6 +183,9 @@ pub(crate) async fn db_floor(
                 .execute(&mut *tx)
                 .await?;
             }
+            if event {
+                insert_events(&mut tx, &job_ids).await?;
+            }
             tx.commit().await?;
             anyhow::Ok(())
         }
@@ -139,6 +193,32 @@ pub(crate) async fn db_floor(
     let results: Vec<anyhow::Result<()>> = work.buffer_unordered(o.concurrency).collect().await;
     results.into_iter().collect::<anyhow::Result<()>>()?;
     Ok(clock.figures(o.messages, &mut []))
+}
+
+/// Writes the events of `job_ids` to the outbox in `tx`, as the `+ outbox` arms' handler
+/// does (the same message ids, keys, headers and JSON bodies), in one statement.
+async fn insert_events(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    job_ids: &[i64],
+) -> anyhow::Result<()> {
+    let column = |f: &dyn Fn(i64) -> String| job_ids.iter().map(|&j| f(j)).collect::<Vec<_>>();
+    let message_ids = column(&|j| format!("floor-event-{j}"));
+    let destinations = column(&|_| "bench_floor_events".to_owned());
+    let keys = column(&|j| format!("job-{j}"));
+    let headers = column(&|_| r#"{"content-type":"application/json"}"#.to_owned());
+    let bodies: Vec<Vec<u8>> = job_ids
+        .iter()
+        .map(|j| serde_json::json!({ "job_id": j }).to_string().into_bytes())
+        .collect();
+    sqlx::query(OUTBOX_INSERT_ALL)
+        .bind(&message_ids)
+        .bind(&destinations)
+        .bind(&keys)
+        .bind(&headers)
+        .bind(&bodies)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }
 
 /// A hand-written per-message consumer's transaction: claims `key` in the inbox and, if it

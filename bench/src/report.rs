@@ -163,6 +163,24 @@ pub(crate) const RATIOS: &[Ratio] = &[
         "kafka: fw batched",
         &["kafka: raw consume+store", "db floor, N/tx"],
     ),
+    // What bounds the outbox arms before any relay: the floor's rows and the event's row
+    // in the handler's transaction, over the floor's rows alone.
+    Ratio::rate(
+        "db floor N/tx + event / db floor N/tx",
+        "db floor, N/tx + event",
+        &["db floor, N/tx"],
+    ),
+    Ratio::rate(
+        "db floor 1/tx + event / db floor 1/tx",
+        "db floor, 1/tx + event",
+        &["db floor, 1/tx"],
+    ),
+    // The relay's own cost over publishing the same events with the raw producer.
+    Ratio::rate(
+        "kafka: relay alone / kafka: raw produce",
+        "kafka: relay alone",
+        &["kafka: raw produce"],
+    ),
     // What the outbox costs: each message also writes an event that a relay publishes, and
     // the arm ends at the last event confirmed.
     Ratio::rate(
