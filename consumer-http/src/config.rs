@@ -43,6 +43,7 @@ pub struct IdempotencyConfig {
     pub(crate) policy_url: Option<String>,
     pub(crate) accepted_while_in_progress: bool,
     pub(crate) echo_key: bool,
+    pub(crate) operations_path: String,
 }
 
 /// What an `Idempotency-Key` must look like besides printable ASCII of at most
@@ -105,6 +106,19 @@ fn is_uuid(key: &str) -> bool {
         })
 }
 
+/// Whether `path` is one the router takes as a static prefix and a `Location` holds as it
+/// is: `/` and non-empty segments of unreserved characters.
+fn valid_operations_path(path: &str) -> bool {
+    path.strip_prefix('/').is_some_and(|rest| {
+        rest.split('/').all(|segment| {
+            !segment.is_empty()
+                && segment
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.~".contains(&b))
+        })
+    })
+}
+
 /// How often the layer deletes expired records (see
 /// [`IdempotencyConfigBuilder::purge_interval`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,13 +147,14 @@ impl Default for IdempotencyConfig {
             lease: Duration::from_secs(1),
             ttl: Duration::from_secs(24 * 60 * 60),
             store_client_errors: true,
-            stored_headers: vec![http::header::CONTENT_TYPE],
+            stored_headers: vec![http::header::CONTENT_TYPE, http::header::LOCATION],
             purge: Purge::EveryTtl,
             gauge_interval: Duration::from_secs(30),
             key_format: KeyFormat::any(),
             policy_url: None,
             accepted_while_in_progress: false,
             echo_key: false,
+            operations_path: "/operations".to_owned(),
         }
     }
 }
@@ -147,7 +162,8 @@ impl Default for IdempotencyConfig {
 impl IdempotencyConfig {
     /// A builder with the defaults: POST and PATCH, key required, 1 MiB request and
     /// response bodies, wait 5 s polling every 50 ms, `Retry-After: 1`, lease 1 s, TTL
-    /// 24 h, 4xx answers stored (but 408, 409, 425 and 429, never), `content-type` stored.
+    /// 24 h, 4xx answers stored (but 408, 409, 425 and 429, never), `content-type` and
+    /// `location` stored, operations' statuses under `/operations`.
     pub fn builder() -> IdempotencyConfigBuilder {
         IdempotencyConfigBuilder {
             config: IdempotencyConfig::default(),
@@ -270,9 +286,10 @@ impl IdempotencyConfigBuilder {
         self
     }
 
-    /// Response headers stored and replayed besides `content-type` (which always is).
+    /// Response headers stored and replayed besides `content-type` and `location` (which
+    /// always are: a replayed 201 or 202 points where the first did).
     pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        let mut names = vec![http::header::CONTENT_TYPE];
+        let mut names = vec![http::header::CONTENT_TYPE, http::header::LOCATION];
         for h in headers {
             if !names.contains(&h) {
                 names.push(h);
@@ -344,6 +361,16 @@ impl IdempotencyConfigBuilder {
         self
     }
 
+    /// Where the status route of long operations is (default `/operations`): an operation
+    /// a request started ([`IdempotentTx::start_operation`](crate::IdempotentTx::start_operation))
+    /// answers `Location: <path>/<id>`, and
+    /// [`IdempotencyLayer::operations_router`](crate::IdempotencyLayer::operations_router)
+    /// serves `GET <path>/{id}`. A path: `/` and segments, no trailing `/`, no query.
+    pub fn operations_path(mut self, path: impl Into<String>) -> Self {
+        self.config.operations_path = path.into();
+        self
+    }
+
     /// Checks the configuration; the error names the field.
     pub fn build(self) -> Result<IdempotencyConfig, Error> {
         let c = self.config;
@@ -371,6 +398,13 @@ impl IdempotencyConfigBuilder {
         }
         if c.gauge_interval.is_zero() {
             return Err(Error::config("gauge_interval", "must be above 0"));
+        }
+        if !valid_operations_path(&c.operations_path) {
+            return Err(Error::config(
+                "operations_path",
+                "must be a path: `/` and segments of letters, digits, `-`, `_`, `.` or `~`, \
+                 no trailing `/`",
+            ));
         }
         if c.purge == Purge::Every(Duration::ZERO) {
             return Err(Error::config(
@@ -435,6 +469,28 @@ mod tests {
             field(IdempotencyConfig::builder().purge_interval(Duration::ZERO)),
             "purge_interval"
         );
+        for bad in [
+            "",
+            "/",
+            "operations",
+            "/ops/",
+            "/ops/{id}",
+            "/a b",
+            "/ops?x=1",
+            "//ops",
+        ] {
+            assert_eq!(
+                field(IdempotencyConfig::builder().operations_path(bad)),
+                "operations_path",
+                "{bad:?}"
+            );
+        }
+        for good in ["/operations", "/v1/refund-operations", "/a.b_c~d"] {
+            assert!(IdempotencyConfig::builder()
+                .operations_path(good)
+                .build()
+                .is_ok());
+        }
     }
 
     #[test]

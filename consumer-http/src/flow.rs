@@ -22,6 +22,7 @@ use crate::config::IdempotencyConfig;
 use crate::fast::{FastRequest, Settled};
 use crate::held::{HeldKey, HeldKeys, Hold};
 use crate::metrics::{Counting, Outcome};
+use crate::operations::Starter;
 use crate::problem;
 use crate::request;
 use crate::store::{Claim, ClaimRequest, IdempotencyStore, StoreBackend};
@@ -363,7 +364,16 @@ where
         count.answered(Outcome::Unavailable);
         problem::store_unavailable(config.retry_after)
     };
-    let slot = TxSlot::new(tx, claim.scope, claim.key);
+    let starter = Starter {
+        names: store.names().clone(),
+        owner: request::caller_part_of(claim.scope).to_owned(),
+        claim: claim.claim.to_owned(),
+        path: config.operations_path.as_str().into(),
+        retry_after: config.retry_after,
+        started: AtomicU64::new(0),
+        _db: std::marker::PhantomData,
+    };
+    let slot = TxSlot::new(tx, claim.scope, claim.key, starter);
     parts.extensions.insert(slot.clone());
     let request = Request::from_parts(parts, Body::from(body));
     let mut inner = inner;

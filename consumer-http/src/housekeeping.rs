@@ -32,18 +32,25 @@ impl<DB: StoreBackend> Shared<DB> {
         }
     }
 
-    /// Deletes the expired records and counts them (`consumer_http_records_purged_total`).
+    /// Deletes the expired records and counts them (`consumer_http_records_purged_total`),
+    /// and the finished operations past their keep (`consumer_http_operations_purged_total`).
     /// A failure is logged and tried again next time.
     async fn purge(&self) {
-        match self.store.purge_expired(PURGE_BATCH).await {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::info!(n, "purged expired idempotency records");
-                metrics::counter!("consumer_http_records_purged_total", "table" => self.store.table().to_owned())
-                    .increment(n);
-            }
-            Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
-        }
+        let table = self.store.table();
+        let records = self.store.purge_expired(PURGE_BATCH).await;
+        purged(
+            records,
+            "consumer_http_records_purged_total",
+            table,
+            "expired idempotency records",
+        );
+        let operations = self.store.operations().purge_finished(PURGE_BATCH).await;
+        purged(
+            operations,
+            "consumer_http_operations_purged_total",
+            table,
+            "finished operations",
+        );
     }
 
     /// Sets the gauges: the records by status (`consumer_http_records`), and how long the
@@ -68,6 +75,18 @@ impl<DB: StoreBackend> Shared<DB> {
             }
             Err(e) => tracing::debug!(error = %e, "counting idempotency records failed"),
         }
+    }
+}
+
+/// Counts and logs what a purge of `what` deleted, under `counter`; logs its failure.
+fn purged(result: Result<u64, crate::Error>, counter: &'static str, table: &str, what: &str) {
+    match result {
+        Ok(0) => {}
+        Ok(n) => {
+            tracing::info!(n, "purged {what}");
+            metrics::counter!(counter, "table" => table.to_owned()).increment(n);
+        }
+        Err(e) => tracing::warn!(error = %e, "purging {what} failed"),
     }
 }
 

@@ -84,6 +84,26 @@ impl<DB: StoreBackend> IdempotencyLayer<DB> {
         crate::policy::document(&self.shared.config, self.shared.callers.is_shared())
     }
 
+    /// The status route of the long operations this layer's requests start: `GET
+    /// <operations_path>/{id}` answers the operation as JSON (`operation_id`, `kind`,
+    /// `status`: `pending`, `succeeded` or `failed`, and `result` or `error` once finished,
+    /// `created_at_ms`, `updated_at_ms`), with `Retry-After` while pending, to the caller
+    /// that started it, named as the layer names callers; any other caller, or an unknown
+    /// id, gets 404, and a request without a caller 401. Merge it into the application's
+    /// router, outside the layer (it answers GETs) but behind the same authentication.
+    pub fn operations_router<S: Clone + Send + Sync + 'static>(&self) -> axum::Router<S> {
+        let shared = &self.shared;
+        let route = crate::operations::StatusRoute {
+            operations: shared.store.operations(),
+            callers: shared.callers.clone(),
+            retry_after: shared.config.retry_after,
+        };
+        let path = format!("{}/{{id}}", shared.config.operations_path);
+        axum::Router::new()
+            .route(&path, axum::routing::get(crate::operations::status::<DB>))
+            .with_state(route)
+    }
+
     /// A builder of the layer on `store` with `config`; name the caller
     /// ([`IdempotencyLayerBuilder::caller`] or
     /// [`shared_across_callers`](IdempotencyLayerBuilder::shared_across_callers)), then

@@ -56,6 +56,9 @@
 //!   back and free the key like a 5xx, so the retry runs the handler.
 //! - A completed record lives for its TTL (default 24 h), then the key runs again;
 //!   [`IdempotencyStore::purge_expired`] deletes expired rows.
+//! - A handler whose work finishes later starts a long operation in the request's
+//!   transaction ([`IdempotentTx::start_operation`]) and answers 202 with where its status
+//!   is ([`operations`]).
 //!
 //! # The claim and the transaction
 //!
@@ -243,7 +246,9 @@
 //!   policy a layer keeps, written out to publish; `housekeeping`: the layer's background
 //!   task (the purge of expired records, the gauges); [`metrics`]: what the layer counts
 //!   (answers by route and outcome, the time to decide on a key, the records by status and
-//!   purged, the oldest request in progress).
+//!   purged, the oldest request in progress); [`operations`]: long operations a request
+//!   starts in its transaction ([`StartedOperation`], 202), their status route and the
+//!   [`Operations`] a worker finishes them with.
 //! - `fast`: the Redis fast path ([`RedisFastPath`], its builder, a request's keys and
 //!   lease, the cached answer's encoding).
 //! - `store`: [`IdempotencyStore`] on PostgreSQL or SQLite, its configuration
@@ -267,6 +272,7 @@ mod held;
 mod housekeeping;
 mod layer;
 pub mod metrics;
+pub mod operations;
 mod policy;
 mod problem;
 mod request;
@@ -284,9 +290,11 @@ pub use error::Error;
 #[cfg(feature = "redis")]
 pub use fast::{RedisFastPath, RedisFastPathBuilder};
 pub use layer::{Idempotency, IdempotencyLayer, IdempotencyLayerBuilder};
+pub use operations::StartedOperation;
 pub use problem::PROBLEM_JSON;
 pub use request::IDEMPOTENCY_KEY;
 pub use store::{IdempotencyStore, StoreBackend, StoreConfig, StoreConfigBuilder};
+pub use store::{Operation, OperationStatus, Operations};
 pub use stored::IDEMPOTENT_REPLAYED;
 pub use tx::IdempotentTx;
 pub use webhook::{WebhookIngress, WebhookIngressBuilder, WebhookTransport};

@@ -91,10 +91,25 @@ fn structured_string(raw: &[u8]) -> Result<String, InvalidKey> {
 /// route), and the route (method and path). A shared scope starts with `-`, a caller's with
 /// `c:`.
 pub(crate) fn scope(parts: &Parts, caller: Option<&str>) -> String {
-    let route = format!("{} {}", parts.method, parts.uri.path());
+    format!(
+        "{}|{} {}",
+        caller_part(caller),
+        parts.method,
+        parts.uri.path()
+    )
+}
+
+/// The caller's part of `scope` (what [`caller_part`] gave it).
+pub(crate) fn caller_part_of(scope: &str) -> &str {
+    scope.split_once('|').map_or(scope, |(caller, _)| caller)
+}
+
+/// The caller's part of a scope (`c:` and the caller's hash, or `-` when shared): also the
+/// owner of the operations its requests start, which the status route matches.
+pub(crate) fn caller_part(caller: Option<&str>) -> String {
     match caller {
-        Some(c) => format!("c:{c}|{route}"),
-        None => format!("-|{route}"),
+        Some(c) => format!("c:{c}"),
+        None => "-".to_owned(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! [`IdempotentTx`]: the request's transaction, in which the layer stores the answer.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::FromRequestParts;
@@ -9,6 +10,7 @@ use http::request::Parts;
 use sqlx::Transaction;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
+use crate::operations::{StartedOperation, Starter};
 use crate::problem;
 use crate::store::StoreBackend;
 
@@ -19,6 +21,7 @@ use crate::store::StoreBackend;
 pub(crate) struct TxSlot<DB: StoreBackend> {
     tx: Arc<Mutex<Option<Transaction<'static, DB>>>>,
     record: Arc<str>,
+    starter: Arc<Starter<DB>>,
 }
 
 impl<DB: StoreBackend> Clone for TxSlot<DB> {
@@ -26,17 +29,25 @@ impl<DB: StoreBackend> Clone for TxSlot<DB> {
         TxSlot {
             tx: self.tx.clone(),
             record: self.record.clone(),
+            starter: self.starter.clone(),
         }
     }
 }
 
 impl<DB: StoreBackend> TxSlot<DB> {
-    /// The slot of `tx`, which holds the record of (`scope`, `key`).
-    pub(crate) fn new(tx: Transaction<'static, DB>, scope: &str, key: &str) -> Self {
+    /// The slot of `tx`, which holds the record of (`scope`, `key`) and starts operations
+    /// with `starter`.
+    pub(crate) fn new(
+        tx: Transaction<'static, DB>,
+        scope: &str,
+        key: &str,
+        starter: Starter<DB>,
+    ) -> Self {
         TxSlot {
             tx: Arc::new(Mutex::new(Some(tx))),
             // Length-prefixed: no scope and key run into another pair.
             record: Arc::from(format!("{}:{scope}:{key}", scope.len())),
+            starter: Arc::new(starter),
         }
     }
 
@@ -61,6 +72,7 @@ impl<DB: StoreBackend> TxSlot<DB> {
 pub struct IdempotentTx<DB: StoreBackend> {
     guard: OwnedMutexGuard<Option<Transaction<'static, DB>>>,
     record: Arc<str>,
+    starter: Arc<Starter<DB>>,
 }
 
 impl<DB: StoreBackend> IdempotentTx<DB> {
@@ -72,6 +84,22 @@ impl<DB: StoreBackend> IdempotentTx<DB> {
     /// [`Context::idempotency_key`](consumer_core::Context::idempotency_key).
     pub fn idempotency_key(&self, effect: &str) -> String {
         consumer_core::idempotency_key("http", &self.record, effect)
+    }
+
+    /// Starts a long operation of `kind` on `input`, in this transaction: it exists once
+    /// the request's answer is stored, and not at all if the request rolls back. Answer
+    /// with [`StartedOperation::accepted`] (202, `Location` of its status, `Retry-After`);
+    /// whoever does the work finishes it through
+    /// [`IdempotencyStore::operations`](crate::IdempotencyStore::operations). Its status is
+    /// served to the caller that started it (see [`crate::operations`]).
+    pub async fn start_operation(
+        &mut self,
+        kind: &str,
+        input: &serde_json::Value,
+    ) -> Result<StartedOperation, crate::Error> {
+        let n = self.starter.started.fetch_add(1, Ordering::Relaxed);
+        let starter = self.starter.clone();
+        starter.start(&mut **self, n, kind, input).await
     }
 }
 
@@ -105,6 +133,7 @@ impl<S: Send + Sync, DB: StoreBackend> FromRequestParts<S> for IdempotentTx<DB> 
         Ok(IdempotentTx {
             guard,
             record: slot.record,
+            starter: slot.starter,
         })
     }
 }

@@ -6,7 +6,8 @@
 //!   retry's answer is replayed byte for byte after that, and 50 concurrent requests with one
 //!   key charge once;
 //! - a long operation (`POST /refunds`) answers 202 with an operation id, a retry gets the
-//!   same 202 and id and starts nothing, and the status endpoint tells when it is done;
+//!   same 202 and id and starts nothing, the status route tells its account when it is
+//!   done, and the refund is made once;
 //! - retrying clients under load while the server is killed and restarted on a schedule:
 //!   no charge lost, none doubled (the load profile of the issue, short enough for CI).
 
@@ -85,7 +86,10 @@ async fn a_long_operation_answers_202_once_and_its_status_endpoint_tells_how_it_
     assert_eq!(first.status().as_u16(), 202);
     let location = first.headers()["location"].to_str().unwrap().to_owned();
     let body: serde_json::Value = first.json().await.unwrap();
-    let id = body["operation_id"].as_i64().expect("an operation id");
+    let id = body["operation_id"]
+        .as_str()
+        .expect("an operation id")
+        .to_owned();
     assert_eq!(location, format!("/operations/{id}"));
 
     let again = refund().await.expect("an answer");
@@ -94,8 +98,8 @@ async fn a_long_operation_answers_202_once_and_its_status_endpoint_tells_how_it_
     assert_eq!(again.headers()["location"].to_str().unwrap(), location);
     let again: serde_json::Value = again.json().await.unwrap();
     assert_eq!(
-        again["operation_id"].as_i64(),
-        Some(id),
+        again["operation_id"].as_str(),
+        Some(id.as_str()),
         "the same operation"
     );
 
@@ -112,9 +116,21 @@ async fn a_long_operation_answers_202_once_and_its_status_endpoint_tells_how_it_
     })
     .await;
     assert_eq!(
-        payments.count("operations").await,
+        payments.count("http_idempotency_operations").await,
         1,
         "the retry started nothing"
+    );
+    assert_eq!(payments.count("refunds").await, 1, "refunded once");
+    let other_account = client
+        .get(format!("{base}{location}"))
+        .bearer_auth(consumer_tests::payments::OTHER_API_KEY)
+        .send()
+        .await
+        .expect("the status endpoint");
+    assert_eq!(
+        other_account.status().as_u16(),
+        404,
+        "another account does not see it"
     );
 }
 

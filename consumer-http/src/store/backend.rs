@@ -43,6 +43,36 @@ pub(crate) const COMPLETE: &str = "UPDATE {table} SET status = 'completed', \
 /// is not seen).
 pub(crate) const COUNTS: &str = "SELECT status, count(*) FROM {table} GROUP BY status";
 
+/// The columns of an operation, as [`OperationRow`] reads them.
+const OPERATION_COLUMNS: &str =
+    "id, owner, kind, status, input, result, created_at_ms, updated_at_ms";
+
+/// Starts an operation, pending, in the request's transaction.
+pub(crate) const OP_INSERT: &str = "INSERT INTO {operations} \
+     (id, owner, kind, status, input, created_at_ms, updated_at_ms) \
+     VALUES ($1, $2, $3, 'pending', $4, {now}, {now})";
+
+/// Finishes a pending operation: its status, its result (or error), and when it expires.
+pub(crate) const OP_FINISH: &str = "UPDATE {operations} SET status = $2, result = $3, \
+     updated_at_ms = {now}, expires_at_ms = {now} + $4 WHERE id = $1 AND status = 'pending'";
+
+/// Deletes up to `$1` finished operations past their expiry.
+pub(crate) const OP_PURGE: &str = "DELETE FROM {operations} WHERE id IN (SELECT id FROM \
+     {operations} WHERE expires_at_ms <= {now} LIMIT $1)";
+
+/// An operation's row: id, owner, kind, status, input, result, created and updated (Unix
+/// milliseconds).
+pub(crate) type OperationRow = (
+    String,
+    String,
+    String,
+    String,
+    Vec<u8>,
+    Option<Vec<u8>>,
+    i64,
+    i64,
+);
+
 /// The condition [`CLAIM`] takes a row over on regardless of its fingerprint.
 pub(crate) const EXPIRED: &str =
     "expires_at_ms <= {now} AND (status = 'completed' OR lease_until_ms <= {now})";
@@ -157,6 +187,20 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
             complete: render::<Self>(names, COMPLETE),
             purge: render::<Self>(names, &Self::purge_template()),
             counts: render::<Self>(names, COUNTS),
+            op_insert: render::<Self>(names, OP_INSERT),
+            op_fetch: render::<Self>(
+                names,
+                &format!("SELECT {OPERATION_COLUMNS} FROM {{operations}} WHERE id = $1"),
+            ),
+            op_pending: render::<Self>(
+                names,
+                &format!(
+                    "SELECT {OPERATION_COLUMNS} FROM {{operations}} \
+                     WHERE status = 'pending' AND kind = $1 ORDER BY created_at_ms, id LIMIT $2"
+                ),
+            ),
+            op_finish: render::<Self>(names, OP_FINISH),
+            op_purge: render::<Self>(names, OP_PURGE),
         }
     }
 
@@ -202,14 +246,79 @@ pub trait StoreBackend: sqlx::Database + sealed::Sealed {
         pool: &'a Pool<Self>,
         sql: &'a Statements,
     ) -> BoxFuture<'a, Result<Vec<(String, i64)>, sqlx::Error>>;
+
+    /// Inserts a pending operation (`id`, `owner`, `kind`, `input`) on `conn`.
+    #[doc(hidden)]
+    fn op_insert<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a Statements,
+        op: [&'a str; 3],
+        input: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    /// The operations one of `sql`'s statements selects: `op_fetch` (binding `text`) or
+    /// `op_pending` (binding `text` and `limit`).
+    #[doc(hidden)]
+    fn op_select<'a>(
+        pool: &'a Pool<Self>,
+        statement: &'a str,
+        text: &'a str,
+        limit: Option<i64>,
+    ) -> BoxFuture<'a, Result<Vec<OperationRow>, sqlx::Error>>;
+
+    /// Finishes the pending operation `id` with `status` and `result`, expiring `keep_ms`
+    /// later; whether it was pending.
+    #[doc(hidden)]
+    fn op_finish<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a Statements,
+        id: &'a str,
+        status: &'a str,
+        result: &'a [u8],
+        keep_ms: i64,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+
+    /// Deletes up to `batch` expired operations; how many.
+    #[doc(hidden)]
+    fn op_purge<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Statements,
+        batch: i64,
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
 }
 
-/// `template` with `{table}`, `{expires_index}` and `{now}` (the database's clock in Unix
+/// Runs `purge` (a statement deleting up to its argument's rows, returning how many) with
+/// `batch` (at least 1) until it deletes fewer; how many in all.
+pub(crate) async fn purge_in_batches<'a, F>(batch: u32, purge: F) -> Result<u64, Error>
+where
+    F: Fn(i64) -> futures::future::BoxFuture<'a, Result<u64, sqlx::Error>>,
+{
+    let batch = batch.max(1);
+    let mut total = 0;
+    loop {
+        let n = purge(i64::from(batch)).await?;
+        total += n;
+        if n < u64::from(batch) {
+            return Ok(total);
+        }
+    }
+}
+
+/// `template` with `{table}`, `{expires_index}`, the operations' names and `{now}` (the database's clock in Unix
 /// milliseconds) filled in, and its `$n` placeholders in the database's form.
 pub(crate) fn render<DB: StoreBackend>(names: &Names, template: &str) -> String {
     let sql = template
         .replace("{table}", &names.table)
         .replace("{expires_index}", &names.expires_index)
+        .replace("{operations}", &names.operations)
+        .replace(
+            "{operations_pending_index}",
+            &names.operations_pending_index,
+        )
+        .replace(
+            "{operations_expires_index}",
+            &names.operations_expires_index,
+        )
         .replace("{now}", DB::NOW_MS);
     DB::placeholders(&sql)
 }
@@ -312,6 +421,73 @@ macro_rules! store_ops {
             sql: &'a $crate::store::config::Statements,
         ) -> futures::future::BoxFuture<'a, Result<Vec<(String, i64)>, sqlx::Error>> {
             Box::pin(async move { sqlx::query_as(&sql.counts).fetch_all(pool).await })
+        }
+
+        fn op_insert<'a>(
+            conn: &'a mut <$db as sqlx::Database>::Connection,
+            sql: &'a $crate::store::config::Statements,
+            [id, owner, kind]: [&'a str; 3],
+            input: &'a [u8],
+        ) -> futures::future::BoxFuture<'a, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::query(&sql.op_insert)
+                    .bind(id)
+                    .bind(owner)
+                    .bind(kind)
+                    .bind(input)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn op_select<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            statement: &'a str,
+            text: &'a str,
+            limit: Option<i64>,
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<Vec<$crate::store::backend::OperationRow>, sqlx::Error>,
+        > {
+            Box::pin(async move {
+                let query = sqlx::query_as(statement).bind(text);
+                match limit {
+                    Some(limit) => query.bind(limit).fetch_all(pool).await,
+                    None => query.fetch_all(pool).await,
+                }
+            })
+        }
+
+        fn op_finish<'a>(
+            conn: &'a mut <$db as sqlx::Database>::Connection,
+            sql: &'a $crate::store::config::Statements,
+            id: &'a str,
+            status: &'a str,
+            result: &'a [u8],
+            keep_ms: i64,
+        ) -> futures::future::BoxFuture<'a, Result<bool, sqlx::Error>> {
+            Box::pin(async move {
+                let done = sqlx::query(&sql.op_finish)
+                    .bind(id)
+                    .bind(status)
+                    .bind(result)
+                    .bind(keep_ms)
+                    .execute(conn)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        }
+
+        fn op_purge<'a>(
+            pool: &'a sqlx::Pool<$db>,
+            sql: &'a $crate::store::config::Statements,
+            batch: i64,
+        ) -> futures::future::BoxFuture<'a, Result<u64, sqlx::Error>> {
+            Box::pin(async move {
+                let done = sqlx::query(&sql.op_purge).bind(batch).execute(pool).await?;
+                Ok(done.rows_affected())
+            })
         }
     };
 }

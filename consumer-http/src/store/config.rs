@@ -81,6 +81,12 @@ pub struct Names {
     pub(crate) migrations: String,
     /// `"table_expires_at"` (an index lives in its table's schema).
     pub(crate) expires_index: String,
+    /// `"schema"."table_operations"`: the long operations requests started.
+    pub(crate) operations: String,
+    /// `"table_operations_pending"`: the pending operations by kind and age.
+    pub(crate) operations_pending_index: String,
+    /// `"table_operations_expires_at"`: the finished operations by expiry.
+    pub(crate) operations_expires_index: String,
     pub(crate) sql: Statements,
 }
 
@@ -93,6 +99,16 @@ pub struct Statements {
     pub(crate) complete: String,
     pub(crate) purge: String,
     pub(crate) counts: String,
+    /// Starts an operation (pending), in the request's transaction.
+    pub(crate) op_insert: String,
+    /// One operation by id.
+    pub(crate) op_fetch: String,
+    /// The oldest pending operations of a kind.
+    pub(crate) op_pending: String,
+    /// Finishes a pending operation.
+    pub(crate) op_finish: String,
+    /// Deletes finished operations past their expiry.
+    pub(crate) op_purge: String,
 }
 
 impl Names {
@@ -119,6 +135,9 @@ impl Names {
             table: qualify(table),
             migrations: qualify(&format!("{table}_migrations")),
             expires_index: format!("\"{table}_expires_at\""),
+            operations: qualify(&format!("{table}_operations")),
+            operations_pending_index: format!("\"{table}_operations_pending\""),
+            operations_expires_index: format!("\"{table}_operations_expires_at\""),
             sql: Statements::default(),
         })
     }

@@ -7,9 +7,13 @@
 //! - `backend`: the sealed [`StoreBackend`] trait and the statements both databases run
 //!   alike, written once.
 //! - `postgres`, `sqlite`: each database's clock, placeholders and migrations.
+//!
+//! Beside the records, the table `<table>_operations` holds the long operations requests
+//! started ([`crate::operations`]).
 
 mod backend;
 mod config;
+mod operations;
 mod postgres;
 mod sqlite;
 
@@ -19,10 +23,12 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Pool, Transaction};
 
+use backend::purge_in_batches;
 pub use backend::StoreBackend;
 pub(crate) use backend::{ClaimRequest, Record};
-use config::Names;
+pub(crate) use config::Names;
 pub use config::{StoreConfig, StoreConfigBuilder};
+pub use operations::{Operation, OperationStatus, Operations};
 
 use crate::stored::StoredResponse;
 use crate::Error;
@@ -92,20 +98,23 @@ impl<DB: StoreBackend> IdempotencyStore<DB> {
         &self.names.table
     }
 
+    /// The long operations requests started on this store (see [`crate::operations`]),
+    /// for whoever does their work.
+    pub fn operations(&self) -> Operations<DB> {
+        Operations::new(self.pool.clone(), self.names.clone())
+    }
+
+    /// The store's names and statements, for what a request's transaction starts.
+    pub(crate) fn names(&self) -> &Arc<Names> {
+        &self.names
+    }
+
     /// Deletes the records whose TTL has passed (and whose claim, if still in progress, has
     /// lost its lease), `batch` rows per statement, until none are left. Returns how many
     /// were deleted. An expired record is never replayed even before it is purged; this
     /// only reclaims space.
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, Error> {
-        let batch = batch.max(1);
-        let mut total = 0;
-        loop {
-            let n = DB::purge(&self.pool, &self.names.sql, i64::from(batch)).await?;
-            total += n;
-            if n < u64::from(batch) {
-                return Ok(total);
-            }
-        }
+        purge_in_batches(batch, |batch| DB::purge(&self.pool, &self.names.sql, batch)).await
     }
 
     /// How many committed records there are in progress (claims committed by an earlier

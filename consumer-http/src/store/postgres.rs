@@ -8,10 +8,16 @@ use super::backend::{render, store_ops, StoreBackend, CLAIM, EXPIRED};
 use super::config::Names;
 use crate::Error;
 
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    include_str!("../../migrations/postgres/0001_idempotency.sql"),
-)];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        include_str!("../../migrations/postgres/0001_idempotency.sql"),
+    ),
+    (
+        2,
+        include_str!("../../migrations/postgres/0002_operations.sql"),
+    ),
+];
 
 impl StoreBackend for Postgres {
     const BACKEND: &'static str = "PostgreSQL";

@@ -7,10 +7,16 @@ use super::backend::{render, store_ops, StoreBackend, EXPIRED};
 use super::config::Names;
 use crate::Error;
 
-const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    include_str!("../../migrations/sqlite/0001_idempotency.sql"),
-)];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        include_str!("../../migrations/sqlite/0001_idempotency.sql"),
+    ),
+    (
+        2,
+        include_str!("../../migrations/sqlite/0002_operations.sql"),
+    ),
+];
 
 impl StoreBackend for Sqlite {
     const BACKEND: &'static str = "SQLite";

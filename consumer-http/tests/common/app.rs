@@ -125,6 +125,24 @@ macro_rules! routes {
                 (StatusCode::CREATED, Json(json!({"run": run}))).into_response()
             }
 
+            /// Starts a `refund` operation on the body and answers 202; with `"fail": true`
+            /// in the body, answers 502 after starting it (so it rolls back).
+            async fn refunds(
+                State(h): State<Arc<Handlers>>,
+                mut tx: IdempotentTx<$db>,
+                Json(body): Json<Value>,
+            ) -> Response {
+                h.runs.fetch_add(1, Ordering::SeqCst);
+                let started = tx
+                    .start_operation("refund", &body)
+                    .await
+                    .expect("start the operation");
+                if body["fail"] == json!(true) {
+                    return (StatusCode::BAD_GATEWAY, "provider down").into_response();
+                }
+                started.accepted()
+            }
+
             async fn big(State(h): State<Arc<Handlers>>, mut tx: IdempotentTx<$db>) -> Response {
                 let run = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
                 record(&mut tx, "big", run).await;
@@ -140,6 +158,7 @@ macro_rules! routes {
                     .route("/big", post(big))
                     .route("/busy", post(busy))
                     .route("/ignores", post(ignores))
+                    .route("/refunds", post(refunds))
                     .with_state(h)
             }
         }
@@ -277,6 +296,17 @@ impl App {
             .expect("body")
     }
 
+    /// A GET of `path` as the caller whose credential is `authorization` (none: no caller).
+    pub async fn get(&self, path: &str, authorization: Option<&str>) -> Answer {
+        let mut request = self.client.get(format!("{}{path}", self.base));
+        if let Some(credential) = authorization {
+            request = request.header("authorization", credential);
+        }
+        Answer::read(request.send().await.expect("send"))
+            .await
+            .expect("body")
+    }
+
     /// Waits until `n` handlers wait at the gate.
     pub async fn wait_held(&self, n: u32) {
         wait_until("a handler waiting at the gate", || async {
@@ -373,14 +403,17 @@ async fn router(
 /// Where the test app serves the layer's policy document.
 pub const POLICY_PATH: &str = "/docs/idempotency";
 
-/// `routes` behind `layer`, and `GET` [`POLICY_PATH`] serving the layer's policy document
-/// (a GET passes the layer through), as a service publishes it.
+/// `routes` behind `layer`, `GET` [`POLICY_PATH`] serving the layer's policy document
+/// (a GET passes the layer through), as a service publishes it, and the layer's status
+/// route of operations.
 fn with_policy<DB: consumer_http::StoreBackend>(
     routes: Router,
     layer: IdempotencyLayer<DB>,
 ) -> Router {
     let policy = layer.policy_document();
+    let operations = layer.operations_router();
     routes
+        .merge(operations)
         .route(
             POLICY_PATH,
             axum::routing::get(move || async move {

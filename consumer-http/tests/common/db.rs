@@ -163,6 +163,77 @@ impl Db {
         .expect("read the scopes")
     }
 
+    /// The pending operations of `kind`, through the store's [`consumer_http::Operations`].
+    pub async fn pending_operations(&self, kind: &str) -> Vec<consumer_http::Operation> {
+        match self {
+            Db::Pg { pool, schema, .. } => {
+                let ops = pg_store(pool, schema).await.operations();
+                ops.pending(kind, 100).await
+            }
+            Db::Sqlite { pool, .. } => {
+                sqlite_store(pool)
+                    .await
+                    .operations()
+                    .pending(kind, 100)
+                    .await
+            }
+        }
+        .expect("read the pending operations")
+    }
+
+    /// Finishes operation `id` (succeeded with `Ok`'s result, failed with `Err`'s error) in
+    /// a transaction of its own, kept `keep`; whether it was pending.
+    pub async fn finish_operation(
+        &self,
+        id: &str,
+        outcome: Result<serde_json::Value, serde_json::Value>,
+        keep: Duration,
+    ) -> bool {
+        macro_rules! finish {
+            ($store:expr, $pool:expr) => {{
+                let ops = $store.operations().keep_finished(keep);
+                let mut tx = $pool.begin().await.expect("begin");
+                let done = match &outcome {
+                    Ok(result) => ops.succeed(&mut tx, id, result).await,
+                    Err(error) => ops.fail(&mut tx, id, error).await,
+                }
+                .expect("finish the operation");
+                tx.commit().await.expect("commit");
+                done
+            }};
+        }
+        match self {
+            Db::Pg { pool, schema, .. } => finish!(pg_store(pool, schema).await, pool),
+            Db::Sqlite { pool, .. } => finish!(sqlite_store(pool).await, pool),
+        }
+    }
+
+    /// How many operations the store holds.
+    pub async fn operations(&self) -> i64 {
+        self.count("http_idempotency_operations").await
+    }
+
+    /// Deletes finished operations past their keep through the store; how many.
+    pub async fn purge_finished_operations(&self) -> u64 {
+        match self {
+            Db::Pg { pool, schema, .. } => {
+                pg_store(pool, schema)
+                    .await
+                    .operations()
+                    .purge_finished(100)
+                    .await
+            }
+            Db::Sqlite { pool, .. } => {
+                sqlite_store(pool)
+                    .await
+                    .operations()
+                    .purge_finished(100)
+                    .await
+            }
+        }
+        .expect("purge")
+    }
+
     /// Deletes expired records through the store; how many.
     pub async fn purge_expired(&self) -> u64 {
         match self {

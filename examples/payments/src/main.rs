@@ -12,9 +12,11 @@
 //!   and charges nothing; the same key with another body is 422.
 //! - `POST /refunds` (a long operation) with an `Idempotency-Key` and `{"order_id",
 //!   "amount"}` records the refund as an operation in the request's transaction and answers
-//!   `202 Accepted` with its `operation_id` and `Location: /operations/<id>` at once; a retry
-//!   gets the same 202 and id. `GET /operations/<id>` tells how it went: a background task
-//!   stands in for the provider and settles pending operations.
+//!   `202 Accepted` with its `operation_id` and `Location: /operations/<id>` at once
+//!   (`IdempotentTx::start_operation`); a retry gets the same 202 and id.
+//!   `GET /operations/<id>` (the layer's status route) tells the account that started it
+//!   how it went: a background task stands in for the provider, refunding each pending
+//!   operation in the transaction that finishes it (`Operations::succeed`).
 //! - `POST /webhooks/provider` takes the provider's signed events (`Webhook-Signature:
 //!   t=<unix seconds>,v1=<hex HMAC-SHA256 of "t.body">`, secret `WEBHOOK_SECRET`) and runs
 //!   `on_provider_event` once per event id through the consumer's inbox: a resend is answered
@@ -61,14 +63,14 @@ use std::time::Duration;
 mod auth;
 
 use anyhow::Context as _;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use axum::routing::post;
 use axum::{Json, Router};
 use consumer_core::{handler, Context, HandlerError, Inbox, InboxConfig, Worker};
 use consumer_http::{
-    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, IdempotentTx, RedisFastPath,
+    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, IdempotentTx, Operations, RedisFastPath,
     StoreConfig, WebhookIngress,
 };
 use serde::Deserialize;
@@ -133,54 +135,55 @@ async fn charge(
     ))
 }
 
-/// Records the refund as a pending operation and answers 202 with its id: the work is done
-/// later (by [`settle_operations`]), and the stored answer makes a retry get the same id.
+/// Starts the refund as a long operation in the request's transaction and answers 202 with
+/// its id and where its status is: the work is done later (by [`settle_refunds`]), and the
+/// stored answer makes a retry get the same id.
 async fn refund(
     mut tx: IdempotentTx<Postgres>,
     Json(p): Json<Payment>,
 ) -> Result<impl IntoResponse, StatusCode> {
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO operations (kind, order_id, amount) VALUES ('refund', $1, $2) RETURNING id",
-    )
-    .bind(p.order_id)
-    .bind(p.amount)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-    let location = format!("/operations/{id}");
-    Ok((
-        StatusCode::ACCEPTED,
-        [(axum::http::header::LOCATION, location)],
-        Json(json!({"operation_id": id, "status": "pending"})),
-    ))
-}
-
-/// The status of an operation.
-async fn operation(
-    State(pool): State<PgPool>,
-    Path(id): Path<i64>,
-) -> Result<impl IntoResponse, StatusCode> {
-    let status: Option<String> = sqlx::query_scalar("SELECT status FROM operations WHERE id = $1")
-        .bind(id)
-        .fetch_optional(&pool)
+    let input = json!({"order_id": p.order_id, "amount": p.amount});
+    let started = tx
+        .start_operation("refund", &input)
         .await
         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-    let status = status.ok_or(StatusCode::NOT_FOUND)?;
-    Ok(Json(json!({"operation_id": id, "status": status})))
+    Ok(started.accepted())
 }
 
-/// The provider stand-in: settles the pending operations, a batch at a time.
-async fn settle_operations(pool: PgPool) {
+/// The provider stand-in: refunds the pending refund operations, a batch at a time, each
+/// refund row written in the transaction that finishes its operation (so a refund is made
+/// once, however many processes settle).
+async fn settle_refunds(pool: PgPool, operations: Operations<Postgres>) {
     loop {
-        let settled =
-            sqlx::query("UPDATE operations SET status = 'succeeded' WHERE status = 'pending'")
-                .execute(&pool)
-                .await;
-        if let Err(e) = settled {
-            tracing::warn!(error = %e, "settling operations failed");
+        if let Err(e) = settle_pending(&pool, &operations).await {
+            tracing::warn!(error = %e, "settling refunds failed");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+async fn settle_pending(pool: &PgPool, operations: &Operations<Postgres>) -> anyhow::Result<()> {
+    for op in operations.pending("refund", 100).await? {
+        let mut tx = pool.begin().await?;
+        let refund_id: i64 = sqlx::query_scalar(
+            "INSERT INTO refunds (operation_id, order_id, amount) VALUES ($1, $2, $3) \
+             ON CONFLICT (operation_id) DO NOTHING RETURNING id",
+        )
+        .bind(&op.id)
+        .bind(op.input["order_id"].as_i64())
+        .bind(op.input["amount"].as_i64())
+        .fetch_optional(&mut *tx)
+        .await?
+        .unwrap_or_default();
+        // Another process finished it meanwhile: its refund stands, this one rolls back.
+        if operations
+            .succeed(&mut tx, &op.id, &json!({"refund_id": refund_id}))
+            .await?
+        {
+            tx.commit().await?;
+        }
+    }
+    Ok(())
 }
 
 /// A provider event: its id keys it in the inbox.
@@ -255,7 +258,7 @@ async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
         "{create_schema}
          CREATE TABLE IF NOT EXISTS charges (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount BIGINT NOT NULL);
          CREATE TABLE IF NOT EXISTS provider_events (event_id TEXT PRIMARY KEY, kind TEXT NOT NULL);
-         CREATE TABLE IF NOT EXISTS operations (id BIGSERIAL PRIMARY KEY, kind TEXT NOT NULL, order_id BIGINT NOT NULL, amount BIGINT NOT NULL, status TEXT NOT NULL DEFAULT 'pending');"
+         CREATE TABLE IF NOT EXISTS refunds (id BIGSERIAL PRIMARY KEY, operation_id TEXT NOT NULL UNIQUE, order_id BIGINT, amount BIGINT);"
     ))
     .execute(&mut *tx)
     .await
@@ -286,7 +289,6 @@ async fn main() -> anyhow::Result<()> {
     let config = IdempotencyConfig::builder()
         .lease(lease)
         .ttl(ttl)
-        .stored_headers([axum::http::header::LOCATION])
         .build()
         .map_err(|e| match &e {
             consumer_http::Error::Config { field: "lease", .. } => {
@@ -323,6 +325,7 @@ async fn main() -> anyhow::Result<()> {
         inbox_config = inbox_config.with_schema(schema.clone());
     }
     let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
+    tokio::spawn(settle_refunds(pool.clone(), store.operations()));
     // Each account's answers are its own: the caller is the account `authenticate` found.
     let mut idempotency = IdempotencyLayer::builder(store, config)
         .caller(|parts| parts.extensions.get::<auth::Account>().map(|a| a.0.clone()));
@@ -331,8 +334,8 @@ async fn main() -> anyhow::Result<()> {
         idempotency = idempotency.redis(fast);
     }
     let idempotency = idempotency.build();
+    let operations = idempotency.operations_router();
     let inbox = Inbox::new(pool.clone(), inbox_config).await?;
-    tokio::spawn(settle_operations(pool.clone()));
     let (webhooks, events) = WebhookIngress::builder("/webhooks/provider")
         .secret(secret)
         .build()?
@@ -344,17 +347,14 @@ async fn main() -> anyhow::Result<()> {
         .route("/refunds", post(refund))
         .with_state(provider)
         .layer(idempotency)
+        // `GET /operations/{id}`, to the account that started the operation.
+        .merge(operations)
         // Outside the idempotency layer, so a request is authenticated before it.
         .layer(axum::middleware::from_fn_with_state(
             api_keys,
             auth::authenticate,
         ))
-        .merge(webhooks)
-        .merge(
-            Router::new()
-                .route("/operations/{id}", get(operation))
-                .with_state(pool),
-        );
+        .merge(webhooks);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("listen on PAYMENTS_ADDR {addr}"))?;
