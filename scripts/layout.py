@@ -4,11 +4,12 @@ between files in the `use` graph.
 
     scripts/layout.py [--max-lines N] [--graph]
 
-Each `consumer-*/src` tree is read on its own. A file depends on another when it names a
+Each `consumer-*/src` tree, `bench/src` and `chaos/src` is read on its own. A file depends on another when it names a
 path into it: `use crate::inbox::Backend`, `crate::key::check_key(...)`, `super::Claim`,
 or a child module's path (`postgres::Dialect` in `inbox/mod.rs`). A name the crate root
 re-exports (`crate::Error`) is followed to the module that defines it. `mod x;`
-declarations and `#[cfg(test)]` modules at the end of a file are not edges. Exits 1 with
+declarations and inline `#[cfg(test)] mod … { }` modules are not edges (a test module in
+a file of its own, `mod tests;`, is read as any file). Exits 1 with
 every finding listed, 0 when the layout holds. `--graph` prints the edges.
 """
 
@@ -20,17 +21,36 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PATH = re.compile(r"\b(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 USE_BLOCK = re.compile(r"\buse\s+(crate|super|self)::\{([^;]*)\};", re.S)
+INLINE_TESTS = re.compile(r"#\[cfg\(test\)\]\s*(?:pub(?:\([a-z]+\))?\s+)?mod\s+[a-z_]+\s*\{")
 REEXPORT = re.compile(r"pub\s+use\s+([a-z_][a-z0-9_]*)((?:::[A-Za-z_][A-Za-z0-9_]*)*)::(\{[^;]*\}|[A-Za-z_][A-Za-z0-9_]*)\s*;", re.S)
 
 
 def strip(text):
-    """The code without comments, strings and a trailing `#[cfg(test)] mod tests`."""
+    """The code without comments, strings and inline `#[cfg(test)]` modules."""
     text = re.sub(r"//[^\n]*", "", text)
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     text = re.sub(r'r#*"(?:.|\n)*?"#*', '""', text)
     text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
-    cut = re.search(r"#\[cfg\(test\)\]\s*(?:pub(?:\([a-z]+\))?\s+)?mod\s+tests\b", text)
-    return text[: cut.start()] if cut else text
+    text = re.sub(r"'(?:\\.|[^'\\\n])'", "' '", text)
+    # An inline test module (`#[cfg(test)] mod tests { ... }`) is cut out whole; a declared
+    # one (`mod tests;`) is a file of its own, read as any other.
+    for cut in reversed(list(INLINE_TESTS.finditer(text))):
+        end = closing_brace(text, cut.end() - 1)
+        text = text[: cut.start()] + text[end + 1 :]
+    return text
+
+
+def closing_brace(text, open_at):
+    """The index of the brace that closes the one at `open_at` (the end, if none does)."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return len(text) - 1
 
 
 def module_files(src):
@@ -141,7 +161,7 @@ def main():
     ap.add_argument("--graph", action="store_true")
     args = ap.parse_args()
     problems = []
-    for src in sorted(ROOT.glob("consumer-*/src")):
+    for src in sorted(ROOT.glob("consumer-*/src")) + [ROOT / "bench/src", ROOT / "chaos/src"]:
         mods = module_files(src)
         names = reexports(mods)
         graph = {}

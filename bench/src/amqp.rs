@@ -15,10 +15,10 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::{PgPool, Postgres};
 
+use crate::arrivals::Received;
 use crate::framework::{bench_worker, framework_figures, Fw};
 use crate::measure::{Clock, Figures};
 use crate::outbox::OutboxArm;
-use crate::outbox_latency::Received;
 use crate::postgres::{hand_batch, hand_one, payload, Job, BATCH_WAIT};
 use crate::relay::{check_events, End};
 use crate::timing::{timed, Acks};

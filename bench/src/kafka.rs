@@ -16,10 +16,10 @@ use rdkafka::consumer::{Consumer, DefaultConsumerContext, MessageStream, StreamC
 use rdkafka::{ClientConfig, Message as _};
 use sqlx::Postgres;
 
+use crate::arrivals::Received;
 use crate::framework::{bench_worker, framework_figures, Fw};
 use crate::measure::{Clock, Figures};
 use crate::outbox::OutboxArm;
-use crate::outbox_latency::Received;
 use crate::postgres::{hand_batch, hand_one, payload, Job, BATCH_WAIT};
 use crate::relay::{check_events, End};
 use crate::timing::{timed, Acks};

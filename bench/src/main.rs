@@ -94,13 +94,15 @@
 //! - `timing.rs`: the sampled deliveries' delivery-to-ack latencies;
 //! - `report.rs`: the report of a run, and its JSON; `compare.rs`: `--compare` and
 //!   `--compare-metrics`;
-//! - `http.rs`: `--http`; `outbox_latency.rs`: `--outbox-latency`.
+//! - `http.rs`: `--http`; `outbox_latency.rs`: `--outbox-latency`, and `arrivals.rs`: what
+//!   arrives at its consumers (each broker module starts one).
 
 // A benchmark report is this program's output.
 #![allow(clippy::print_stdout)]
 
 mod amqp;
 mod arms;
+mod arrivals;
 mod compare;
 mod framework;
 mod http;

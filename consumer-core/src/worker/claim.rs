@@ -1,6 +1,8 @@
 //! The claim stage's decisions: what a counted claim means for a delivery (run as attempt
 //! n, or settle without a run). Pure, so every case is tested without a database.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use super::job::{Outcome, Verdict};
 use crate::delivery::{DeadLetterReason, Delivery};
 use crate::handler::ConflictPolicy;
@@ -100,6 +102,37 @@ pub(super) fn dead_text(reason: Option<DeadLetterReason>, error: &str) -> String
     match reason {
         Some(reason) => format!("{}: {error}", reason.as_str()),
         None => error.to_owned(),
+    }
+}
+
+/// How a worker claims its batches' fresh keys: with the plain insert of
+/// [`Backend::claim_new_many`] while fresh keys turn out to have no rows, which is the usual
+/// case; with [`Backend::claim_fresh_many`], which tolerates rows, for the next
+/// [`Claims::TOLERANT_AFTER_ROWS`] batches after one that found a row. On the plain insert a
+/// batch that meets a republished message pays a failed insert and a second transaction, and
+/// republished messages may come in runs (a producer's retried backlog); the count is a
+/// chosen bound, not a measured one.
+#[derive(Debug, Default)]
+pub(super) struct Claims {
+    /// How many more batches claim with the tolerant statement.
+    tolerant: AtomicU32,
+}
+
+impl Claims {
+    const TOLERANT_AFTER_ROWS: u32 = 64;
+
+    /// Whether the next batch may claim with the plain insert (if not, one fewer batch
+    /// waits for it).
+    pub(super) fn optimistic(&self) -> bool {
+        self.tolerant
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_err()
+    }
+
+    /// A batch's plain insert found a key with a row.
+    pub(super) fn found_rows(&self) {
+        self.tolerant
+            .store(Self::TOLERANT_AFTER_ROWS, Ordering::Relaxed);
     }
 }
 
@@ -229,5 +262,16 @@ mod tests {
             dead_text(Some(DeadLetterReason::MaxAttemptsExceeded), "provider down"),
             "max_attempts_exceeded: provider down"
         );
+    }
+
+    #[test]
+    fn claims_are_tolerant_for_a_while_after_a_batch_found_a_row() {
+        let claims = Claims::default();
+        assert!(claims.optimistic() && claims.optimistic());
+        claims.found_rows();
+        for _ in 0..Claims::TOLERANT_AFTER_ROWS {
+            assert!(!claims.optimistic());
+        }
+        assert!(claims.optimistic());
     }
 }

@@ -4,49 +4,18 @@
 //! code, so one failure never sinks or half-commits the others.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use futures::FutureExt;
 
+use super::inner::{Crash, Inner};
 use super::job::Job;
 use super::settle::{Attempted, Settled};
-use super::{Crash, Inner};
 use crate::fault::point::FaultPoint;
 use crate::handler::{BatchContext, BatchMember, Context, Handler, Written};
 use crate::inbox::{is_aborted, Backend, Lease};
 use crate::HandlerError;
-
-/// How a worker claims its batches' fresh keys: with the plain insert of
-/// [`Backend::claim_new_many`] while fresh keys turn out to have no rows, which is the usual
-/// case; with [`Backend::claim_fresh_many`], which tolerates rows, for the next
-/// [`Claims::TOLERANT_AFTER_ROWS`] batches after one that found a row. On the plain insert a
-/// batch that meets a republished message pays a failed insert and a second transaction, and
-/// republished messages may come in runs (a producer's retried backlog); the count is a
-/// chosen bound, not a measured one.
-#[derive(Debug, Default)]
-pub(super) struct Claims {
-    /// How many more batches claim with the tolerant statement.
-    tolerant: AtomicU32,
-}
-
-impl Claims {
-    const TOLERANT_AFTER_ROWS: u32 = 64;
-
-    /// Whether the next batch may claim with the plain insert (if not, one fewer batch
-    /// waits for it).
-    fn optimistic(&self) -> bool {
-        self.tolerant
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_err()
-    }
-
-    /// A batch's plain insert found a key with a row.
-    fn found_rows(&self) {
-        self.tolerant
-            .store(Self::TOLERANT_AFTER_ROWS, Ordering::Relaxed);
-    }
-}
 
 /// Whether the database refused a statement because a row with its key exists.
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -504,21 +473,5 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".to_owned()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Claims;
-
-    #[test]
-    fn claims_are_tolerant_for_a_while_after_a_batch_found_a_row() {
-        let claims = Claims::default();
-        assert!(claims.optimistic() && claims.optimistic());
-        claims.found_rows();
-        for _ in 0..Claims::TOLERANT_AFTER_ROWS {
-            assert!(!claims.optimistic());
-        }
-        assert!(claims.optimistic());
     }
 }

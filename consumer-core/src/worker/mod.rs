@@ -20,7 +20,9 @@
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
-//! retention purge and the gauges; [`gather`] fills a batch; [`spare`] keeps batch buffers.
+//! retention purge and the gauges; [`gather`] fills a batch; [`spare`] keeps batch buffers;
+//! [`inner`] holds what the stages share (the stages' code is here for prepare and the run
+//! of a batch, in `execute` and `settle` for theirs).
 
 mod attempt;
 mod background;
@@ -30,6 +32,7 @@ mod dead_letters;
 mod execute;
 mod faults;
 mod gather;
+mod inner;
 mod job;
 mod settle;
 mod slot;
@@ -49,8 +52,9 @@ use tracing::{field, Instrument};
 
 pub use config::{BatchConfig, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};
 
-use self::claim::Decision;
+use self::claim::{Claims, Decision};
 use self::config::Settings;
+use self::inner::{Crash, Inner};
 use self::job::{Job, Verdict};
 use self::settle::{settle_all, Settled};
 use self::slot::Slot;
@@ -75,39 +79,6 @@ impl<DB: Backend, H: Handler<DB>> Clone for Worker<DB, H> {
         }
     }
 }
-
-/// What the pipeline's stages share.
-struct Inner<DB: Backend, H: Handler<DB>> {
-    inbox: Inbox<DB>,
-    handler: H,
-    settings: Settings,
-    /// The handler's name, shared with the acknowledgers that record retries.
-    name: Arc<str>,
-    concurrency: usize,
-    batch: Option<BatchConfig>,
-    retention_interval: Option<std::time::Duration>,
-    retention_batch: u32,
-    pending_retention: Option<std::time::Duration>,
-    inbox_gauge_interval: Option<std::time::Duration>,
-    stats: Arc<Stats>,
-    freshness: Freshness<DB>,
-    turns: turn::Turns,
-    /// How batches claim their fresh keys.
-    claims: execute::Claims,
-    /// Emptied batch buffers, for the intake to fill again.
-    spare_batches: SpareBatches,
-    /// The connections the worker's leases released clean, for its next leases.
-    kept: Arc<Kept<DB>>,
-    #[cfg(feature = "fault-injection")]
-    faults: Option<Arc<dyn crate::fault::FaultInjector>>,
-    #[cfg(feature = "fault-injection")]
-    broken_ack_before_commit: bool,
-}
-
-/// Why a delivery's processing stopped without settling: a fault point simulated a crash.
-/// Without the `fault-injection` feature nothing constructs it.
-#[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
-struct Crash(FaultPoint);
 
 impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// A worker with the default [`WorkerConfig`]. Fails at once, naming the option, if the
@@ -137,7 +108,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
                 inbox_gauge_interval: config.inbox_gauge_interval,
                 stats,
                 turns: turn::Turns::default(),
-                claims: execute::Claims::default(),
+                claims: Claims::default(),
                 spare_batches: SpareBatches::new(config.concurrency),
                 #[cfg(feature = "fault-injection")]
                 faults: config.faults,

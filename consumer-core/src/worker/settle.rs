@@ -9,8 +9,8 @@ use futures::FutureExt;
 
 use super::attempt::{self, AfterFailure};
 use super::claim::dead_text;
+use super::inner::Inner;
 use super::job::{Job, Outcome, Verdict};
-use super::Inner;
 use crate::delivery::{Acknowledger, DeadLetterReason, Delivery, Settlement, REPLY_TO_HEADER};
 use crate::handler::Handler;
 use crate::inbox::{Backend, Inbox};
