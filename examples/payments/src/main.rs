@@ -37,7 +37,11 @@
 //!   is replayed; after it the key runs again. The layer purges expired records every TTL
 //!   (at least every second, at most every hour);
 //! - `REDIS_URL` (unset or empty: none): puts the Redis fast path in front of the database
-//!   (replays and concurrent duplicates answered from Redis; the database still decides).
+//!   (replays and concurrent duplicates answered from Redis; the database still decides);
+//! - `METRICS_ADDR` (unset: none): serves the layer's and the webhook worker's metrics at
+//!   `GET /metrics` there (port 0 picks a free one, logged as `serving /metrics bound=ADDR`);
+//! - `IDEMPOTENCY_GAUGE_MS` (30000): how often the layer sets its gauges (records by status,
+//!   the oldest request in progress).
 //!
 //! The address it listens on is logged as `listening on ADDR`; SIGTERM or Ctrl-C stops it
 //! after the requests in flight.
@@ -230,6 +234,28 @@ fn millis(name: &str, default: Duration) -> anyhow::Result<Duration> {
     Ok(Duration::from_millis(ms))
 }
 
+/// Installs the Prometheus recorder (before the layer and the worker register their
+/// metrics) and serves its text at `GET /metrics` on `addr`; the address it bound.
+async fn serve_metrics(addr: &str) -> anyhow::Result<std::net::SocketAddr> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("install the metrics recorder")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("listen on METRICS_ADDR {addr}"))?;
+    let bound = listener.local_addr()?;
+    let metrics = Router::new().route(
+        "/metrics",
+        axum::routing::get(move || std::future::ready(handle.render())),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, metrics).await {
+            tracing::warn!(error = %e, "the metrics endpoint stopped");
+        }
+    });
+    Ok(bound)
+}
+
 /// A pool on `url`, its connections in `schema` (validated, created if missing) when given,
 /// and the example's tables.
 async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
@@ -284,11 +310,17 @@ async fn main() -> anyhow::Result<()> {
         std::env::var("PAYMENTS_API_KEYS").unwrap_or_else(|_| "sk_example=acct_example".to_owned());
     let api_keys = auth::ApiKeys::parse(&api_keys)
         .map_err(|e| anyhow::anyhow!("the setting PAYMENTS_API_KEYS: {e}"))?;
+    if let Ok(addr) = std::env::var("METRICS_ADDR") {
+        let bound = serve_metrics(&addr).await?;
+        tracing::info!(%bound, "serving /metrics");
+    }
     let lease = millis("IDEMPOTENCY_LEASE_MS", Duration::from_secs(1))?;
+    let gauges = millis("IDEMPOTENCY_GAUGE_MS", Duration::from_secs(30))?;
     let ttl = millis("IDEMPOTENCY_TTL_MS", Duration::from_secs(24 * 60 * 60))?;
     let config = IdempotencyConfig::builder()
         .lease(lease)
         .ttl(ttl)
+        .gauge_interval(gauges)
         .build()
         .map_err(|e| match &e {
             consumer_http::Error::Config { field: "lease", .. } => {
@@ -297,6 +329,10 @@ async fn main() -> anyhow::Result<()> {
             consumer_http::Error::Config { field: "ttl", .. } => {
                 anyhow::Error::new(e).context("the setting IDEMPOTENCY_TTL_MS")
             }
+            consumer_http::Error::Config {
+                field: "gauge_interval",
+                ..
+            } => anyhow::Error::new(e).context("the setting IDEMPOTENCY_GAUGE_MS"),
             _ => e.into(),
         })?;
     let redis = match std::env::var("REDIS_URL") {
