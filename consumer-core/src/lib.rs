@@ -139,6 +139,7 @@ mod key;
 mod log_marks;
 pub mod memory;
 mod message_id;
+pub mod migrate;
 pub mod outbox;
 mod retry;
 mod stats;

@@ -59,7 +59,7 @@ mod backend;
 mod claim;
 mod config;
 mod dead_letter_store;
-mod dialect;
+pub(crate) mod dialect;
 mod entry;
 mod flow;
 mod handle;

@@ -85,43 +85,16 @@ fn migration_lock(names: &Names) -> i64 {
 }
 
 async fn migrate(pool: &Pool<Postgres>, names: &Names) -> Result<(), Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(migration_lock(names))
-        .execute(&mut *tx)
-        .await?;
-    if let Some(schema) = &names.schema {
-        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {}", schema.quoted()))
-            .execute(&mut *tx)
-            .await?;
-    }
-    sqlx::query(&format!(
-        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, \
-         applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
-        names.migrations
-    ))
-    .execute(&mut *tx)
+    let schema = names.schema.as_ref().map(|s| s.quoted());
+    let ledger = consumer_core::migrate::Ledger {
+        table: &names.migrations,
+        schema: schema.as_deref(),
+        lock: migration_lock(names),
+    };
+    consumer_core::migrate::postgres(pool, ledger, MIGRATIONS, |sql| {
+        render::<Postgres>(names, sql)
+    })
     .await?;
-    let current: Option<i32> =
-        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
-            .fetch_one(&mut *tx)
-            .await?;
-    for (version, sql) in MIGRATIONS {
-        if current.is_some_and(|c| c >= *version) {
-            continue;
-        }
-        let script = render::<Postgres>(names, sql);
-        // A plain string runs unprepared, so the script may hold several statements.
-        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (version) VALUES ($1)",
-            names.migrations
-        ))
-        .bind(version)
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
     Ok(())
 }
 

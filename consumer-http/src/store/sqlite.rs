@@ -57,34 +57,9 @@ impl StoreBackend for Sqlite {
 }
 
 async fn migrate(pool: &Pool<Sqlite>, names: &Names) -> Result<(), Error> {
-    // `BEGIN IMMEDIATE` takes the write lock first, so two pools migrating one file wait on
-    // each other instead of both creating.
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-    sqlx::query(&format!(
-        "CREATE TABLE IF NOT EXISTS {} (version INTEGER PRIMARY KEY, applied_at INTEGER)",
-        names.migrations
-    ))
-    .execute(&mut *tx)
+    consumer_core::migrate::sqlite(pool, &names.migrations, MIGRATIONS, |sql| {
+        render::<Sqlite>(names, sql)
+    })
     .await?;
-    let current: Option<i64> =
-        sqlx::query_scalar(&format!("SELECT max(version) FROM {}", names.migrations))
-            .fetch_one(&mut *tx)
-            .await?;
-    for (version, sql) in MIGRATIONS {
-        if current.is_some_and(|c| c >= *version) {
-            continue;
-        }
-        let script = render::<Sqlite>(names, sql);
-        sqlx::Executor::execute(&mut *tx, script.as_str()).await?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (version, applied_at) VALUES (?1, {})",
-            names.migrations,
-            Sqlite::NOW_MS
-        ))
-        .bind(version)
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
     Ok(())
 }
