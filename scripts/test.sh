@@ -8,7 +8,8 @@
 # root; as another user it stops at once and prints the apt-get line to run). Then starts
 # every server the tests need (PostgreSQL, RabbitMQ, Apache Kafka, whose jars
 # scripts/kafka.sh fetches once from Maven Central, Prometheus and Redis: see
-# scripts/servers.sh), runs the embedded quickstart, promtool's tests of the alert rules,
+# scripts/servers.sh) and playwright-core (npm, for the board's browser test in Debian's
+# Chromium), runs the embedded quickstart, promtool's tests of the alert rules,
 # every test in the workspace against those real servers (the Kafka tests twice, once per
 # consumer group protocol), and the chaos suite. The servers
 # keep running afterwards so a second run starts fast; `scripts/servers.sh stop` stops them.
@@ -35,6 +36,9 @@ promtool test rules monitoring/alerts_test.yml
 echo "== the RabbitMQ cluster (scripts/rabbitmq.sh cluster 3)"
 cluster_lines=$(scripts/rabbitmq.sh cluster 3)
 eval "$cluster_lines"
+# The board's browser test drives Chromium with Playwright (consumer-cli/tests/board).
+echo "== npm ci: playwright-core for the board's browser test"
+npm ci --prefix consumer-cli/tests/board --no-audit --no-fund --loglevel=error
 echo "== cargo test --workspace"
 cargo test --workspace "$@"
 # The first run's Kafka members use the classic group protocol (librdkafka's default).

@@ -12,6 +12,7 @@
 //!                     [--to EXCHANGE/ROUTING_KEY]     (RabbitMQ)
 //! consumer dlq purge  [ID...] [--reason R] [--all] [--dry-run] --broker ...   (or `discard`)
 //! consumer outbox stats
+//! consumer board [--listen 127.0.0.1:8089] [--allow-actions] --broker ... [--http-table T]
 //! ```
 //!
 //! Every flag can also be given in the environment (`DATABASE_URL`, `DB_SCHEMA`,
@@ -68,6 +69,8 @@
 //!   republish and settle on each broker, and name the headers a replay strips;
 //!   `dlq::reference` reads the record a Kafka `copy_too_large` letter refers to;
 //!   `dlq::inbox_table` reads, replays and discards the inbox's dead-letter table.
+//! - `board`: `consumer board`, the web page over the same reads and the same safe replay
+//!   (`board::page` writes its HTML).
 //! - `output`: printing text or JSON.
 //!
 //! The inbox commands go through [`consumer_core::Inbox`] alone (`counts`, `entry`,
@@ -75,6 +78,7 @@
 //! Only PostgreSQL is supported (`DATABASE_URL`); Kafka is reached with
 //! `bootstrap.servers` alone (no SASL or TLS settings yet).
 
+mod board;
 mod dlq;
 mod inbox;
 mod outbox;
@@ -110,6 +114,10 @@ enum Command {
     /// Look at the outbox beside the inbox.
     #[command(subcommand)]
     Outbox(OutboxCommand),
+    /// Serve a web page over the inbox, the outbox, the dead letters of one destination and
+    /// the HTTP layer's records (read-only unless --allow-actions; this machine only by
+    /// default). Boxed for its size, as `dlq`.
+    Board(Box<board::BoardArgs>),
 }
 
 #[derive(Debug, Subcommand)]
@@ -326,5 +334,6 @@ async fn run(command: Command, out: &output::Output) -> anyhow::Result<()> {
         Command::Inbox(c) => inbox::run(c, out).await,
         Command::Dlq(c) => dlq::run(*c, out).await,
         Command::Outbox(c) => outbox::run(c, out).await,
+        Command::Board(args) => board::run(*args).await,
     }
 }

@@ -4,53 +4,19 @@
 //! the others stay; a second replay runs nothing; a bad URL fails naming the setting
 //! without showing its password.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use consumer_amqp::AmqpPublisher;
-use consumer_core::{handler, Context, EntryStatus, HandlerError, Worker};
-use consumer_tests::amqp::{self, config, init_tracing, wait_for, worker_config, Rabbit, Running};
+use consumer_core::EntryStatus;
+use consumer_tests::amqp::{self, wait_for, Rabbit};
 use consumer_tests::common::PgEnv;
-use serde::Deserialize;
 use serde_json::json;
 use sqlx::Postgres;
-use support::{consumer, json_of};
+use support::{consumer, json_of, FiveDeadLetters, FIXED, HANDLER};
 
 mod support;
 
-/// The cause of the `rejected` jobs' failures: fixed half-way through the test.
-static FIXED: AtomicBool = AtomicBool::new(false);
-
-const HANDLER: &str = "cli_orders";
 const WAIT: Duration = Duration::from_secs(60);
-
-#[derive(Debug, Deserialize)]
-struct Job {
-    id: String,
-    kind: String,
-}
-
-#[handler(name = "cli_orders", max_attempts = 2, backoff = "200ms..1s")]
-async fn orders(ctx: &mut Context<'_, Postgres>, job: Job) -> Result<(), HandlerError> {
-    match job.kind.as_str() {
-        "rejected" if !FIXED.load(Ordering::SeqCst) => Err(HandlerError::permanent(format!(
-            "order {} rejected by the provider",
-            job.id
-        ))),
-        "flaky" => Err(HandlerError::transient(format!(
-            "order {} timed out after 30s",
-            job.id
-        ))),
-        _ => {
-            sqlx::query("INSERT INTO ledger (job_id, attempt) VALUES ($1, $2)")
-                .bind(&job.id)
-                .bind(i32::try_from(ctx.attempt()).unwrap_or(i32::MAX))
-                .execute(ctx.db())
-                .await?;
-            Ok(())
-        }
-    }
-}
 
 async fn ledger(pg: &PgEnv, inbox: &consumer_core::Inbox<Postgres>, id: &str) -> i64 {
     let sql = format!(
@@ -66,29 +32,16 @@ async fn ledger(pg: &PgEnv, inbox: &consumer_core::Inbox<Postgres>, id: &str) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
-    init_tracing();
-    let pg = PgEnv::new().await;
-    let cfg = config(&amqp::unique_name("cli"));
-    let dlq = cfg.dead_letter_queue_name();
-    let inbox = pg.inbox().await;
-    let worker = Worker::with_config(inbox.clone(), orders, worker_config(4)).unwrap();
-    let running = Running::start(worker, cfg.clone()).await;
-
-    let rejected: Vec<String> = (0..3).map(|i| format!("{}-r{i}", cfg.queue)).collect();
-    let flaky: Vec<String> = (0..2).map(|i| format!("{}-f{i}", cfg.queue)).collect();
-    let publisher = AmqpPublisher::connect(cfg.clone()).await.unwrap();
-    for (ids, kind) in [(&rejected, "rejected"), (&flaky, "flaky")] {
-        for id in ids {
-            publisher
-                .publish_json(&cfg.queue, id, &json!({"id": id, "kind": kind}))
-                .await
-                .unwrap();
-        }
-    }
-    wait_for("5 dead letters", WAIT, || async {
-        Rabbit::ready(&dlq).await == 5
-    })
-    .await;
+    let FiveDeadLetters {
+        pg,
+        cfg,
+        dlq,
+        inbox,
+        running,
+        publisher,
+        rejected,
+        flaky,
+    } = FiveDeadLetters::new("cli").await;
 
     let env = [
         ("DB_SCHEMA", pg.schema.as_str()),

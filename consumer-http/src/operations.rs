@@ -55,7 +55,7 @@ impl StartedOperation {
     /// as the default does), so a retry gets the same 202 and id.
     pub fn accepted(&self) -> Response {
         let body = serde_json::json!({"operation_id": self.id, "status": "pending"});
-        let mut response = (StatusCode::ACCEPTED, axum::Json(body)).into_response();
+        let mut response = json(StatusCode::ACCEPTED, &body);
         let headers = response.headers_mut();
         if let Ok(location) = HeaderValue::from_str(&self.location) {
             headers.insert(header::LOCATION, location);
@@ -63,6 +63,16 @@ impl StartedOperation {
         headers.insert(header::RETRY_AFTER, retry_after_seconds(self.retry_after));
         response
     }
+}
+
+/// `value` as an `application/json` answer of `status`.
+fn json(status: StatusCode, value: &serde_json::Value) -> Response {
+    let mut response = (status, value.to_string()).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
 }
 
 /// `Retry-After` in whole seconds, at least 1.
@@ -169,7 +179,7 @@ pub(crate) async fn status<DB: StoreBackend>(
     };
     match operation {
         Some(op) if op.owner == owner => {
-            let mut response = axum::Json(status_body(&op)).into_response();
+            let mut response = json(StatusCode::OK, &status_body(&op));
             if op.status == OperationStatus::Pending {
                 response
                     .headers_mut()

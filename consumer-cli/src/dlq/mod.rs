@@ -8,15 +8,15 @@
 mod amqp;
 mod inbox_table;
 pub(crate) mod kafka;
-mod letter;
+pub(crate) mod letter;
 mod origin;
 mod reference;
-mod report;
+pub(crate) mod report;
 
 use anyhow::bail;
 
 use crate::output::{table, Output};
-use crate::{Broker, DlqCommand};
+use crate::{Broker, DbArgs, DlqArgs, DlqCommand, Selection};
 use letter::{groups, DeadLetter};
 use report::Report;
 
@@ -30,19 +30,11 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
     };
     match command {
         DlqCommand::List { dlq, db } => {
-            let letters = match broker {
-                Broker::Amqp => amqp::browse(&dlq, out).await?,
-                Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
-                Broker::Inbox => inbox_table::browse(&db).await?,
-            };
+            let letters = browse(&dlq, &db, out).await?;
             print_groups(&letters, out);
         }
         DlqCommand::Show { dlq, db, id } => {
-            let letters = match broker {
-                Broker::Amqp => amqp::browse(&dlq, out).await?,
-                Broker::Kafka => kafka::browse(&dlq, &db, out).await?,
-                Broker::Inbox => inbox_table::browse(&db).await?,
-            };
+            let letters = browse(&dlq, &db, out).await?;
             let found: Vec<&DeadLetter> = letters.iter().filter(|l| l.id == id).collect();
             if found.is_empty() {
                 bail!("no dead letter with id {id:?} in the DLQ");
@@ -62,40 +54,71 @@ pub(crate) async fn run(command: DlqCommand, out: &Output) -> anyhow::Result<()>
             to,
         } => {
             selection.check()?;
-            let report = match broker {
-                Broker::Amqp => {
-                    let replay = origin::Replay::new(to.as_deref())?;
-                    amqp::settle(&dlq, &db, &selection, Some(replay), out).await?
+            match (broker, &to) {
+                (Broker::Kafka, Some(_)) => bail!(
+                    "--to is for RabbitMQ: a Kafka replay goes to each record's \
+                     x-original-topic"
+                ),
+                (Broker::Inbox, Some(_)) => {
+                    bail!("--to is for RabbitMQ: an inbox letter is replayed to --replay-url")
                 }
-                Broker::Kafka => {
-                    if to.is_some() {
-                        bail!(
-                            "--to is for RabbitMQ: a Kafka replay goes to each record's \
-                             x-original-topic"
-                        );
-                    }
-                    kafka::settle(&dlq, &db, &selection, true, out).await?
-                }
-                Broker::Inbox => {
-                    if to.is_some() {
-                        bail!("--to is for RabbitMQ: an inbox letter is replayed to --replay-url");
-                    }
-                    inbox_table::settle(&dlq, &db, &selection, true, out).await?
-                }
-            };
+                _ => {}
+            }
+            let report = settle(&dlq, &db, &selection, Action::Replay(to.as_deref()), out).await?;
             finish(report, out)?;
         }
         DlqCommand::Purge { dlq, db, selection } => {
             selection.check()?;
-            let report = match broker {
-                Broker::Amqp => amqp::settle(&dlq, &db, &selection, None, out).await?,
-                Broker::Kafka => kafka::settle(&dlq, &db, &selection, false, out).await?,
-                Broker::Inbox => inbox_table::settle(&dlq, &db, &selection, false, out).await?,
-            };
+            let report = settle(&dlq, &db, &selection, Action::Purge, out).await?;
             finish(report, out)?;
         }
     }
     Ok(())
+}
+
+/// Every dead letter of the destination `dlq` names (Kafka: but those recorded settled in
+/// `db`), read without consuming.
+pub(crate) async fn browse(
+    dlq: &DlqArgs,
+    db: &DbArgs,
+    out: &Output,
+) -> anyhow::Result<Vec<DeadLetter>> {
+    match dlq.broker {
+        Broker::Amqp => amqp::browse(dlq, out).await,
+        Broker::Kafka => kafka::browse(dlq, db, out).await,
+        Broker::Inbox => inbox_table::browse(db).await,
+    }
+}
+
+/// What [`settle`] does to the selected dead letters.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Action<'a> {
+    /// Release their keys and republish them: to their origins, or (RabbitMQ) to this
+    /// `EXCHANGE/ROUTING_KEY`.
+    Replay(Option<&'a str>),
+    /// Drop them for good.
+    Purge,
+}
+
+/// Replays or purges the dead letters of `dlq` that `selection` takes: the safe replay of
+/// the module docs of `main`.
+pub(crate) async fn settle(
+    dlq: &DlqArgs,
+    db: &DbArgs,
+    selection: &Selection,
+    action: Action<'_>,
+    out: &Output,
+) -> anyhow::Result<Report> {
+    let replay = matches!(action, Action::Replay(_));
+    match (dlq.broker, action) {
+        (Broker::Amqp, Action::Replay(to)) => {
+            let replay = origin::Replay::new(to)?;
+            amqp::settle(dlq, db, selection, Some(replay), out).await
+        }
+        (Broker::Amqp, Action::Purge) => amqp::settle(dlq, db, selection, None, out).await,
+        (Broker::Kafka, _) => kafka::settle(dlq, db, selection, replay, out).await,
+        (Broker::Inbox, _) => inbox_table::settle(dlq, db, selection, replay, out).await,
+    }
 }
 
 fn finish(report: Report, out: &Output) -> anyhow::Result<()> {
