@@ -114,8 +114,8 @@ enum Command {
     /// Look at the outbox beside the inbox.
     #[command(subcommand)]
     Outbox(OutboxCommand),
-    /// Serve a web page over the inbox, the outbox, the dead letters of one destination and
-    /// the HTTP layer's records (read-only unless --allow-actions; this machine only by
+    /// Serve a web page over the inbox, the outbox, the dead letters (of the destination
+    /// named and of the inbox's table) and the HTTP layer's records (read-only unless --allow-actions; this machine only by
     /// default). Boxed for its size, as `dlq`.
     Board(Box<board::BoardArgs>),
 }

@@ -133,6 +133,11 @@ async fn the_board_groups_dead_letters_and_replays_a_group_in_a_browser() {
         assert!(page.contains("permanent_error"), "{page}");
         assert!(page.contains("order # rejected by the provider"), "{page}");
         assert!(!page.contains("Replay group"), "{page}");
+        // The inbox's dead-letter table too, in a section of its own.
+        assert!(
+            page.contains("0 dead letters in the inbox&#39;s dead-letter table"),
+            "{page}"
+        );
         // No URL with its credentials (the test database's password is a common word, so
         // the check is for it as a URL holds it).
         let userinfo = database_url()

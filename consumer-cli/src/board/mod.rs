@@ -3,6 +3,9 @@
 //! the dead letters of one destination grouped by reason and error fingerprint (each viewable
 //! whole), and the HTTP idempotency layer's records and pending operations.
 //!
+//! The dead letters are those of the destination the settings name (as for `dlq`) and,
+//! unless that is it, of the inbox's dead-letter table, each in a section of its own.
+//!
 //! Read-only unless started with `--allow-actions`: then a group of dead letters, or one,
 //! can be replayed (the safe replay of `dlq replay`: keys released, then republished, then
 //! taken out of the DLQ) or discarded, each after a confirmation page, through a form that
@@ -63,6 +66,10 @@ struct Board {
     inbox: Inbox<Postgres>,
     /// The HTTP store's quoted table and its operations table, if named.
     http: Option<(String, String)>,
+    /// The dead-letter destinations shown, by their number in the pages' links: the one the
+    /// settings name and, unless that is it, the inbox's dead-letter table (the webhook
+    /// ingress's and the in-memory broker's letters).
+    destinations: Vec<DlqArgs>,
     /// The token every action form carries: only this process's pages hold it.
     token: String,
     /// One look at the dead letters at a time: reading a RabbitMQ DLQ holds its messages.
@@ -93,9 +100,17 @@ pub(crate) async fn run(args: BoardArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("BOARD_LISTEN (--listen) {}: cannot listen", args.listen))?;
     let bound = listener.local_addr()?;
+    let mut destinations = vec![args.dlq.clone()];
+    if args.dlq.broker != crate::Broker::Inbox {
+        destinations.push(DlqArgs {
+            broker: crate::Broker::Inbox,
+            ..args.dlq.clone()
+        });
+    }
     let board = Arc::new(Board {
         token: token()?,
         http,
+        destinations,
         inbox,
         args,
         dlq: Mutex::new(()),
@@ -151,10 +166,18 @@ impl Board {
 }
 
 impl Board {
-    /// The dead letters of the destination, read without consuming.
-    async fn letters(&self) -> anyhow::Result<Vec<DeadLetter>> {
+    /// Destination `d`, if there is one of that number.
+    fn destination(&self, d: usize) -> anyhow::Result<&DlqArgs> {
+        self.destinations
+            .get(d)
+            .with_context(|| format!("no dead-letter destination {d}"))
+    }
+
+    /// The dead letters of destination `d`, read without consuming.
+    async fn letters(&self, d: usize) -> anyhow::Result<Vec<DeadLetter>> {
+        let destination = self.destination(d)?;
         let _one = self.dlq.lock().await;
-        dlq::browse(&self.args.dlq, &self.args.db, &Output::new(false)).await
+        dlq::browse(destination, &self.args.db, &Output::new(false)).await
     }
 
     /// The handlers' table.
@@ -264,8 +287,10 @@ async fn overview(State(board): State<Arc<Board>>) -> Response {
             body.push_str("<h2>HTTP idempotency</h2>");
             body.push_str(&http);
         }
-        let letters = board.letters().await.context("the dead letters")?;
-        body.push_str(&dead_letters(&board, &letters));
+        for d in 0..board.destinations.len() {
+            let letters = board.letters(d).await.context("the dead letters")?;
+            body.push_str(&dead_letters(&board, d, &letters));
+        }
         anyhow::Ok(())
     };
     match sections.await {
@@ -274,18 +299,18 @@ async fn overview(State(board): State<Arc<Board>>) -> Response {
     }
 }
 
-/// The dead-letter section: its groups, largest first, each with its letters.
-fn dead_letters(board: &Board, letters: &[DeadLetter]) -> String {
+/// The section of destination `d`: its groups, largest first, each with its letters.
+fn dead_letters(board: &Board, d: usize, letters: &[DeadLetter]) -> String {
+    let where_ = escape(&destination(&board.destinations[d]));
+    let mode = if board.args.allow_actions {
+        "replay and discard allowed, each after a confirmation"
+    } else {
+        "read-only"
+    };
     let mut out = format!(
-        "<h2>Dead letters</h2><p>{} dead letter{} in {} ({}).</p>",
+        "<h2>Dead letters: {where_}</h2><p>{} dead letter{} in {where_} ({mode}).</p>",
         letters.len(),
         if letters.len() == 1 { "" } else { "s" },
-        escape(&destination(&board.args.dlq)),
-        if board.args.allow_actions {
-            "replay and discard allowed, each after a confirmation"
-        } else {
-            "read-only"
-        }
     );
     let rows: Vec<Vec<String>> = groups(letters)
         .iter()
@@ -293,7 +318,7 @@ fn dead_letters(board: &Board, letters: &[DeadLetter]) -> String {
             let ids: Vec<String> = letters
                 .iter()
                 .filter(|l| l.reason == g.reason && l.fingerprint() == g.fingerprint)
-                .map(|l| link(&format!("/letter?id={}", query_value(&l.id)), &l.id))
+                .map(|l| link(&format!("/letter?d={d}&id={}", query_value(&l.id)), &l.id))
                 .collect();
             let mut row = vec![
                 format!("<span class=\"count\">{}</span>", g.count),
@@ -304,7 +329,7 @@ fn dead_letters(board: &Board, letters: &[DeadLetter]) -> String {
             ];
             if board.args.allow_actions {
                 let group = format!(
-                    "reason={}&fingerprint={}",
+                    "d={d}&reason={}&fingerprint={}",
                     query_value(&g.reason),
                     query_value(&g.fingerprint)
                 );
@@ -327,7 +352,7 @@ fn dead_letters(board: &Board, letters: &[DeadLetter]) -> String {
     if board.args.allow_actions {
         header.push("actions");
     }
-    out.push_str(&table("groups", &header, &rows));
+    out.push_str(&table(&format!("groups-{d}"), &header, &rows));
     out
 }
 
@@ -342,12 +367,15 @@ fn destination(dlq: &DlqArgs) -> String {
 
 #[derive(Debug, Deserialize)]
 struct LetterQuery {
+    /// The destination's number (0: the one the settings name).
+    #[serde(default)]
+    d: usize,
     id: String,
 }
 
 /// `GET /letter?id=ID`: one dead letter whole.
 async fn letter(State(board): State<Arc<Board>>, Query(q): Query<LetterQuery>) -> Response {
-    let letters = match board.letters().await {
+    let letters = match board.letters(q.d).await {
         Ok(l) => l,
         Err(e) => return board.failed("reading the dead letters", &e),
     };
@@ -382,11 +410,11 @@ async fn letter(State(board): State<Arc<Board>>, Query(q): Query<LetterQuery>) -
         escape(&l.payload)
     ));
     if board.args.allow_actions {
-        let id = query_value(&l.id);
+        let which = format!("d={}&id={}", q.d, query_value(&l.id));
         body.push_str(&format!(
             "<p>{} {}</p>",
-            link(&format!("/confirm?action=replay&id={id}"), "Replay"),
-            link(&format!("/confirm?action=discard&id={id}"), "Discard")
+            link(&format!("/confirm?action=replay&{which}"), "Replay"),
+            link(&format!("/confirm?action=discard&{which}"), "Discard")
         ));
     }
     Html(frame("Dead letter", &body)).into_response()
@@ -396,6 +424,9 @@ async fn letter(State(board): State<Arc<Board>>, Query(q): Query<LetterQuery>) -
 #[derive(Debug, Deserialize)]
 struct Target {
     action: String,
+    /// The destination's number (0: the one the settings name).
+    #[serde(default)]
+    d: usize,
     id: Option<String>,
     reason: Option<String>,
     fingerprint: Option<String>,
@@ -431,7 +462,7 @@ async fn confirm(State(board): State<Arc<Board>>, Query(t): Query<Target>) -> Re
     if t.action().is_none() {
         return refused("the action is replay or discard");
     }
-    let letters = match board.letters().await {
+    let letters = match board.letters(t.d).await {
         Ok(l) => l,
         Err(e) => return board.failed("reading the dead letters", &e),
     };
@@ -455,12 +486,13 @@ async fn confirm(State(board): State<Arc<Board>>, Query(t): Query<Target>) -> Re
         .collect();
     let body = format!(
         "<p id=\"what\">{verb} {n} dead letter{s}?</p><ul>{list}</ul>\
-         <form method=\"post\" action=\"/act\">{a}{id}{reason}{fp}{token}\
+         <form method=\"post\" action=\"/act\">{a}{d}{id}{reason}{fp}{token}\
          <button id=\"confirm\" type=\"submit\">{verb} {n}</button></form><p>{back}</p>",
         n = taken.len(),
         s = if taken.len() == 1 { "" } else { "s" },
         list = list.join(""),
         a = hidden("action", Some(&t.action)),
+        d = hidden("d", Some(&t.d.to_string())),
         id = hidden("id", t.id.as_deref()),
         reason = hidden("reason", t.reason.as_deref()),
         fp = hidden("fingerprint", t.fingerprint.as_deref()),
@@ -470,11 +502,30 @@ async fn confirm(State(board): State<Arc<Board>>, Query(t): Query<Target>) -> Re
     Html(frame(&format!("{verb} dead letters"), &body)).into_response()
 }
 
+/// The confirmation page's form: its [`Target`] and the board's token (fields of their own:
+/// a flattened `Target` would not parse its number from a form).
 #[derive(Debug, Deserialize)]
 struct ActForm {
-    #[serde(flatten)]
-    target: Target,
+    action: String,
+    #[serde(default)]
+    d: usize,
+    id: Option<String>,
+    reason: Option<String>,
+    fingerprint: Option<String>,
     token: String,
+}
+
+impl ActForm {
+    fn target(self) -> (Target, String) {
+        let target = Target {
+            action: self.action,
+            d: self.d,
+            id: self.id,
+            reason: self.reason,
+            fingerprint: self.fingerprint,
+        };
+        (target, self.token)
+    }
 }
 
 /// `POST /act`: does what the confirmation page showed, with the safe replay of `dlq`.
@@ -482,19 +533,21 @@ async fn act(State(board): State<Arc<Board>>, Form(form): Form<ActForm>) -> Resp
     if !board.args.allow_actions {
         return refused("the board is read-only: start it with --allow-actions");
     }
-    if form.token != board.token {
+    let (target, token) = form.target();
+    if token != board.token {
         return refused("this form is not one of this board's pages");
     }
-    let Some(action) = form.target.action() else {
+    let Some(action) = target.action() else {
         return refused("the action is replay or discard");
     };
     let done = async {
+        let destination = board.destination(target.d)?;
         let _one = board.dlq.lock().await;
         let out = Output::new(false);
-        let letters = dlq::browse(&board.args.dlq, &board.args.db, &out).await?;
+        let letters = dlq::browse(destination, &board.args.db, &out).await?;
         let ids: Vec<String> = letters
             .iter()
-            .filter(|l| form.target.takes(l))
+            .filter(|l| target.takes(l))
             .map(|l| l.id.clone())
             .collect();
         if ids.is_empty() {
@@ -506,7 +559,7 @@ async fn act(State(board): State<Arc<Board>>, Form(form): Form<ActForm>) -> Resp
             all: false,
             dry_run: false,
         };
-        dlq::settle(&board.args.dlq, &board.args.db, &selection, action, &out).await
+        dlq::settle(destination, &board.args.db, &selection, action, &out).await
     };
     match done.await {
         Ok(report) => {

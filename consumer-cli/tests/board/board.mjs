@@ -21,7 +21,7 @@ const browser = await chromium.launch({
 try {
   const page = await browser.newPage({ viewport: { width: 1280, height: 860 } });
   await page.goto(url);
-  const group = (reason) => page.locator('#groups tbody tr', { hasText: reason });
+  const group = (reason) => page.locator('#groups-0 tbody tr', { hasText: reason });
   const rejected = group('permanent_error');
   const count = (await rejected.locator('.count').innerText()).trim();
   if (count !== '3') fail(`the permanent_error group counts ${count}, not 3`);
