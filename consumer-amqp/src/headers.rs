@@ -13,22 +13,13 @@ use consumer_core::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 
-/// The attempt number of a retried copy (1 when absent); becomes [`consumer_core::Delivery::attempt`].
-pub const ATTEMPT: &str = consumer_core::memory::ATTEMPT_HEADER;
-/// When the message first failed (set on the first retry copy, kept afterwards).
-pub const FIRST_FAILURE: &str = "x-first-failure";
+/// The framework's own headers, the same on every transport.
+pub use consumer_core::header_names::{
+    ATTEMPT, ATTEMPTS, DEAD_LETTER_REASON, ERROR, FIRST_FAILURE, HANDLER, KEY, MAX_ERROR_LEN,
+};
+
 /// When the message failed for the last time (dead letters).
 pub const LAST_FAILURE: &str = "x-last-failure";
-/// Why it was dead-lettered: a [`consumer_core::DeadLetterReason`] name, e.g. `max_attempts_exceeded`.
-pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
-/// The handler's stable name.
-pub const HANDLER: &str = "x-handler";
-/// The idempotency key, when one was derived.
-pub const KEY: &str = "x-key";
-/// Attempts counted by the inbox (0 when the handler never ran).
-pub const ATTEMPTS: &str = "x-attempts";
-/// The last error's text (at most [`MAX_ERROR_LEN`] bytes).
-pub const ERROR: &str = "x-error";
 /// The exchange the message was first published to (`""` is the default exchange).
 pub const ORIGINAL_EXCHANGE: &str = "x-original-exchange";
 /// The routing key the message was first published with.
@@ -63,9 +54,6 @@ pub(crate) const DEAD_LETTER: &[&str] = &[
     ERROR,
     LAST_FAILURE,
 ];
-
-/// Longest error text put in a header; longer texts are cut at a character boundary.
-pub const MAX_ERROR_LEN: usize = 4096;
 
 /// A delivery's headers as text: its header table (strings as they are, numbers in
 /// decimal, booleans as `true`/`false`, timestamps as seconds, arrays and tables, e.g.

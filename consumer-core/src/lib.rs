@@ -132,6 +132,7 @@ pub mod fault;
 mod fault;
 pub mod guard;
 mod handler;
+pub mod header_names;
 mod headers;
 mod ident;
 mod inbox;

@@ -22,8 +22,9 @@ use crate::delivery::{
 };
 use crate::{Headers, MessageId, TransportError};
 
-/// The header carrying the attempt number of a retried copy.
-pub const ATTEMPT_HEADER: &str = "x-attempt";
+/// The header carrying the attempt number of a retried copy
+/// ([`header_names::ATTEMPT`](crate::header_names::ATTEMPT)).
+pub const ATTEMPT_HEADER: &str = crate::header_names::ATTEMPT;
 
 /// A message to publish.
 #[derive(Debug, Clone, Default)]

@@ -5,39 +5,23 @@
 //! handler, key, attempts, error and `x-original-*` headers, on top of the original record's
 //! key, value and headers. Values are UTF-8 text.
 
-/// The attempt number of a retry copy (the first delivery, without it, is attempt 1).
-pub const ATTEMPT: &str = "x-attempt";
+/// The framework's own headers, the same on every transport.
+pub use consumer_core::header_names::{
+    ATTEMPT, ATTEMPTS, DEAD_LETTER_REASON, ERROR, FIRST_FAILURE, HANDLER, KEY, MAX_ERROR_LEN,
+};
+
 /// When a retry copy is due, in milliseconds since the Unix epoch.
 pub const DUE_AT: &str = "x-due-at";
 /// The consumer group that wrote a retry copy. Several groups may share a topic and so its
 /// retry topic; each consumes only its own copies and skips (commits past) the others'.
 pub const RETRY_GROUP: &str = "x-retry-group";
-/// Why a record was dead-lettered: a [`consumer_core::DeadLetterReason`] name such as
-/// `undecodable` or `permanent_error`.
-pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
-/// The stable name of the handler that dead-lettered the record.
-pub const HANDLER: &str = "x-handler";
-/// The idempotency key, when one was derived (absent otherwise).
-pub const KEY: &str = "x-key";
-/// Attempts counted by the inbox (0 when the handler never ran).
-pub const ATTEMPTS: &str = "x-attempts";
-/// The error text (at most [`MAX_ERROR_LEN`] bytes).
-pub const ERROR: &str = "x-error";
 
-/// Longest error text put in a header; longer texts are cut at a character boundary and
-/// end in `…`. An error can be as long as a handler makes it; its copy must still fit.
-pub const MAX_ERROR_LEN: usize = 4096;
 /// The topic the record was first consumed from (not the retry topic).
 pub const ORIGINAL_TOPIC: &str = "x-original-topic";
 /// Its partition there.
 pub const ORIGINAL_PARTITION: &str = "x-original-partition";
 /// Its offset there.
 pub const ORIGINAL_OFFSET: &str = "x-original-offset";
-
-/// When the message first failed. This transport does not write it; it is named here
-/// because it is one of the framework's own headers (the RabbitMQ transport writes it), so
-/// a producer-supplied value is never carried into a copy.
-pub const FIRST_FAILURE: &str = "x-first-failure";
 
 /// Headers that say where a message first came from and when it first failed. Only this
 /// transport's own retry copies (on a retry topic, written by this group) carry them on;
