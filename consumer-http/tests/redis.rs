@@ -17,8 +17,13 @@ use common::{redis_url, unique, App, Db};
 use consumer_http::{IdempotencyConfig, RedisFastPath};
 use serde_json::json;
 
+/// The layer's configuration of these tests: no purge, and gauges an hour apart (first an
+/// hour on), so that the layer's background task takes no connection while a test counts
+/// the ones its requests take.
 fn config() -> consumer_http::IdempotencyConfigBuilder {
-    IdempotencyConfig::builder().stored_headers([axum::http::HeaderName::from_static("location")])
+    IdempotencyConfig::builder()
+        .no_purge()
+        .gauge_interval(Duration::from_secs(3600))
 }
 
 /// A fast path with a prefix of its own, and that prefix.
