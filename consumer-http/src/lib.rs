@@ -270,6 +270,7 @@ mod fast;
 mod flow;
 mod held;
 mod housekeeping;
+mod key_format;
 mod layer;
 pub mod metrics;
 pub mod operations;
