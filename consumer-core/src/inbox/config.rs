@@ -257,6 +257,10 @@ impl TableNames {
             .replace("{outbox_sent_index}", &self.outbox_sent_index)
             .replace("{outbox_notify}", &self.outbox_notify)
             .replace("{outbox_notify_fn}", &self.outbox_notify_fn)
+            .replace(
+                "{outbox_rest_lock}",
+                &super::outbox_store::REST_LOCK.to_string(),
+            )
             .replace("{copy_grace_ms}", &self.copy_grace_ms().to_string())
     }
 

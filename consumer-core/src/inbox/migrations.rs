@@ -38,6 +38,10 @@ const POSTGRES: &[(i32, &str)] = &[
         9,
         include_str!("../../migrations/postgres/0009_key_templates.sql"),
     ),
+    (
+        10,
+        include_str!("../../migrations/postgres/0010_outbox_quiet_notify.sql"),
+    ),
 ];
 
 const SQLITE: &[(i64, &str)] = &[

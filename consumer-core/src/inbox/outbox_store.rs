@@ -86,6 +86,37 @@ pub trait OutboxStore: Execute {
         names: &'a TableNames,
     ) -> BoxFuture<'a, Result<BoxStream<'static, ()>, sqlx::Error>>;
 
+    /// Whether writers notify only while a relay rests ([`OutboxStore::outbox_rest`]):
+    /// PostgreSQL; SQLite never notifies (the relay polls).
+    #[doc(hidden)]
+    const RESTS: bool = false;
+
+    /// Rests the relay: takes the outbox's rest lock in exclusive mode on `conn` (a
+    /// connection of the relay's own, opened from `pool` when there is none), waiting at most
+    /// `wait` for the writers holding it shared to commit. While it is held, every writer
+    /// notifies its commit; a writer that took it shared (and did not notify) has committed
+    /// or rolled back once it is taken. `Ok(false)`: not taken within `wait`. Called only
+    /// where [`OutboxStore::RESTS`].
+    #[doc(hidden)]
+    fn outbox_rest<'a>(
+        _pool: &'a Pool<Self>,
+        _names: &'a TableNames,
+        _conn: &'a mut Option<Self::Connection>,
+        _wait: Duration,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async { Ok(false) })
+    }
+
+    /// Releases the rest lock [`OutboxStore::outbox_rest`] took on `conn`: writers commit
+    /// without notifying again.
+    #[doc(hidden)]
+    fn outbox_unrest<'a>(
+        _conn: &'a mut Self::Connection,
+        _names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// Inserts `message` under `message_id`, with `extra_header` beside its own headers (the
     /// trace context it carries).
     #[doc(hidden)]
@@ -290,6 +321,14 @@ pub trait OutboxStore: Execute {
 /// The channel the outbox trigger notifies (see the migration `0005_outbox.sql`).
 const CHANNEL: &str = "consumer_outbox";
 
+/// The first key of the outbox's rest lock (`"outb"`), the second being the table's oid: a
+/// resting relay holds it, and the outbox trigger notifies only when it cannot take it
+/// shared (see the migration `0010_outbox_quiet_notify.sql`).
+pub(crate) const REST_LOCK: i32 = 0x6f75_7462;
+
+/// The SQLSTATE of a lock not taken within `lock_timeout`.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
 /// `headers` as a JSON object, with `extra` added (replacing a header of its name) when
 /// there is one, so that a header to carry needs no copy of the message.
 fn headers_json(headers: &BTreeMap<String, String>, extra: Option<(&str, &str)>) -> String {
@@ -350,6 +389,7 @@ fn taken(rows: &[OutboxRow]) -> (Vec<String>, Vec<i64>, i64) {
 
 impl OutboxStore for Postgres {
     const HOLDS_ROWS_WHILE_PUBLISHING: bool = true;
+    const RESTS: bool = true;
 
     fn outbox_insert_all<'a>(
         conn: &'a mut Self::Connection,
@@ -415,6 +455,60 @@ impl OutboxStore for Postgres {
                 std::future::ready(wake.then_some(()))
             });
             Ok(stream.boxed())
+        })
+    }
+
+    fn outbox_rest<'a>(
+        pool: &'a Pool<Self>,
+        names: &'a TableNames,
+        conn: &'a mut Option<Self::Connection>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let held = match conn {
+                Some(held) => held,
+                None => {
+                    // A connection of the relay's own, out of the pool: closing it (the
+                    // relay ends, or a statement failed) releases the lock.
+                    let mut fresh = pool.acquire().await?.detach();
+                    let ms = wait.as_millis().max(1);
+                    sqlx::query(&format!("SET lock_timeout = {ms}"))
+                        .execute(&mut fresh)
+                        .await?;
+                    conn.insert(fresh)
+                }
+            };
+            let taken = sqlx::query("SELECT pg_advisory_lock($1, to_regclass($2)::oid::int)")
+                .bind(REST_LOCK)
+                .bind(&names.outbox)
+                .execute(&mut *held)
+                .await;
+            match taken {
+                Ok(_) => Ok(true),
+                Err(sqlx::Error::Database(e))
+                    if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) =>
+                {
+                    Ok(false)
+                }
+                Err(e) => {
+                    *conn = None;
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn outbox_unrest<'a>(
+        conn: &'a mut Self::Connection,
+        names: &'a TableNames,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_advisory_unlock($1, to_regclass($2)::oid::int)")
+                .bind(REST_LOCK)
+                .bind(&names.outbox)
+                .execute(conn)
+                .await?;
+            Ok(())
         })
     }
 }

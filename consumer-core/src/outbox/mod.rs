@@ -35,9 +35,14 @@
 //!   short transactions of their own, and the write lock is never held while the broker
 //!   answers (a handler's commit does not wait for a publish).
 //! - **Wake-up.** On PostgreSQL a trigger notifies the channel `consumer_outbox` when rows
-//!   commit, and the relay `LISTEN`s there (listening again after 1 s, then after waits
-//!   doubling up to 30 s, when its connection is lost); in the same process the worker wakes
-//!   it after a commit that published. It also polls every [`RelayConfig::poll_interval`] (1 s), which is
+//!   commit while a relay rests, and the relay `LISTEN`s there (listening again after 1 s,
+//!   then after waits doubling up to 30 s, when its connection is lost); in the same process
+//!   the worker wakes it after a commit that published. A relay rests when its rounds find
+//!   nothing: it takes the outbox's rest lock (an advisory lock, on a connection of its own),
+//!   which writers take shared when they can (then they do not notify: a notifying commit
+//!   takes PostgreSQL's notification lock, which serializes such commits server-wide through
+//!   their WAL flush); once it has the lock every writer that did not notify has ended, and
+//!   the relay looks once more. A second relay that finds the lock taken looks every 200 ms. It also polls every [`RelayConfig::poll_interval`] (1 s), which is
 //!   the only wake-up on SQLite for rows written outside a handler.
 //! - **Failures.** A publish that fails is counted on the row with its error and tried again
 //!   after an exponential backoff; a message the broker refuses (unroutable, too large) is
@@ -51,7 +56,7 @@
 //! - `relay`: [`Relay`], its run loop and its rounds; `config`: [`RelayConfig`];
 //!   `schedule`: when the run loop begins its next round; `publishing`: how a round publishes
 //!   its rows, in each key's order; `wakeups`: the relay's notifications from the database,
-//!   listened to again when they fail;
+//!   listened to again when they fail, and its rest;
 //! - the outbox's statements on each database live with the inbox's (`inbox::outbox_store`),
 //!   and its migrations create the table beside the inbox: `<inbox table>_outbox`.
 

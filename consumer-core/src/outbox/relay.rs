@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -16,7 +17,7 @@ use super::metrics::RelayMetrics;
 use super::publisher::Publisher;
 use super::publishing::{publish_rows, Failed, RelayPoint};
 use super::schedule::{Schedule, Took};
-use super::wakeups::Wakeups;
+use super::wakeups::{Rest, Wakeups};
 use crate::inbox::{Backend, OutboxRow};
 use crate::{Error, ExponentialBackoff};
 
@@ -73,6 +74,10 @@ impl Drop for TakeReport {
     }
 }
 
+/// How long a relay coming to rest waits for the writers that did not notify to commit
+/// before it looks again (and tries to rest again).
+const REST_WAIT: Duration = Duration::from_millis(200);
+
 /// What ended in the run loop.
 enum Ended {
     /// Round `.0`.
@@ -103,7 +108,11 @@ impl<DB: Backend> Relay<DB> {
     /// Runs rounds until `shutdown` completes, waking on the database's notifications (when
     /// listening fails or its connection is lost, the relay polls and listens again after
     /// 1 s, then after waits doubling up to 30 s), this process's commits and the poll
-    /// interval. On PostgreSQL up to [`RelayConfig::rounds`] rounds run at once: a round
+    /// interval. On PostgreSQL writers notify only while a relay rests: when its rounds find
+    /// nothing, the relay takes the outbox's rest lock (on a connection of its own, waiting
+    /// up to 200 ms for the writers that did not notify to commit, then looking once more)
+    /// and releases it when woken, so that under load commits do not serialize on
+    /// PostgreSQL's notification lock. On PostgreSQL up to [`RelayConfig::rounds`] rounds run at once: a round
     /// that filled its batch lets the next one take while it waits for the broker. Deletes
     /// published rows past the retention every purge interval. A round that fails (the
     /// database is down) is logged and tried again after the poll interval. Returns once
@@ -116,7 +125,7 @@ impl<DB: Backend> Relay<DB> {
         } else {
             1
         };
-        let mut wakeups = Wakeups::new();
+        let mut wakeups = Wakeups::<DB>::new();
         let (report, mut reports) = mpsc::unbounded_channel();
         let mut work: FuturesUnordered<BoxFuture<'_, Ended>> = FuturesUnordered::new();
         let mut schedule = Schedule::new(most);
@@ -135,6 +144,17 @@ impl<DB: Backend> Relay<DB> {
             if stopping && work.is_empty() {
                 return Ok(());
             }
+            if !stopping && schedule.idle() {
+                match wakeups.rest(&self.outbox, REST_WAIT).await {
+                    // Rows the writers that did not notify committed are due: look once more.
+                    Rest::Resting | Rest::Busy => {
+                        schedule.wake();
+                        continue;
+                    }
+                    Rest::NotNow => {}
+                }
+            }
+            let rest_retry = wakeups.rest_retry().filter(|_| schedule.idle());
             tokio::select! {
                 () = &mut shutdown, if !stopping => stopping = true,
                 Some(took) = reports.recv() => schedule.took(took),
@@ -162,11 +182,20 @@ impl<DB: Backend> Relay<DB> {
                         }));
                     }
                 }
-                () = wakeups.next(), if !stopping => schedule.wake(),
-                () = self.outbox.written.notified(), if !stopping => schedule.wake(),
+                () = wakeups.next(), if !stopping => {
+                    wakeups.unrest(&self.outbox).await;
+                    schedule.wake();
+                }
+                () = self.outbox.written.notified(), if !stopping => {
+                    wakeups.unrest(&self.outbox).await;
+                    schedule.wake();
+                }
                 () = tokio::time::sleep_until(next_poll), if !stopping && schedule.waits() => {
                     schedule.wake();
                 }
+                // The loop tries to rest again.
+                () = tokio::time::sleep_until(rest_retry.unwrap_or(next_poll)),
+                    if !stopping && rest_retry.is_some() => {}
             }
         }
     }

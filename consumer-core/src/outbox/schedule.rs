@@ -69,6 +69,11 @@ impl Schedule {
         self.next != Next::Now
     }
 
+    /// Whether no round is in progress and none is due: the relay waits for a wake-up.
+    pub(super) fn idle(&self) -> bool {
+        self.next == Next::Wakeup && self.running == 0
+    }
+
     /// A round begins; its number.
     pub(super) fn begin(&mut self) -> u64 {
         let round = self.begun;
