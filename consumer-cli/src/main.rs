@@ -69,8 +69,10 @@
 //!   republish and settle on each broker, and name the headers a replay strips;
 //!   `dlq::reference` reads the record a Kafka `copy_too_large` letter refers to;
 //!   `dlq::inbox_table` reads, replays and discards the inbox's dead-letter table.
-//! - `board`: `consumer board`, the web page over the same reads and the same safe replay
-//!   (`board::page` writes its HTML).
+//! - `board`: `consumer board`, the web page over the same reads and the same safe replay:
+//!   `board::args` holds its settings, `board::read` what the pages read from and the
+//!   read-only pages, `board::act` the replay and discard (a confirmation, then the
+//!   action), `board::page` writes its HTML.
 //! - `output`: printing text or JSON.
 //!
 //! The inbox commands go through [`consumer_core::Inbox`] alone (`counts`, `entry`,
