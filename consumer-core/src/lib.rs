@@ -34,11 +34,14 @@
 //!   text [`Headers`], one shared block per message; `blocks`: [`Blocks`], shared blocks a
 //!   transport copies many messages' bytes into; `message_id`: a delivery's [`MessageId`],
 //!   which can share such a block.
-//! - `worker`: the runtime, one pipeline in four stages: `worker::job` prepares (decode and
-//!   key once), `worker::claim` decides what a claim means, `worker::execute` runs a group
-//!   of jobs in one transaction (and alone after a failure), `worker::settle` records the
-//!   outcome and settles; `worker::attempt` computes every attempt number, `worker::config`
-//!   holds [`WorkerConfig`] and [`BatchConfig`].
+//! - `worker`: the runtime. `worker` itself is its public face ([`Worker`] and its run
+//!   loop); `worker::pipeline` runs each batch through one pipeline in four stages:
+//!   `worker::job` prepares (decode and key once), `worker::claim` decides what a claim
+//!   means, `worker::execute` runs a group of jobs in one transaction (and alone after a
+//!   failure), `worker::verdict` decides how each attempt's outcome is settled (recording
+//!   failures), `worker::settle` applies those verdicts through the acknowledgers;
+//!   `worker::attempt` computes every attempt number, `worker::config` holds
+//!   [`WorkerConfig`] and [`BatchConfig`].
 //! - `inbox`: the table of (handler, key) rows in PostgreSQL or SQLite, its migrations and
 //!   statements, and the key locks; `log_marks`: the log marks that prove a Kafka record
 //!   fresh.

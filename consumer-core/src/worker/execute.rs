@@ -11,7 +11,8 @@ use futures::FutureExt;
 
 use super::inner::{Crash, Inner};
 use super::job::Job;
-use super::settle::{Attempted, Settled};
+use super::settle::Settled;
+use super::verdict::Attempted;
 use crate::fault::point::FaultPoint;
 use crate::handler::{BatchContext, BatchMember, Context, Handler, Written};
 use crate::inbox::{is_aborted, Backend, Lease};

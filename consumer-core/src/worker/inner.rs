@@ -1,7 +1,7 @@
 //! What the pipeline's stages share: the worker's [`Inner`] (the inbox, the handler, its
 //! settings, counters and the state of its claims and turns), whose stages are written in
-//! `mod.rs` (prepare and the run of a batch), `execute.rs` and `settle.rs`; and [`Crash`],
-//! how a simulated crash stops a delivery.
+//! `pipeline.rs` (prepare and the run of a batch), `execute.rs`, `verdict.rs` and
+//! `settle.rs`; and [`Crash`], how a simulated crash stops a delivery.
 
 use std::sync::Arc;
 

@@ -1,8 +1,10 @@
 //! The runtime: takes deliveries from a transport, runs the handler exactly once per key, and
 //! settles each delivery only after its outcome is durable.
 //!
-//! Every delivery goes through one pipeline, in batches (a batch of one in the per-message
-//! mode):
+//! This file is the worker's public face: [`Worker`], its construction and its run loop,
+//! which takes deliveries (filling a batch: [`gather`]) and hands each batch to the
+//! [`pipeline`] under one of the concurrency slots ([`slot`]). Every delivery goes through
+//! that one pipeline, in batches (a batch of one in the per-message mode):
 //!
 //! 1. **prepare** ([`job`]): decode the payload and derive the key, once; a message that
 //!    cannot run gets its verdict here. The inbox then judges which jobs are fresh
@@ -12,17 +14,18 @@
 //!    decides: run as attempt n, or settle (duplicate, conflict, dead, quarantined).
 //! 3. **execute** ([`execute`]): one transaction for the group (the fresh jobs, or one job
 //!    attempted before), one commit; if a handler fails in a group of several, each job
-//!    runs again alone.
-//! 4. **settle** ([`settle`]): failures recorded, verdicts applied through the acknowledgers
-//!    (a dead letter first kept in the inbox where the transport keeps none: [`dead_letters`]).
+//!    runs again alone. How each attempt ended becomes a verdict ([`verdict`]: failures
+//!    recorded, retry or dead letter).
+//! 4. **settle** ([`settle`]): verdicts applied through the acknowledgers (a dead letter
+//!    first kept in the inbox where the transport keeps none: [`dead_letters`]).
 //!    The batch's concurrency slot is free by then, unless a repeated key of it is still to
 //!    run ([`slot`]): settling waits on the broker.
 //!
 //! A redelivered job attempted before takes its turn alone, with nothing else of the worker
 //! in flight ([`turn`]). [`attempt`] computes every attempt number; [`background`] runs the
-//! retention purge and the gauges; [`gather`] fills a batch; [`spare`] keeps batch buffers;
-//! [`inner`] holds what the stages share (the stages' code is here for prepare and the run
-//! of a batch, in `execute` and `settle` for theirs).
+//! retention purge and the gauges; [`spare`] keeps batch buffers; [`inner`] holds what the
+//! stages share (the stages' code is in `pipeline` for prepare and the run of a batch, in
+//! `execute`, `verdict` and `settle` for theirs).
 
 mod attempt;
 mod background;
@@ -34,12 +37,14 @@ mod faults;
 mod gather;
 mod inner;
 mod job;
+mod pipeline;
 mod settle;
 mod slot;
 mod spare;
 #[cfg(test)]
 mod tests;
 mod turn;
+mod verdict;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -48,21 +53,18 @@ use std::time::Duration;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
-use tracing::{field, Instrument};
 
 pub use config::{BatchConfig, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};
 
-use self::claim::{Claims, Decision};
+use self::claim::Claims;
 use self::config::Settings;
 use self::inner::{Crash, Inner};
-use self::job::{Job, Verdict};
-use self::settle::{settle_all, Settled};
 use self::slot::Slot;
 use self::spare::SpareBatches;
-use crate::delivery::{DeadLetterReason, Incoming, Transport};
+use crate::delivery::Transport;
 use crate::fault::point::FaultPoint;
 use crate::handler::Handler;
-use crate::inbox::{AttemptItem, Backend, IdMap, Inbox, Kept};
+use crate::inbox::{Backend, Inbox, Kept};
 use crate::log_marks::Freshness;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::Error;
@@ -280,286 +282,6 @@ fn crashed_at(point: FaultPoint) -> Error {
 #[cfg(not(feature = "fault-injection"))]
 fn crashed_at(point: FaultPoint) -> Error {
     unreachable!("no fault point fires without fault injection ({point:?})")
-}
-
-/// The keys of a batch's jobs so far, to find a key that comes twice without copying or
-/// hashing each key again: by the key's in-process lock id (see [`Job::lock_id`]), and the job
-/// (its index in the batch's jobs) that has it.
-struct RepeatedKeys {
-    first: IdMap<usize>,
-}
-
-impl RepeatedKeys {
-    /// For a batch of `jobs` jobs: the table is sized once, not grown as they come.
-    fn for_batch(jobs: usize) -> Self {
-        RepeatedKeys {
-            first: IdMap::with_capacity_and_hasher(jobs, Default::default()),
-        }
-    }
-
-    /// Whether `job`'s key is one of `jobs`' (the jobs pushed so far, `job` to be pushed next);
-    /// if not, it is remembered as the key of the next job.
-    fn repeated<M>(&mut self, jobs: &[Job<M>], job: &Job<M>) -> bool {
-        match self.first.get(&job.lock_id) {
-            Some(&i) if jobs.get(i).is_some_and(|j| j.key() == job.key()) => true,
-            // Another key with the same id (rare): compare with every job.
-            Some(_) => jobs.iter().any(|j| j.key() == job.key()),
-            None => {
-                self.first.insert(job.lock_id, jobs.len());
-                false
-            }
-        }
-    }
-}
-
-impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
-    /// The pipeline over one batch (one delivery in the per-message mode): prepare, claim,
-    /// execute, settle. `Err` is a simulated crash: nothing of the batch was settled. The
-    /// batch holds its `slot` until its outcomes are durable (see [`Slot`]).
-    async fn process(&self, batch: Vec<Incoming>, slot: Slot) -> Result<(), Crash> {
-        let span = if batch.len() == 1 {
-            let delivery = &batch[0].delivery;
-            let span = tracing::info_span!(
-                "delivery",
-                otel.kind = "consumer",
-                messaging.system = crate::trace::messaging_system(delivery.source.transport),
-                messaging.operation.type = "process",
-                messaging.message.id = delivery.message_id.as_deref(),
-                handler = %self.name,
-                source = %delivery.source,
-                key = field::Empty,
-                attempt = field::Empty,
-                outcome = field::Empty,
-                trace_id = field::Empty,
-            );
-            crate::trace::join(&span, delivery);
-            span
-        } else {
-            let span = tracing::info_span!(
-                "batch",
-                otel.kind = "consumer",
-                messaging.system = batch
-                    .first()
-                    .map(|i| crate::trace::messaging_system(i.delivery.source.transport)),
-                messaging.operation.type = "process",
-                messaging.batch.message_count = batch.len(),
-                handler = %self.name,
-                size = batch.len()
-            );
-            crate::trace::link(&span, batch.iter().map(|i| &i.delivery));
-            span
-        };
-        self.stages(batch, slot).instrument(span).await
-    }
-
-    async fn stages(&self, mut batch: Vec<Incoming>, mut slot: Slot) -> Result<(), Crash> {
-        let mut settled: Vec<Settled> = Vec::with_capacity(batch.len());
-        let mut jobs: Vec<Job<H::Message>> = Vec::with_capacity(batch.len());
-        // A key twice in one batch: the second copy goes through the pipeline (and is
-        // counted as received) after the batch, and is then seen as a duplicate.
-        let mut repeats = Vec::new();
-        let mut seen = (batch.len() > 1).then(|| RepeatedKeys::for_batch(batch.len()));
-        let lock_id = |key: &str| self.inbox.local_lock_id(&self.name, key);
-        for incoming in batch.drain(..) {
-            #[cfg(feature = "fault-injection")]
-            let incoming = self.broken_early_ack(incoming).await;
-            if let Some(past) = job::past_retention(&self.settings, &incoming.delivery) {
-                self.stats.too_old.bump();
-                if self.settings.dead_letter_too_old {
-                    let verdict = job::too_old(&self.settings, &incoming.delivery, past);
-                    let (delivery, acker) = (&incoming.delivery, incoming.acker);
-                    settled.push(self.keep_dead_letter(delivery, acker, verdict));
-                    continue;
-                }
-                tracing::warn!(?past, "a delivery older than the handler's retention runs: its key may have been purged");
-            }
-            match job::prepare::<H::Message>(&self.settings, incoming, lock_id) {
-                Err((incoming, verdict)) => {
-                    let (delivery, acker) = (&incoming.delivery, incoming.acker);
-                    settled.push(self.keep_dead_letter(delivery, acker, verdict));
-                }
-                Ok(job) if seen.as_mut().is_some_and(|s| s.repeated(&jobs, &job)) => {
-                    repeats.push(job)
-                }
-                Ok(job) => jobs.push(job),
-            }
-        }
-        self.spare_batches.give_back(batch);
-        // Counted once for the batch: what settles here (a repeat is counted when it goes
-        // through again).
-        self.stats.received.add((settled.len() + jobs.len()) as u64);
-        if let [job] = jobs.as_slice() {
-            tracing::Span::current().record("key", job.key());
-        }
-        self.freshness
-            .judge(&mut jobs, |j| (&j.delivery, &mut j.fresh))
-            .await;
-        // Only fault injection needs the keys once the jobs have moved on.
-        let fault_keys = self.fault_keys(&jobs);
-        // Only the jobs attempted before move out; the fresh ones (usually all) stay put.
-        let mut fresh = jobs;
-        let counted: Vec<_> = fresh.extract_if(.., |j| !j.fresh).collect();
-        let mut alone = Vec::new();
-        self.run_group(fresh, true, &mut settled, &mut alone)
-            .await?;
-        // A job attempted before (redelivered after a crash, a retry copy) runs alone: its
-        // attempt is counted and committed before it runs, so a crash in a group would cost
-        // every member an attempt, and a message that crashes the worker would get its
-        // batch-mates quarantined with it.
-        for job in counted {
-            self.run_group(vec![job], false, &mut settled, &mut alone)
-                .await?;
-        }
-        // Fresh jobs whose keys had rows (a republished duplicate, say), and the jobs of a
-        // statement the inbox refused, now that this batch's locks are released.
-        for mut job in alone {
-            job.fresh = false;
-            job.attempt = job.delivery.attempt;
-            self.run_group(vec![job], false, &mut settled, &mut Vec::new())
-                .await?;
-        }
-        if let [one] = settled.as_slice() {
-            tracing::Span::current().record("outcome", one.verdict.outcome.as_str());
-        }
-        // A fault point fires for the batch if it fires for any of its keys.
-        for key in &fault_keys {
-            self.fault(FaultPoint::AfterCommit, key)?;
-        }
-        // Settling is the broker's round trip, not the handler's work: the slot goes to the
-        // next batch, unless jobs of this one are still to run after it (a repeated key).
-        if repeats.is_empty() {
-            slot.give_back();
-        }
-        let results = settle_all(settled).await;
-        for (_, result) in &results {
-            if let Err(e) = result {
-                self.stats.settle_errors.bump();
-                tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will deduplicate");
-            }
-        }
-        self.count_all(results.into_iter().map(|(outcome, _)| outcome));
-        for key in &fault_keys {
-            self.fault(FaultPoint::AfterAck, key)?;
-        }
-        for job in repeats {
-            Box::pin(self.stages(vec![job.into_incoming()], Slot::kept_by_caller())).await?;
-        }
-        Ok(())
-    }
-
-    /// Claims and executes a group of jobs that are all fresh or all counted, under one
-    /// lease of their keys.
-    async fn run_group(
-        &self,
-        mut jobs: Vec<Job<H::Message>>,
-        fresh: bool,
-        settled: &mut Vec<Settled>,
-        alone: &mut Vec<Job<H::Message>>,
-    ) -> Result<(), Crash> {
-        if jobs.is_empty() {
-            return Ok(());
-        }
-        let _turn = (self.turns)
-            .take(!fresh && jobs.iter().any(|j| j.delivery.redelivered))
-            .await;
-        let ids = jobs.iter().map(|j| j.lock_id).collect();
-        // Only counted jobs take the keys' database locks (see `locking` below).
-        let db_keys: Vec<&str> = if fresh {
-            Vec::new()
-        } else {
-            jobs.iter().map(|j| j.key()).collect()
-        };
-        let kept = Some(&self.kept);
-        let mut lease = match self.inbox.lease_ids(&self.name, ids, &db_keys, kept).await {
-            Ok(l) => l,
-            Err(e) => {
-                self.retry_all_after_db_error(&e, jobs, settled, alone);
-                return Ok(());
-            }
-        };
-        if !fresh {
-            let claims = {
-                let items: Vec<AttemptItem<'_>> = jobs
-                    .iter()
-                    .map(|j| AttemptItem {
-                        key: j.key(),
-                        hash: j.hash.as_str(),
-                        attempt: j.attempt,
-                        scope: j.acker.copy_scope(),
-                    })
-                    .collect();
-                let (conn, lock_ids) = lease.locking();
-                let (names, name, max) =
-                    (self.inbox.names(), &self.name, self.settings.max_attempts);
-                match items.as_slice() {
-                    [item] => DB::begin_attempt(conn, names, name, item, max, lock_ids)
-                        .await
-                        .map(|c| vec![c]),
-                    _ => DB::begin_attempts(conn, names, name, &items, max, lock_ids).await,
-                }
-            };
-            let claims = match claims {
-                Ok(c) => c,
-                Err(e) => {
-                    lease.spoil();
-                    lease.release().await;
-                    self.retry_all_after_db_error(&e, jobs, settled, alone);
-                    return Ok(());
-                }
-            };
-            let mut to_run = Vec::with_capacity(jobs.len());
-            for (mut job, claim) in jobs.into_iter().zip(claims) {
-                let on_conflict = self.settings.on_conflict;
-                match claim::decide(&self.name, &job.delivery, job.key(), claim, on_conflict) {
-                    Decision::Run { attempt } => {
-                        job.attempt = attempt;
-                        to_run.push(job);
-                    }
-                    Decision::Settle(verdict) => settled.push(self.settled(job, verdict)),
-                    Decision::Conflict(verdict) => {
-                        // Counted here: its outcome is a dead letter. A skipped conflict is
-                        // counted by its outcome.
-                        self.stats.conflicts.bump();
-                        settled.push(self.settled(job, verdict));
-                    }
-                    Decision::Quarantine { attempts, error } => {
-                        let reason = DeadLetterReason::Quarantined;
-                        let (conn, delivery) = (lease.conn(), &job.delivery);
-                        let key = job.key();
-                        if let Err(verdict) = self
-                            .record_failure(conn, delivery, key, Some(reason), &error)
-                            .await
-                        {
-                            settled.push(self.settled(job, verdict));
-                            continue;
-                        }
-                        self.stats.quarantined.bump();
-                        let verdict = Verdict::dead_letter(
-                            &self.name,
-                            &job.delivery,
-                            reason,
-                            Some(job.key()),
-                            attempts,
-                            error,
-                        );
-                        settled.push(self.settled(job, verdict));
-                    }
-                }
-            }
-            jobs = to_run;
-        }
-        if !jobs.is_empty() {
-            if fresh {
-                for job in &mut jobs {
-                    job.attempt = 1;
-                }
-            }
-            self.execute(&mut lease, jobs, fresh, settled, alone)
-                .await?;
-        }
-        lease.release().await;
-        Ok(())
-    }
 }
 
 fn log_join(done: Result<(), tokio::task::JoinError>) {
