@@ -13,11 +13,12 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
 
 use consumer_core::EntryStatus;
 use consumer_tests::amqp::{self, wait_for, Rabbit};
-use consumer_tests::common::database_url;
+use consumer_tests::common::{database_url, DEADLINE};
 use support::{FiveDeadLetters, FIXED, HANDLER};
 
 mod support;
@@ -32,7 +33,8 @@ struct Board {
 
 impl Board {
     /// Starts `consumer board --listen 127.0.0.1:0 ARGS` with the servers' environment plus
-    /// `env`, and waits for the address it serves.
+    /// `env`, and waits, up to [`DEADLINE`], for the address it serves; panics saying so if
+    /// the board exits or stays silent until then.
     fn start(args: &[&str], env: &[(&str, &str)]) -> Board {
         let mut command = Command::new(env!("CARGO_BIN_EXE_consumer"));
         command
@@ -45,13 +47,34 @@ impl Board {
         }
         let mut child = command.spawn().expect("start consumer board");
         let stderr = child.stderr.take().expect("its stderr");
-        let mut lines = BufReader::new(stderr).lines();
-        let base = loop {
-            let line = lines
-                .next()
-                .expect("the board printed where it serves")
-                .expect("read its stderr");
-            eprintln!("board: {line}");
+        // Killed when dropped, so also if the wait below panics.
+        let mut board = Board {
+            child,
+            base: String::new(),
+        };
+        // Its stderr is read on a thread of its own, to the end (the replays' progress), so
+        // that the board never blocks on a full pipe and the wait below has a deadline: a
+        // blocking read would hang the test with a board that hangs.
+        let (lines_tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("board: {line}");
+                // Nobody listens once the address is known.
+                let _ = lines_tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + DEADLINE;
+        board.base = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = match lines.recv_timeout(left) {
+                Ok(line) => line,
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("consumer board did not print where it serves within {DEADLINE:?}")
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!("consumer board ended without printing where it serves (see above)")
+                }
+            };
             if let Some(rest) = line.strip_prefix("board: serving ") {
                 break rest
                     .split_whitespace()
@@ -61,13 +84,7 @@ impl Board {
                     .to_owned();
             }
         };
-        // Keep reading its stderr (the replays' progress) so it never blocks on a full pipe.
-        std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                eprintln!("board: {line}");
-            }
-        });
-        Board { child, base }
+        board
     }
 }
 
