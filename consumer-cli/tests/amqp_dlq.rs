@@ -12,7 +12,7 @@ use consumer_tests::amqp::{self, wait_for, Rabbit};
 use consumer_tests::common::PgEnv;
 use serde_json::json;
 use sqlx::Postgres;
-use support::{consumer, json_of, FiveDeadLetters, FIXED, HANDLER};
+use support::{consumer, json_of, wait_completed, FiveDeadLetters, FIXED, HANDLER};
 
 mod support;
 
@@ -108,16 +108,7 @@ async fn dead_letters_are_grouped_replayed_once_and_the_rest_stay() {
     for line in done["messages"].as_array().unwrap() {
         assert_eq!(line["key_released"], true, "{done}");
     }
-    wait_for("the replayed jobs completed", WAIT, || async {
-        for id in &rejected {
-            let e = inbox.entry(HANDLER, id).await.unwrap();
-            if e.map(|e| e.status) != Some(EntryStatus::Completed) {
-                return false;
-            }
-        }
-        true
-    })
-    .await;
+    wait_completed(&inbox, HANDLER, &rejected, WAIT).await;
     for id in &rejected {
         assert_eq!(ledger(&pg, &inbox, id).await, 1, "{id} ran once");
     }

@@ -16,10 +16,9 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use consumer_core::EntryStatus;
 use consumer_tests::amqp::{self, wait_for, Rabbit};
 use consumer_tests::common::{database_url, DEADLINE};
-use support::{FiveDeadLetters, FIXED, HANDLER};
+use support::{wait_completed, FiveDeadLetters, FIXED, HANDLER};
 
 mod support;
 
@@ -202,16 +201,7 @@ async fn the_board_groups_dead_letters_and_replays_a_group_in_a_browser() {
         .await
         .expect("the browser's task");
 
-    wait_for("the replayed jobs completed", WAIT, || async {
-        for id in &rejected {
-            let e = inbox.entry(HANDLER, id).await.unwrap();
-            if e.map(|e| e.status) != Some(EntryStatus::Completed) {
-                return false;
-            }
-        }
-        true
-    })
-    .await;
+    wait_completed(&inbox, HANDLER, &rejected, WAIT).await;
     for id in &rejected {
         let sql = format!(
             "SELECT count(*) FROM \"{}\".ledger WHERE job_id = $1",

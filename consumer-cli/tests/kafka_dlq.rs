@@ -8,15 +8,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use consumer_core::{handler, Context, EntryStatus, HandlerError};
+use consumer_core::{handler, Context, HandlerError};
 use consumer_kafka::headers;
-use consumer_tests::kafka::{self, header, read_topic, wait_for, worker_config, KafkaEnv, Running};
+use consumer_tests::kafka::{self, header, read_topic, worker_config, KafkaEnv, Running};
 use rdkafka::message::Headers as _;
 use rdkafka::Message;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Postgres;
-use support::json_of;
+use support::{json_of, wait_completed};
 
 mod support;
 
@@ -111,16 +111,7 @@ async fn kafka_dead_letters_are_grouped_and_replayed_once() {
     let done = json_of(&replay, &env_vars).await;
     assert_eq!(done["replayed"], 3, "{done}");
     let inbox = env.pg.inbox().await;
-    wait_for("the replayed records completed", WAIT, || async {
-        for id in &rejected {
-            let e = inbox.entry(HANDLER, id).await.unwrap();
-            if e.map(|e| e.status) != Some(EntryStatus::Completed) {
-                return false;
-            }
-        }
-        true
-    })
-    .await;
+    wait_completed(&inbox, HANDLER, &rejected, WAIT).await;
     let effects = env.effects().await;
     for id in &rejected {
         let n = effects.iter().filter(|(j, _)| j == id).count();

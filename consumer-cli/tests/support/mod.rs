@@ -1,4 +1,5 @@
-//! Running the `consumer` binary from the tests.
+//! What the `consumer` tests share: running the binary, the [`orders`] handler and its
+//! five dead letters, and waiting for replayed keys to complete.
 
 #![allow(dead_code)]
 
@@ -7,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::time::Duration;
 
-use consumer_core::{handler, Context, HandlerError};
+use consumer_core::{handler, Context, EntryStatus, HandlerError, Inbox};
 use consumer_tests::amqp::{self, config, init_tracing, wait_for, worker_config, Rabbit, Running};
 use consumer_tests::common::PgEnv;
 use serde::Deserialize;
@@ -134,4 +135,25 @@ impl FiveDeadLetters {
             flaky,
         }
     }
+}
+
+/// Waits, up to `limit`, until every key of `ids` is completed under `handler` in `inbox`;
+/// panics naming the keys if one is not by then.
+pub(crate) async fn wait_completed(
+    inbox: &Inbox<Postgres>,
+    handler: &str,
+    ids: &[String],
+    limit: Duration,
+) {
+    let what = format!("{handler}'s keys {} completed", ids.join(", "));
+    wait_for(&what, limit, || async {
+        for id in ids {
+            let e = inbox.entry(handler, id).await.expect("read the key's row");
+            if e.map(|e| e.status) != Some(EntryStatus::Completed) {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
 }
