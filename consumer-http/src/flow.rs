@@ -38,6 +38,8 @@ pub(crate) struct Shared<DB: StoreBackend> {
     pub(crate) held: Arc<HeldKeys>,
     #[cfg(feature = "redis")]
     pub(crate) fast: Option<crate::fast::RedisFastPath>,
+    /// What the layer's requests start long operations with.
+    pub(crate) starter: Starter<DB>,
     /// Whether the layer's background task has been started (see `housekeeping`).
     pub(crate) housekeeping: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -51,6 +53,7 @@ impl<DB: StoreBackend> Clone for Shared<DB> {
             held: self.held.clone(),
             #[cfg(feature = "redis")]
             fast: self.fast.clone(),
+            starter: self.starter.clone(),
             housekeeping: self.housekeeping.clone(),
         }
     }
@@ -364,16 +367,8 @@ where
         count.answered(Outcome::Unavailable);
         problem::store_unavailable(config.retry_after)
     };
-    let starter = Starter {
-        names: store.names().clone(),
-        owner: request::caller_part_of(claim.scope).to_owned(),
-        claim: claim.claim.to_owned(),
-        path: config.operations_path.as_str().into(),
-        retry_after: config.retry_after,
-        started: AtomicU64::new(0),
-        _db: std::marker::PhantomData,
-    };
-    let slot = TxSlot::new(tx, claim.scope, claim.key, starter);
+    let starter = shared.starter.clone();
+    let slot = TxSlot::new(tx, claim.scope, claim.key, claim.claim, starter);
     parts.extensions.insert(slot.clone());
     let request = Request::from_parts(parts, Body::from(body));
     let mut inner = inner;

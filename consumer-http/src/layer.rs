@@ -14,6 +14,7 @@ use tower::{Layer, Service};
 use crate::caller::{CallerNamed, CallerUnnamed, Callers};
 use crate::config::IdempotencyConfig;
 use crate::flow::{self, Shared};
+use crate::operations::Starter;
 use crate::store::{IdempotencyStore, StoreBackend};
 
 /// A tower [`Layer`] that makes a service's requests idempotent by their
@@ -202,8 +203,14 @@ impl<DB: StoreBackend, C> IdempotencyLayerBuilder<DB, C> {
     where
         C: CallerNamed,
     {
+        let starter = Starter::new(
+            self.store.names().clone(),
+            &self.config.operations_path,
+            self.config.retry_after,
+        );
         IdempotencyLayer {
             shared: Arc::new(Shared {
+                starter,
                 store: self.store,
                 config: self.config,
                 callers: self.callers.into(),

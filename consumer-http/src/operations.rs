@@ -80,35 +80,62 @@ fn retry_after_seconds(after: Duration) -> HeaderValue {
     HeaderValue::from(after.as_secs().max(1) + u64::from(after.subsec_nanos() > 0))
 }
 
-/// What a request's transaction needs to start operations: the store's statements, the
-/// caller part of its scope, and where the status route is.
+/// What the layer's requests start operations with: the store's statements, where the
+/// status route is and the `Retry-After` of a 202. Built once with the layer; a request's
+/// transaction holds a clone (two reference counts), and what the request adds
+/// ([`StartedBy`]) is borrowed only when the handler starts an operation.
 pub(crate) struct Starter<DB: StoreBackend> {
-    pub(crate) names: Arc<Names>,
-    pub(crate) owner: String,
+    names: Arc<Names>,
+    path: Arc<str>,
+    retry_after: Duration,
+    _db: std::marker::PhantomData<fn() -> DB>,
+}
+
+impl<DB: StoreBackend> Clone for Starter<DB> {
+    fn clone(&self) -> Self {
+        Starter {
+            names: self.names.clone(),
+            path: self.path.clone(),
+            retry_after: self.retry_after,
+            _db: std::marker::PhantomData,
+        }
+    }
+}
+
+/// The request that starts an operation, as its transaction holds it.
+pub(crate) struct StartedBy<'a> {
+    /// The caller part of the request's scope: who may read the operation.
+    pub(crate) owner: &'a str,
     /// The request's claim token, unique to it: the operations' ids derive from it.
-    pub(crate) claim: String,
-    pub(crate) path: Arc<str>,
-    pub(crate) retry_after: Duration,
-    /// How many operations the request started so far.
-    pub(crate) started: std::sync::atomic::AtomicU64,
-    pub(crate) _db: std::marker::PhantomData<fn() -> DB>,
+    pub(crate) claim: &'a str,
+    /// How many operations the request started before this one.
+    pub(crate) n: u64,
 }
 
 impl<DB: StoreBackend> Starter<DB> {
-    /// Starts an operation of `kind` on `input` in the request's transaction `conn`; the
-    /// `n`th the request started.
+    /// The starter of a layer on a store of `names`, whose status route is under `path`.
+    pub(crate) fn new(names: Arc<Names>, path: &str, retry_after: Duration) -> Self {
+        Starter {
+            names,
+            path: path.into(),
+            retry_after,
+            _db: std::marker::PhantomData,
+        }
+    }
+
+    /// Starts an operation of `kind` on `input` in the request's transaction `conn`.
     pub(crate) async fn start(
         &self,
         conn: &mut DB::Connection,
-        n: u64,
+        by: StartedBy<'_>,
         kind: &str,
         input: &serde_json::Value,
     ) -> Result<StartedOperation, Error> {
-        let digest = Sha256::digest(format!("{}:{n}:{kind}", self.claim));
+        let digest = Sha256::digest(format!("{}:{}:{kind}", by.claim, by.n));
         let id = format!("op_{}", hex::encode(&digest[..16]));
         let input = serde_json::to_vec(input)
             .map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))?;
-        DB::op_insert(conn, &self.names.sql, [&id, &self.owner, kind], &input).await?;
+        DB::op_insert(conn, &self.names.sql, [&id, by.owner, kind], &input).await?;
         Ok(StartedOperation {
             location: format!("{}/{id}", self.path),
             id,

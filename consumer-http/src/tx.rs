@@ -1,7 +1,6 @@
 //! [`IdempotentTx`]: the request's transaction, in which the layer stores the answer.
 
-use std::ops::{Deref, DerefMut};
-use std::sync::atomic::Ordering;
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
 
 use axum::extract::FromRequestParts;
@@ -10,51 +9,100 @@ use http::request::Parts;
 use sqlx::Transaction;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::operations::{StartedOperation, Starter};
+use crate::operations::{StartedBy, StartedOperation, Starter};
 use crate::problem;
+use crate::request;
 use crate::store::StoreBackend;
 
 /// Where the layer keeps the request's transaction while the handler runs: the handler
 /// borrows it through [`IdempotentTx`], the layer takes it back to store the answer and
 /// commit. With it, the record the request holds (its scope and key), for the handler's
-/// stable keys ([`IdempotentTx::idempotency_key`]).
+/// stable keys ([`IdempotentTx::idempotency_key`]), and its claim token and the layer's
+/// [`Starter`], for the operations the handler starts.
 pub(crate) struct TxSlot<DB: StoreBackend> {
-    tx: Arc<Mutex<Option<Transaction<'static, DB>>>>,
-    record: Arc<str>,
-    starter: Arc<Starter<DB>>,
+    tx: Arc<Mutex<InTx<DB>>>,
+    request: RequestIds,
+    starter: Starter<DB>,
 }
 
 impl<DB: StoreBackend> Clone for TxSlot<DB> {
     fn clone(&self) -> Self {
         TxSlot {
             tx: self.tx.clone(),
-            record: self.record.clone(),
+            request: self.request.clone(),
             starter: self.starter.clone(),
         }
     }
 }
 
+/// What the slot's lock guards: the transaction until the layer takes it back, and how many
+/// operations the request started in it (their ids count them).
+struct InTx<DB: StoreBackend> {
+    tx: Option<Transaction<'static, DB>>,
+    operations_started: u64,
+}
+
+/// The request's record and claim token, in the one string the request allocates for them.
+#[derive(Clone)]
+struct RequestIds {
+    /// The record (`<scope length>:<scope>:<key>`: length-prefixed, so no scope and key run
+    /// into another pair), then the claim token.
+    text: Arc<str>,
+    /// Where the record ends and the claim begins.
+    record_end: usize,
+    /// Where the caller part of the scope is, in the record.
+    owner: Range<usize>,
+}
+
+impl RequestIds {
+    fn new(scope: &str, key: &str, claim: &str) -> Self {
+        let prefix = format!("{}:", scope.len());
+        let owner = prefix.len()..prefix.len() + request::caller_part_of(scope).len();
+        let text = format!("{prefix}{scope}:{key}{claim}");
+        RequestIds {
+            record_end: text.len() - claim.len(),
+            text: text.into(),
+            owner,
+        }
+    }
+
+    fn record(&self) -> &str {
+        &self.text[..self.record_end]
+    }
+
+    fn claim(&self) -> &str {
+        &self.text[self.record_end..]
+    }
+
+    fn owner(&self) -> &str {
+        &self.text[self.owner.clone()]
+    }
+}
+
 impl<DB: StoreBackend> TxSlot<DB> {
-    /// The slot of `tx`, which holds the record of (`scope`, `key`) and starts operations
-    /// with `starter`.
+    /// The slot of `tx`, which holds the record of (`scope`, `key`) under `claim`, and
+    /// starts operations with `starter`.
     pub(crate) fn new(
         tx: Transaction<'static, DB>,
         scope: &str,
         key: &str,
+        claim: &str,
         starter: Starter<DB>,
     ) -> Self {
         TxSlot {
-            tx: Arc::new(Mutex::new(Some(tx))),
-            // Length-prefixed: no scope and key run into another pair.
-            record: Arc::from(format!("{}:{scope}:{key}", scope.len())),
-            starter: Arc::new(starter),
+            tx: Arc::new(Mutex::new(InTx {
+                tx: Some(tx),
+                operations_started: 0,
+            })),
+            request: RequestIds::new(scope, key, claim),
+            starter,
         }
     }
 
     /// The transaction back from the handler; `None` if the handler still holds it (it
     /// kept its [`IdempotentTx`] past its answer, e.g. in a spawned task).
     pub(crate) fn take(&self) -> Option<Transaction<'static, DB>> {
-        self.tx.try_lock().ok().and_then(|mut slot| slot.take())
+        self.tx.try_lock().ok().and_then(|mut slot| slot.tx.take())
     }
 }
 
@@ -70,9 +118,9 @@ impl<DB: StoreBackend> TxSlot<DB> {
 /// Extracting it on a request the layer did not claim (another method, no key where the
 /// key is optional, a route without the layer) is answered 500.
 pub struct IdempotentTx<DB: StoreBackend> {
-    guard: OwnedMutexGuard<Option<Transaction<'static, DB>>>,
-    record: Arc<str>,
-    starter: Arc<Starter<DB>>,
+    guard: OwnedMutexGuard<InTx<DB>>,
+    request: RequestIds,
+    starter: Starter<DB>,
 }
 
 impl<DB: StoreBackend> IdempotentTx<DB> {
@@ -83,7 +131,7 @@ impl<DB: StoreBackend> IdempotentTx<DB> {
     /// characters, as a queue handler's
     /// [`Context::idempotency_key`](consumer_core::Context::idempotency_key).
     pub fn idempotency_key(&self, effect: &str) -> String {
-        consumer_core::idempotency_key("http", &self.record, effect)
+        consumer_core::idempotency_key("http", self.request.record(), effect)
     }
 
     /// Starts a long operation of `kind` on `input`, in this transaction: it exists once
@@ -97,9 +145,20 @@ impl<DB: StoreBackend> IdempotentTx<DB> {
         kind: &str,
         input: &serde_json::Value,
     ) -> Result<StartedOperation, crate::Error> {
-        let n = self.starter.started.fetch_add(1, Ordering::Relaxed);
-        let starter = self.starter.clone();
-        starter.start(&mut **self, n, kind, input).await
+        let InTx {
+            tx,
+            operations_started,
+        } = &mut *self.guard;
+        let Some(tx) = tx.as_mut() else {
+            unreachable!("checked when extracted; the layer takes it only after")
+        };
+        let by = StartedBy {
+            owner: self.request.owner(),
+            claim: self.request.claim(),
+            n: *operations_started,
+        };
+        *operations_started += 1;
+        self.starter.start(&mut **tx, by, kind, input).await
     }
 }
 
@@ -127,12 +186,12 @@ impl<S: Send + Sync, DB: StoreBackend> FromRequestParts<S> for IdempotentTx<DB> 
             .cloned()
             .ok_or_else(missing)?;
         let guard = slot.tx.lock_owned().await;
-        if guard.is_none() {
+        if guard.tx.is_none() {
             return Err(missing());
         }
         Ok(IdempotentTx {
             guard,
-            record: slot.record,
+            request: slot.request,
             starter: slot.starter,
         })
     }
@@ -142,7 +201,7 @@ impl<DB: StoreBackend> Deref for IdempotentTx<DB> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &DB::Connection {
-        match self.guard.as_ref() {
+        match self.guard.tx.as_ref() {
             Some(tx) => tx,
             None => unreachable!("checked when extracted; the layer takes it only after"),
         }
@@ -151,9 +210,29 @@ impl<DB: StoreBackend> Deref for IdempotentTx<DB> {
 
 impl<DB: StoreBackend> DerefMut for IdempotentTx<DB> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
-        match self.guard.as_mut() {
+        match self.guard.tx.as_mut() {
             Some(tx) => tx,
             None => unreachable!("checked when extracted; the layer takes it only after"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestIds;
+
+    #[test]
+    fn the_request_ids_split_back_into_record_owner_and_claim() {
+        for (scope, key, claim) in [
+            ("c:ab12|POST /payments", "k-1", "00ff-1a-2"),
+            ("-|POST /a:b", "x:y", "claim"),
+            ("c:|PATCH /", "", ""),
+        ] {
+            let ids = RequestIds::new(scope, key, claim);
+            // The record as the handler's stable keys have always been derived from.
+            assert_eq!(ids.record(), format!("{}:{scope}:{key}", scope.len()));
+            assert_eq!(ids.owner(), crate::request::caller_part_of(scope));
+            assert_eq!(ids.claim(), claim);
         }
     }
 }
