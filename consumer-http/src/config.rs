@@ -11,6 +11,14 @@ use crate::Error;
 /// The longest `Idempotency-Key` accepted, in bytes.
 pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
 
+/// How long a completed record is kept and replayed unless
+/// [`IdempotencyConfigBuilder::ttl`] says otherwise: 24 h. Also how long a finished
+/// operation is kept unless [`Operations::keep_finished`](crate::Operations::keep_finished)
+/// says otherwise, so that a replayed `202 Accepted` points at an operation that still
+/// exists: a layer given a longer TTL should have its operations kept as long
+/// (`store.operations().keep_finished(ttl)`).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// The client errors that say "not now, try again": 408 Request Timeout, 409 Conflict, 425
 /// Too Early and 429 Too Many Requests. The layer never stores them, whatever
 /// [`IdempotencyConfigBuilder::store_client_errors`] says: like a 5xx, such an answer rolls
@@ -86,7 +94,7 @@ impl Default for IdempotencyConfig {
             poll_interval: Duration::from_millis(50),
             retry_after: Duration::from_secs(1),
             lease: Duration::from_secs(1),
-            ttl: Duration::from_secs(24 * 60 * 60),
+            ttl: DEFAULT_TTL,
             store_client_errors: true,
             stored_headers: vec![http::header::CONTENT_TYPE, http::header::LOCATION],
             purge: Purge::EveryTtl,
@@ -103,8 +111,8 @@ impl Default for IdempotencyConfig {
 impl IdempotencyConfig {
     /// A builder with the defaults: POST and PATCH, key required, 1 MiB request and
     /// response bodies, wait 5 s polling every 50 ms, `Retry-After: 1`, lease 1 s, TTL
-    /// 24 h, 4xx answers stored (but 408, 409, 425 and 429, never), `content-type` and
-    /// `location` stored, operations' statuses under `/operations`.
+    /// 24 h ([`DEFAULT_TTL`]), 4xx answers stored (but 408, 409, 425 and 429, never),
+    /// `content-type` and `location` stored, operations' statuses under `/operations`.
     pub fn builder() -> IdempotencyConfigBuilder {
         IdempotencyConfigBuilder {
             config: IdempotencyConfig::default(),
@@ -211,9 +219,12 @@ impl IdempotencyConfigBuilder {
         self
     }
 
-    /// How long a completed record is kept and replayed (default 24 h); after it the key
-    /// runs again, and the layer's purge deletes the row (see
-    /// [`purge_interval`](IdempotencyConfigBuilder::purge_interval)).
+    /// How long a completed record is kept and replayed (default 24 h, [`DEFAULT_TTL`]);
+    /// after it the key runs again, and the layer's purge deletes the row (see
+    /// [`purge_interval`](IdempotencyConfigBuilder::purge_interval)). Keep finished
+    /// operations at least as long
+    /// ([`Operations::keep_finished`](crate::Operations::keep_finished), whose default is
+    /// the same [`DEFAULT_TTL`]).
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
         self

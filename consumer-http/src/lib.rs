@@ -54,8 +54,8 @@
 //!   free; a retry runs again. A 4xx is stored (configurable), except 408, 409, 425
 //!   and 429 ([`TRANSIENT_CLIENT_ERRORS`]), which ask the client to try again: they roll
 //!   back and free the key like a 5xx, so the retry runs the handler.
-//! - A completed record lives for its TTL (default 24 h), then the key runs again;
-//!   [`IdempotencyStore::purge_expired`] deletes expired rows.
+//! - A completed record lives for its TTL (default 24 h, [`DEFAULT_TTL`]), then the key
+//!   runs again; [`IdempotencyStore::purge_expired`] deletes expired rows.
 //! - A handler whose work finishes later starts a long operation in the request's
 //!   transaction ([`IdempotentTx::start_operation`]) and answers 202 with where its status
 //!   is ([`operations`]).
@@ -284,7 +284,7 @@ pub mod webhook;
 
 pub use caller::{CallerNamed, CallerUnnamed, Callers};
 pub use config::{
-    IdempotencyConfig, IdempotencyConfigBuilder, KeyFormat, MAX_IDEMPOTENCY_KEY_BYTES,
+    IdempotencyConfig, IdempotencyConfigBuilder, KeyFormat, DEFAULT_TTL, MAX_IDEMPOTENCY_KEY_BYTES,
     TRANSIENT_CLIENT_ERRORS,
 };
 pub use error::Error;

@@ -8,6 +8,7 @@ use sqlx::Pool;
 
 use super::backend::{purge_in_batches, OperationRow, StoreBackend};
 use super::config::Names;
+use crate::config::DEFAULT_TTL;
 use crate::Error;
 
 /// Where an operation is in its life.
@@ -115,21 +116,21 @@ impl<DB: StoreBackend> std::fmt::Debug for Operations<DB> {
     }
 }
 
-/// How long a finished operation is kept by default: a day, the layer's default TTL.
-const DEFAULT_KEEP: Duration = Duration::from_secs(24 * 60 * 60);
-
 impl<DB: StoreBackend> Operations<DB> {
     pub(crate) fn new(pool: Pool<DB>, names: Arc<Names>) -> Self {
         Operations {
             pool,
             names,
-            keep: DEFAULT_KEEP,
+            keep: DEFAULT_TTL,
         }
     }
 
-    /// The same, keeping a finished operation for `keep` (default 24 h) before the purge
-    /// may delete it; keep it at least the layer's TTL, so that a replayed 202 never points
-    /// at an operation gone. Longer than a `BIGINT` of milliseconds is kept as long as that.
+    /// The same, keeping a finished operation for `keep` before the purge may delete it.
+    /// The default is the layer's default TTL ([`DEFAULT_TTL`], 24 h): keep it at least the
+    /// layer's [`ttl`](crate::IdempotencyConfigBuilder::ttl), so that a replayed 202 never
+    /// points at an operation gone; a layer given a longer TTL wants
+    /// `keep_finished(that ttl)`. Longer than a `BIGINT` of milliseconds is kept as long as
+    /// that.
     pub fn keep_finished(mut self, keep: Duration) -> Self {
         self.keep = keep;
         self

@@ -316,7 +316,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let lease = millis("IDEMPOTENCY_LEASE_MS", Duration::from_secs(1))?;
     let gauges = millis("IDEMPOTENCY_GAUGE_MS", Duration::from_secs(30))?;
-    let ttl = millis("IDEMPOTENCY_TTL_MS", Duration::from_secs(24 * 60 * 60))?;
+    let ttl = millis("IDEMPOTENCY_TTL_MS", consumer_http::DEFAULT_TTL)?;
     let config = IdempotencyConfig::builder()
         .lease(lease)
         .ttl(ttl)
@@ -361,7 +361,9 @@ async fn main() -> anyhow::Result<()> {
         inbox_config = inbox_config.with_schema(schema.clone());
     }
     let store = IdempotencyStore::new(pool.clone(), store_config.build()?).await?;
-    tokio::spawn(settle_refunds(pool.clone(), store.operations()));
+    // A finished refund outlives every replay of the 202 that points at it.
+    let operations = store.operations().keep_finished(ttl);
+    tokio::spawn(settle_refunds(pool.clone(), operations));
     // Each account's answers are its own: the caller is the account `authenticate` found.
     let mut idempotency = IdempotencyLayer::builder(store, config)
         .caller(|parts| parts.extensions.get::<auth::Account>().map(|a| a.0.clone()));
