@@ -261,10 +261,10 @@ impl IdempotencyConfigBuilder {
         self
     }
 
-    /// How often the layer sets its gauges (default 30 s), first one interval after its first
-    /// request: the records by status, counted in the table (`consumer_http_records`: a
-    /// `count(*)` of the table each time), and the age of this process's longest-running
-    /// request (`consumer_http_oldest_in_progress_seconds`).
+    /// How often the layer sets its gauges (default 30 s), first at its first request: the
+    /// records by status, counted in the table (`consumer_http_records`: a `count(*)` of the
+    /// table each time), and the age of this process's longest-running request
+    /// (`consumer_http_oldest_in_progress_seconds`).
     pub fn gauge_interval(mut self, every: Duration) -> Self {
         self.config.gauge_interval = every;
         self

@@ -24,10 +24,8 @@ impl<DB: StoreBackend> Shared<DB> {
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                let purge = self.config.purge_interval().map(|p| every(p, false));
-                // The gauges first after one interval: a request's own statements are not
-                // met by a count of the table at the layer's very first request.
-                let gauges = every(self.config.gauge_interval, true);
+                let purge = self.config.purge_interval().map(every);
+                let gauges = every(self.config.gauge_interval);
                 runtime.spawn(housekeeping(Arc::downgrade(self), purge, gauges));
             }
             Err(_) => self.housekeeping.store(false, Ordering::SeqCst),
@@ -92,14 +90,9 @@ fn purged(result: Result<u64, crate::Error>, counter: &'static str, table: &str,
     }
 }
 
-/// An interval whose first tick is at once (or one `period` on, `later`), and which skips
-/// ticks it missed.
-fn every(period: Duration, later: bool) -> Interval {
-    let mut tick = if later {
-        tokio::time::interval_at(tokio::time::Instant::now() + period, period)
-    } else {
-        interval(period)
-    };
+/// An interval whose first tick is at once, and which skips ticks it missed.
+fn every(period: Duration) -> Interval {
+    let mut tick = interval(period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     tick
 }

@@ -9,27 +9,105 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
-use common::{redis_url, unique, App, Db};
+use common::{redis_url, unique, wait_until, App, Db};
 use consumer_http::{IdempotencyConfig, RedisFastPath};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use serde_json::json;
 
-/// The layer's configuration of these tests: no purge, and gauges an hour apart (first an
-/// hour on), so that the layer's background task takes no connection while a test counts
-/// the ones its requests take.
+/// The layer's configuration of these tests: no purge, and gauges an hour apart, so that
+/// once the layer's background task has read the table for its first gauges
+/// ([`start_housekeeping`]) it takes no connection while a test counts the ones its
+/// requests take.
 fn config() -> consumer_http::IdempotencyConfigBuilder {
     IdempotencyConfig::builder()
         .no_purge()
         .gauge_interval(Duration::from_secs(3600))
 }
 
-/// A fast path with a prefix of its own, and that prefix.
+/// How many times the layers of this test binary have read each table for their gauges
+/// (one connection from the pool each time), by the table's label.
+static GAUGE_READS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+
+/// The reads of `table` for the gauges so far.
+fn gauge_reads(table: &str) -> u64 {
+    GAUGE_READS.lock().unwrap().get(table).copied().unwrap_or(0)
+}
+
+/// This binary's metrics recorder: counts in [`GAUGE_READS`] each
+/// `consumer_http_records{status="completed"}` a layer sets (once per read of its table,
+/// after the read), and drops every other metric.
+struct CountsGaugeReads;
+
+/// The gauge of one table's completed records, as [`CountsGaugeReads`] hands it out.
+struct TableRead(String);
+
+impl metrics::GaugeFn for TableRead {
+    fn increment(&self, _: f64) {}
+    fn decrement(&self, _: f64) {}
+    fn set(&self, _: f64) {
+        *GAUGE_READS
+            .lock()
+            .unwrap()
+            .entry(self.0.clone())
+            .or_default() += 1;
+    }
+}
+
+impl metrics::Recorder for CountsGaugeReads {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::noop()
+    }
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        let label = |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value());
+        match (key.name(), label("status"), label("table")) {
+            ("consumer_http_records", Some("completed"), Some(table)) => {
+                Gauge::from_arc(Arc::new(TableRead(table.to_owned())))
+            }
+            _ => Gauge::noop(),
+        }
+    }
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+/// Starts the background task of `app`'s layer, which no request has reached yet, with a
+/// request that reads nothing (no key: 400), and waits until the task's first read of
+/// `db`'s table for the gauges is done: from then on (no purge, the next read an hour
+/// away) every connection taken from the pool is a request's.
+async fn start_housekeeping(app: &App, db: &Db) {
+    static RECORDER: Once = Once::new();
+    RECORDER.call_once(|| {
+        metrics::set_global_recorder(CountsGaugeReads).expect("the only recorder of this binary");
+    });
+    let table = db.table();
+    let before = gauge_reads(&table);
+    app.post("/payments", None, &json!({}))
+        .await
+        .assert_problem(400);
+    wait_until(
+        "the layer's first read of its table for the gauges",
+        || async { gauge_reads(&table) > before },
+    )
+    .await;
+}
+
+/// A fast path with a prefix of its own, and that prefix. Its calls may take 5 s, not the
+/// default 100 ms: a call that runs out pauses the fast path and sends its requests to the
+/// database, which these tests count, and on a loaded machine the first lookup of 100
+/// concurrent requests (which also connects) has taken longer than 100 ms.
 fn fast_path() -> (RedisFastPath, String) {
     let prefix = unique("http");
     let fast = RedisFastPath::builder(redis_url())
+        .timeout(Duration::from_secs(5))
         .key_prefix(&prefix)
         .build()
         .unwrap();
@@ -58,6 +136,7 @@ async fn a_replay_and_a_422_are_answered_from_redis() {
     let (fast, prefix) = fast_path();
     let db = Db::postgres().await.with_redis(fast);
     let app = App::serve(&db, config().build().unwrap()).await;
+    start_housekeeping(&app, &db).await;
     let body = json!({"amount": 3});
     let first = app.post("/payments", Some("r"), &body).await;
     assert_eq!(first.status, 201);
@@ -94,11 +173,13 @@ async fn an_answer_only_the_database_holds_is_cached_on_its_first_replay() {
     let db = Db::postgres().await;
     let body = json!({"amount": 8});
     let without = App::serve(&db, config().build().unwrap()).await;
+    start_housekeeping(&without, &db).await;
     let first = without.post("/payments", Some("b"), &body).await;
     assert_eq!(first.status, 201);
     let (fast, prefix) = fast_path();
     let db = db.with_redis(fast);
     let app = App::serve(&db, config().build().unwrap()).await;
+    start_housekeeping(&app, &db).await;
     assert!(redis_keys(&prefix).await.is_empty());
     let before = db.acquires();
     let from_db = app.post("/payments", Some("b"), &body).await;
@@ -124,6 +205,7 @@ async fn concurrent_duplicates_wait_on_the_lease_not_on_the_database() {
     let db = Db::postgres().await.with_redis(fast);
     let app =
         Arc::new(App::serve(&db, config().wait(Duration::from_secs(30)).build().unwrap()).await);
+    start_housekeeping(&app, &db).await;
     app.handlers.hold_next.store(true, Ordering::SeqCst);
     let body = json!({"amount": 100});
     let before = db.acquires();
@@ -165,6 +247,7 @@ async fn a_5xx_releases_the_lease() {
     let (fast, prefix) = fast_path();
     let db = Db::postgres().await.with_redis(fast);
     let app = App::serve(&db, config().wait(Duration::ZERO).build().unwrap()).await;
+    start_housekeeping(&app, &db).await;
     app.handlers.fail_next.store(true, Ordering::SeqCst);
     assert_eq!(app.post("/flaky", Some("f"), &json!({})).await.status, 502);
     assert!(redis_keys(&prefix).await.is_empty());

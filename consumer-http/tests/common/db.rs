@@ -103,6 +103,15 @@ impl Db {
         }
     }
 
+    /// The store's table on PostgreSQL, quoted and qualified as the layer labels its
+    /// metrics (`table`).
+    pub fn table(&self) -> String {
+        match self {
+            Db::Pg { schema, .. } => format!("\"{schema}\".\"http_idempotency\""),
+            Db::Sqlite { .. } => panic!("labelled on PostgreSQL only"),
+        }
+    }
+
     /// How often a connection has been taken from the PostgreSQL pool so far.
     pub fn acquires(&self) -> u64 {
         match self {
