@@ -259,7 +259,7 @@ impl TableNames {
             .replace("{outbox_notify_fn}", &self.outbox_notify_fn)
             .replace(
                 "{outbox_rest_lock}",
-                &super::outbox_store::REST_LOCK.to_string(),
+                &super::locks::OUTBOX_REST_LOCK.to_string(),
             )
             .replace("{copy_grace_ms}", &self.copy_grace_ms().to_string())
     }

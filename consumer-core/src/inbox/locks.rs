@@ -1,6 +1,6 @@
 //! In-process per-key locks: a second delivery of a key waits here for the first, without
 //! holding a database connection while it waits. Also the keys' database lock ids, which
-//! the PostgreSQL advisory locks use.
+//! the PostgreSQL advisory locks use, and the outbox's rest lock.
 //!
 //! The table holds one entry per held key: the queue of the tasks waiting for it, empty
 //! (no allocation) while nobody waits. Taking a free key is an insert and releasing it a
@@ -191,6 +191,11 @@ impl Drop for LocalGuards {
         }
     }
 }
+
+/// The first key of the outbox's rest lock (`"outb"`), the second being the outbox table's
+/// oid: a resting relay holds it, and the outbox trigger notifies only when it cannot take it
+/// shared (see the migration `0010_outbox_quiet_notify.sql`). Fixed: the migration renders it.
+pub(crate) const OUTBOX_REST_LOCK: i32 = 0x6f75_7462;
 
 /// The database lock id of a key: the first 8 bytes of the SHA-256 of (namespace, handler,
 /// key), big-endian. Workers of different versions must agree on it: keep it stable.

@@ -45,15 +45,16 @@
 //!   one-statement batches on PostgreSQL); `migrations`: the shipped migrations of each and
 //!   their runner.
 //! - `templates`: each handler name's key template, checked when a worker starts.
-//! - `outbox_store`: the statements on the outbox table (see [`crate::outbox`]), which
-//!   the migrations create beside the inbox.
+//! - `outbox_store`: the operations on the outbox table (see [`crate::outbox`]), which
+//!   the migrations create beside the inbox; `outbox_sql`: their SQL on each database.
 //! - `dead_letter_store`: the statements on the dead-letter table, also beside the inbox,
 //!   where the runtime keeps the dead letters of transports without a dead-letter
 //!   destination of their own ([`StoredDeadLetter`]).
 //! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `kept`: the
 //!   connections a worker keeps between its leases, out of the pool; `locks`: the
-//!   in-process key locks (by a hash of the key seeded per process) and the database lock
-//!   ids (stable across workers and versions, computed only for the counted path).
+//!   in-process key locks (by a hash of the key seeded per process), the database lock
+//!   ids (stable across workers and versions, computed only for the counted path) and the
+//!   outbox's rest lock.
 
 mod backend;
 mod claim;
@@ -67,6 +68,7 @@ mod kept;
 mod lease;
 mod locks;
 mod migrations;
+mod outbox_sql;
 mod outbox_store;
 mod postgres;
 mod sqlite;
