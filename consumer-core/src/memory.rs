@@ -22,10 +22,6 @@ use crate::delivery::{
 };
 use crate::{Headers, MessageId, TransportError};
 
-/// The header carrying the attempt number of a retried copy
-/// ([`header_names::ATTEMPT`](crate::header_names::ATTEMPT)).
-pub const ATTEMPT_HEADER: &str = crate::header_names::ATTEMPT;
-
 /// A message to publish.
 #[derive(Debug, Clone, Default)]
 pub struct Message {
@@ -510,7 +506,9 @@ impl Acknowledger for MemoryAcker {
                     tokio::time::sleep(delay).await;
                     stored.attempt = attempt;
                     stored.redelivered = false;
-                    stored.headers.insert(ATTEMPT_HEADER, attempt.to_string());
+                    stored
+                        .headers
+                        .insert(crate::header_names::ATTEMPT, attempt.to_string());
                     {
                         let mut state = broker.shared.lock();
                         let q = state.queues.entry(queue).or_default();

@@ -67,7 +67,7 @@ pub(crate) fn log_librdkafka(level: RDKafkaLogLevel, fac: &str, message: &str) {
 pub(crate) fn client_error(context: &str, e: KafkaError) -> Error {
     match &e {
         KafkaError::ClientConfig(_, _, name, value) => Error::config(
-            format!("properties.{name}"),
+            format!("kafka.properties.{name}"),
             crate::config::validate::redacted_reason(name, value, &e),
         ),
         _ => Error::client(context, e),
@@ -273,7 +273,7 @@ pub(crate) fn create(config: &ClientConfig, timeout: Duration) -> Result<Produce
         if config.get(name).is_some_and(|v| v.trim() == "0") {
             // Every write waits for its delivery report: it must come.
             return Err(Error::config(
-                format!("producer_properties.{name}"),
+                format!("kafka.producer_properties.{name}"),
                 "0 (no limit) would let a write wait for its delivery report for good, \
                  holding its record; leave it unset (the produce timeout) or give a limit",
             ));

@@ -105,6 +105,7 @@ impl FromStr for ExchangeType {
 /// - when `exchange` is set: that exchange (unless it is a predeclared `amq.*` one) and one
 ///   binding of the work queue per entry of `binding_keys` (default: the queue's name).
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct AmqpConfig {
     /// `amqp://user:pass@host:5672/vhost` or `amqps://…`. Shown only redacted.
     pub url: RedactedUrl,

@@ -50,7 +50,10 @@ async fn retry_comes_back_after_its_delay_without_blocking_others() {
     let retried = c.next().await.unwrap().unwrap();
     assert!(start.elapsed() >= Duration::from_secs(4));
     assert_eq!(retried.delivery.attempt, 2);
-    assert_eq!(retried.delivery.headers.get(ATTEMPT_HEADER), Some("2"));
+    assert_eq!(
+        retried.delivery.headers.get(crate::header_names::ATTEMPT),
+        Some("2")
+    );
 }
 
 #[tokio::test]

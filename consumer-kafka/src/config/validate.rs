@@ -42,53 +42,65 @@ impl KafkaConfig {
             validate_instance_id(id)?;
         }
         if self.topics.is_empty() {
-            return Err(Error::config("topics", "at least one topic is required"));
+            return Err(Error::config(
+                "kafka.topics",
+                "at least one topic is required",
+            ));
         }
         for t in &self.topics {
-            validate_topic("topics", t)?;
+            validate_topic("kafka.topics", t)?;
             if t.ends_with(&self.retry_topic_suffix) || t.ends_with(&self.dead_letter_topic_suffix)
             {
                 return Err(Error::config(
-                    "topics",
+                    "kafka.topics",
                     format!("{t:?} is a retry or dead-letter topic; list the original topic"),
                 ));
             }
-            validate_topic("retry_topic_suffix", &self.retry_topic(t))?;
-            validate_topic("dead_letter_topic_suffix", &self.dead_letter_topic(t))?;
+            validate_topic("kafka.retry_topic_suffix", &self.retry_topic(t))?;
+            validate_topic("kafka.dead_letter_topic_suffix", &self.dead_letter_topic(t))?;
         }
         if self.retry_topic_suffix.is_empty() {
-            return Err(Error::config("retry_topic_suffix", "must not be empty"));
+            return Err(Error::config(
+                "kafka.retry_topic_suffix",
+                "must not be empty",
+            ));
         }
         if self.dead_letter_topic_suffix.is_empty() {
             return Err(Error::config(
-                "dead_letter_topic_suffix",
+                "kafka.dead_letter_topic_suffix",
                 "must not be empty",
             ));
         }
         if self.retry_topic_suffix == self.dead_letter_topic_suffix {
             return Err(Error::config(
-                "dead_letter_topic_suffix",
+                "kafka.dead_letter_topic_suffix",
                 "must differ from retry_topic_suffix",
             ));
         }
         if self.message_id_header.trim().is_empty() {
-            return Err(Error::config("message_id_header", "must not be empty"));
+            return Err(Error::config(
+                "kafka.message_id_header",
+                "must not be empty",
+            ));
         }
         if self.commit_interval.is_zero() {
             return Err(Error::config(
-                "commit_interval",
+                "kafka.commit_interval",
                 "must be greater than zero",
             ));
         }
         if self.revoke_timeout.is_zero() {
-            return Err(Error::config("revoke_timeout", "must be greater than zero"));
+            return Err(Error::config(
+                "kafka.revoke_timeout",
+                "must be greater than zero",
+            ));
         }
         // The revoke callback runs inside the poll: waiting there longer than
         // `max.poll.interval.ms` makes librdkafka leave the group, and it holds up the
         // whole group's rebalance meanwhile.
         let max_poll = [
-            ("consumer_properties", &self.consumer_properties),
-            ("properties", &self.properties),
+            ("kafka.consumer_properties", &self.consumer_properties),
+            ("kafka.properties", &self.properties),
         ]
         .into_iter()
         .find_map(|(field, props)| {
@@ -102,7 +114,7 @@ impl KafkaConfig {
         if let Some((field, Some(max_poll_ms))) = max_poll {
             if self.revoke_timeout.as_millis() >= u128::from(max_poll_ms) / 2 {
                 return Err(Error::config(
-                    "revoke_timeout",
+                    "kafka.revoke_timeout",
                     format!(
                         "must be less than half of max.poll.interval.ms ({max_poll_ms} ms, \
                          from {field}): the revoke wait runs inside the poll"
@@ -112,32 +124,32 @@ impl KafkaConfig {
         }
         if self.produce_timeout.is_zero() {
             return Err(Error::config(
-                "produce_timeout",
+                "kafka.produce_timeout",
                 "must be greater than zero",
             ));
         }
         if self.coordinator_timeout.is_zero() {
             return Err(Error::config(
-                "coordinator_timeout",
+                "kafka.coordinator_timeout",
                 "must be greater than zero",
             ));
         }
         if self.max_buffered_per_partition == 0 {
             return Err(Error::config(
-                "max_buffered_per_partition",
+                "kafka.max_buffered_per_partition",
                 "must be at least 1",
             ));
         }
         if self.max_buffered_bytes_per_partition == 0 {
             return Err(Error::config(
-                "max_buffered_bytes_per_partition",
+                "kafka.max_buffered_bytes_per_partition",
                 "must be at least 1",
             ));
         }
         for (field, props) in [
-            ("properties", &self.properties),
-            ("consumer_properties", &self.consumer_properties),
-            ("producer_properties", &self.producer_properties),
+            ("kafka.properties", &self.properties),
+            ("kafka.consumer_properties", &self.consumer_properties),
+            ("kafka.producer_properties", &self.producer_properties),
         ] {
             validate_properties(field, props)?;
         }
@@ -148,7 +160,7 @@ impl KafkaConfig {
 pub(crate) fn validate_brokers(brokers: &str) -> Result<(), Error> {
     if brokers.trim().is_empty() {
         return Err(Error::config(
-            "brokers",
+            "kafka.brokers",
             "at least one host:port is required",
         ));
     }
@@ -157,7 +169,7 @@ pub(crate) fn validate_brokers(brokers: &str) -> Result<(), Error> {
         // credential pasted in the wrong place, and is never quoted back.
         if b.contains('@') {
             return Err(Error::config(
-                "brokers",
+                "kafka.brokers",
                 "an entry holds user info (`…@host`): give credentials as `sasl.username` and \
                  `sasl.password` properties, not in the broker list",
             ));
@@ -169,7 +181,7 @@ pub(crate) fn validate_brokers(brokers: &str) -> Result<(), Error> {
         });
         if !ok {
             return Err(Error::config(
-                "brokers",
+                "kafka.brokers",
                 format!("{b:?} is not host:port (comma-separate several brokers)"),
             ));
         }
@@ -179,11 +191,11 @@ pub(crate) fn validate_brokers(brokers: &str) -> Result<(), Error> {
 
 fn validate_group(group: &str) -> Result<(), Error> {
     if group.trim().is_empty() {
-        return Err(Error::config("group_id", "must not be empty"));
+        return Err(Error::config("kafka.group_id", "must not be empty"));
     }
     if group.len() > 255 || group.chars().any(char::is_control) {
         return Err(Error::config(
-            "group_id",
+            "kafka.group_id",
             "must be at most 255 characters without control characters",
         ));
     }
@@ -194,13 +206,13 @@ fn validate_group(group: &str) -> Result<(), Error> {
 fn validate_instance_id(id: &str) -> Result<(), Error> {
     if id.trim().is_empty() || id.trim() != id {
         return Err(Error::config(
-            "instance_id",
+            "kafka.instance_id",
             "must not be empty nor start or end with whitespace",
         ));
     }
     if id.len() > 249 || id.chars().any(char::is_control) {
         return Err(Error::config(
-            "instance_id",
+            "kafka.instance_id",
             "must be at most 249 characters without control characters",
         ));
     }
@@ -277,62 +289,62 @@ mod tests {
     fn a_zero_coordinator_timeout_is_refused() {
         let mut c = valid();
         c.coordinator_timeout = Duration::ZERO;
-        assert_eq!(field_of(&c), "coordinator_timeout");
+        assert_eq!(field_of(&c), "kafka.coordinator_timeout");
     }
 
     #[test]
     fn revoke_timeout_stays_under_half_the_poll_interval() {
         let mut c = valid();
         c.consumer_properties.set("max.poll.interval.ms", "7000");
-        assert_eq!(field_of(&c), "revoke_timeout");
+        assert_eq!(field_of(&c), "kafka.revoke_timeout");
         c.revoke_timeout = Duration::from_millis(3000);
         c.validate().unwrap();
         let mut c = valid();
         c.properties.set("max.poll.interval.ms", "6000");
-        assert_eq!(field_of(&c), "revoke_timeout");
+        assert_eq!(field_of(&c), "kafka.revoke_timeout");
     }
 
     #[test]
     fn bad_values_name_their_field() {
         let mut c = valid();
         c.brokers = "localhost".into();
-        assert_eq!(field_of(&c), "brokers");
+        assert_eq!(field_of(&c), "kafka.brokers");
         let mut c = valid();
         c.topics = vec!["bad topic".into()];
-        assert_eq!(field_of(&c), "topics");
+        assert_eq!(field_of(&c), "kafka.topics");
         let mut c = valid();
         c.topics = vec![];
-        assert_eq!(field_of(&c), "topics");
+        assert_eq!(field_of(&c), "kafka.topics");
         let mut c = valid();
         c.topics = vec!["orders.dlq".into()];
-        assert_eq!(field_of(&c), "topics");
+        assert_eq!(field_of(&c), "kafka.topics");
         let mut c = valid();
         c.group_id = " ".into();
-        assert_eq!(field_of(&c), "group_id");
+        assert_eq!(field_of(&c), "kafka.group_id");
         let mut c = valid();
         c.instance_id = Some(" worker-1".into());
-        assert_eq!(field_of(&c), "instance_id");
+        assert_eq!(field_of(&c), "kafka.instance_id");
         let mut c = valid();
         c.consumer_properties.set("group.instance.id", "worker-1");
-        assert_eq!(field_of(&c), "consumer_properties.group.instance.id");
+        assert_eq!(field_of(&c), "kafka.consumer_properties.group.instance.id");
         let mut c = valid();
         c.message_id_header = String::new();
-        assert_eq!(field_of(&c), "message_id_header");
+        assert_eq!(field_of(&c), "kafka.message_id_header");
         let mut c = valid();
         c.max_buffered_per_partition = 0;
-        assert_eq!(field_of(&c), "max_buffered_per_partition");
+        assert_eq!(field_of(&c), "kafka.max_buffered_per_partition");
         let mut c = valid();
         c.max_buffered_bytes_per_partition = 0;
-        assert_eq!(field_of(&c), "max_buffered_bytes_per_partition");
+        assert_eq!(field_of(&c), "kafka.max_buffered_bytes_per_partition");
         let mut c = valid();
         c.properties.set("no.such.property", "1");
-        assert_eq!(field_of(&c), "properties.no.such.property");
+        assert_eq!(field_of(&c), "kafka.properties.no.such.property");
         let mut c = valid();
         c.consumer_properties.set("enable.auto.commit", "true");
-        assert_eq!(field_of(&c), "consumer_properties.enable.auto.commit");
+        assert_eq!(field_of(&c), "kafka.consumer_properties.enable.auto.commit");
         let mut c = valid();
         c.producer_properties.set("enable.idempotence", "false");
-        assert_eq!(field_of(&c), "producer_properties.enable.idempotence");
+        assert_eq!(field_of(&c), "kafka.producer_properties.enable.idempotence");
     }
 
     #[test]
@@ -393,7 +405,7 @@ mod tests {
                 c.brokers = brokers.clone();
                 let e = c.validate().unwrap_err();
                 let text = format!("{e} {e:?}");
-                assert!(text.contains("brokers"), "{text}");
+                assert!(text.contains("kafka.brokers"), "{text}");
                 assert!(
                     !text.contains("s3c") && !text.contains("svc"),
                     "{brokers}: {text}"
