@@ -5,13 +5,15 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use consumer_core::outbox::{OutboxMessage, Publisher, Relay, RelayConfig};
+use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use consumer_core::{handler, Context, HandlerError, Inbox};
+use futures::future::BoxFuture;
 use serde_json::json;
 use sqlx::Postgres;
+use tokio::sync::Semaphore;
 
 use crate::common::{wait_until, DEADLINE};
 
@@ -22,6 +24,49 @@ pub struct Received {
     pub message_id: Option<String>,
     /// Its body.
     pub body: Vec<u8>,
+}
+
+/// Holds the publish of each message id in `held` until released; records what it began
+/// to publish and what it published, in order.
+#[derive(Clone)]
+pub struct Gate {
+    held: Arc<HashSet<String>>,
+    /// One permit releases one held publish.
+    pub release: Arc<Semaphore>,
+    /// The ids whose publish began, in order.
+    pub begun: Arc<Mutex<Vec<String>>>,
+    published: Arc<Mutex<Vec<String>>>,
+}
+
+impl Gate {
+    /// A gate holding the publish of `ids`.
+    pub fn holding(ids: &[&str]) -> Self {
+        Gate {
+            held: Arc::new(ids.iter().map(|&id| id.to_owned()).collect()),
+            release: Arc::new(Semaphore::new(0)),
+            begun: Arc::default(),
+            published: Arc::default(),
+        }
+    }
+
+    /// The ids published, in order.
+    pub fn published(&self) -> Vec<String> {
+        self.published.lock().expect("not poisoned").clone()
+    }
+}
+
+impl Publisher for Gate {
+    fn publish<'a>(&'a self, m: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(async move {
+            let id = m.message_id.clone().expect("the relay sets the id");
+            self.begun.lock().expect("not poisoned").push(id.clone());
+            if self.held.contains(&id) {
+                self.release.acquire().await.expect("open").forget();
+            }
+            self.published.lock().expect("not poisoned").push(id);
+            Ok(())
+        })
+    }
 }
 
 /// Writes `message` in a transaction of its own on the inbox's pool and commits (or rolls

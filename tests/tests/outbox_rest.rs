@@ -4,62 +4,21 @@
 //! that did not notify (its row written before the relay came to rest, committed after) is
 //! found when the relay comes to rest.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
+use consumer_core::outbox::{OutboxMessage, Relay, RelayConfig};
 use consumer_core::{Inbox, InboxConfig};
 use consumer_tests::common::{wait_until, PgEnv, DEADLINE};
-use consumer_tests::outbox::write;
-use futures::future::BoxFuture;
+use consumer_tests::outbox::{write, Gate};
 use sqlx::postgres::PgListener;
 use sqlx::Postgres;
-use tokio::sync::{oneshot, Semaphore};
-
-/// Records what it began to publish and what it published; holds the publish of the
-/// message `held` (if any) until released.
-#[derive(Clone)]
-struct Recorder {
-    held: Option<String>,
-    release: Arc<Semaphore>,
-    begun: Arc<Mutex<Vec<String>>>,
-    published: Arc<Mutex<Vec<String>>>,
-}
-
-impl Recorder {
-    fn holding(held: Option<&str>) -> Self {
-        Recorder {
-            held: held.map(str::to_owned),
-            release: Arc::new(Semaphore::new(0)),
-            begun: Arc::default(),
-            published: Arc::default(),
-        }
-    }
-
-    fn published(&self) -> Vec<String> {
-        self.published.lock().expect("not poisoned").clone()
-    }
-}
-
-impl Publisher for Recorder {
-    fn publish<'a>(&'a self, m: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
-        Box::pin(async move {
-            let id = m.message_id.clone().expect("the relay sets the id");
-            self.begun.lock().expect("not poisoned").push(id.clone());
-            if self.held.as_ref() == Some(&id) {
-                self.release.acquire().await.expect("open").forget();
-            }
-            self.published.lock().expect("not poisoned").push(id);
-            Ok(())
-        })
-    }
-}
+use tokio::sync::oneshot;
 
 /// Runs a relay of `inbox` through `publisher` with no poll within the test: only a
 /// notification, or its own rounds, make it look. Returns its shutdown and the task.
 fn run(
     inbox: &Inbox<Postgres>,
-    publisher: &Recorder,
+    publisher: &Gate,
 ) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
     let config = RelayConfig::default().with_poll_interval(Duration::from_secs(3600));
     let relay = Relay::new(inbox.outbox(), publisher.clone())
@@ -118,7 +77,7 @@ async fn a_commit_notifies_only_while_a_relay_of_its_outbox_rests() {
 
     // No relay of this outbox rests: the commit does not notify.
     write(&quiet, message("q1"), true).await;
-    let recorder = Recorder::holding(None);
+    let recorder = Gate::holding(&[]);
     let (stop, task) = run(&relayed, &recorder);
     wait_until_resting(&relayed).await;
     // The relay rests: the commit notifies, and wakes it (its poll is an hour away).
@@ -147,12 +106,12 @@ async fn a_row_written_before_the_relay_rests_and_committed_after_is_published()
     let env = PgEnv::new().await;
     let inbox = env.inbox().await;
     write(&inbox, message("a1"), true).await;
-    let recorder = Recorder::holding(Some("a1"));
+    let recorder = Gate::holding(&["a1"]);
     let (stop, task) = run(&inbox, &recorder);
 
     // The relay's round holds a1 (it does not rest): a writer now takes the rest lock
     // shared, and does not notify.
-    wait_until("the relay publishes a1", || async {
+    wait_until("a1's publish has begun", || async {
         !recorder.begun.lock().expect("not poisoned").is_empty()
     })
     .await;

@@ -4,56 +4,14 @@
 //! earlier row, goes out once that round has marked it, in order, without waiting for a
 //! poll.
 
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
+use consumer_core::outbox::{OutboxMessage, Relay, RelayConfig};
 use consumer_core::Inbox;
 use consumer_tests::common::{wait_until, PgEnv};
-use consumer_tests::outbox::write;
-use futures::future::BoxFuture;
+use consumer_tests::outbox::{write, Gate};
 use sqlx::Postgres;
-use tokio::sync::{oneshot, Semaphore};
-
-/// Holds the publish of each message id in `held` until released; records what it began
-/// to publish and what it published, in order.
-#[derive(Clone)]
-struct Gate {
-    held: Arc<HashSet<String>>,
-    release: Arc<Semaphore>,
-    begun: Arc<Mutex<Vec<String>>>,
-    published: Arc<Mutex<Vec<String>>>,
-}
-
-impl Gate {
-    fn holding(ids: &[&str]) -> Self {
-        Gate {
-            held: Arc::new(ids.iter().map(|&id| id.to_owned()).collect()),
-            release: Arc::new(Semaphore::new(0)),
-            begun: Arc::default(),
-            published: Arc::default(),
-        }
-    }
-
-    fn published(&self) -> Vec<String> {
-        self.published.lock().expect("not poisoned").clone()
-    }
-}
-
-impl Publisher for Gate {
-    fn publish<'a>(&'a self, m: &'a OutboxMessage) -> BoxFuture<'a, Result<(), PublishError>> {
-        Box::pin(async move {
-            let id = m.message_id.clone().expect("the relay sets the id");
-            self.begun.lock().expect("not poisoned").push(id.clone());
-            if self.held.contains(&id) {
-                self.release.acquire().await.expect("open").forget();
-            }
-            self.published.lock().expect("not poisoned").push(id);
-            Ok(())
-        })
-    }
-}
+use tokio::sync::oneshot;
 
 /// Writes one message a `(key, id)`, each in a transaction of its own, in this order.
 async fn write_keyed(inbox: &Inbox<Postgres>, rows: &[(&str, &str)]) {
