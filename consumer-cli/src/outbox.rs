@@ -8,6 +8,15 @@ use crate::output::{table, Output};
 use crate::settings;
 use crate::{DbArgs, OutboxCommand};
 
+/// The columns of an outbox's stats, in the CLI's table and on the board.
+pub(crate) const STATS_COLUMNS: [&str; 5] = [
+    "outbox",
+    "pending",
+    "failing",
+    "oldest pending",
+    "published (kept)",
+];
+
 /// `outbox stats`, as printed.
 #[derive(Debug, Serialize)]
 struct Stats {
@@ -43,13 +52,7 @@ async fn stats(db: &DbArgs, out: &Output) -> anyhow::Result<()> {
             .map(|secs| format!("{secs:.0}s"))
             .unwrap_or_else(|| "-".to_owned());
         table(
-            &[
-                "outbox",
-                "pending",
-                "failing",
-                "oldest pending",
-                "published (kept)",
-            ],
+            &STATS_COLUMNS,
             &[vec![
                 s.outbox.clone(),
                 s.pending.to_string(),

@@ -99,13 +99,7 @@ impl Board {
         let s = outbox.stats().await?;
         Ok(table(
             "outbox",
-            &[
-                "outbox",
-                "pending",
-                "failing",
-                "oldest pending",
-                "published (kept)",
-            ],
+            &crate::outbox::STATS_COLUMNS,
             &[vec![
                 escape(outbox.table()),
                 s.pending.to_string(),
