@@ -236,6 +236,10 @@ struct Options {
     /// default unless given).
     #[arg(long, value_name = "N")]
     relay_rounds: Option<u32>,
+    /// How long the `+ outbox` arms' relays keep published rows, in seconds
+    /// (`RelayConfig::retention`; its default unless given; 0 deletes a row when published).
+    #[arg(long, value_name = "SECS", env = "BENCH_RELAY_RETENTION")]
+    relay_retention: Option<u64>,
     /// Instead of the arms: this many samples, on each broker, of the time from the commit of
     /// a message the application wrote to the outbox (on a pool of its own, so only
     /// PostgreSQL's NOTIFY wakes the relay) to the broker's confirm and to its consumption,
@@ -262,7 +266,7 @@ struct Options {
 
 impl Options {
     /// The relay of the `+ outbox` arms: the defaults (a poll every 1 s), `--relay-batch`,
-    /// `--relay-rounds`.
+    /// `--relay-rounds`, `--relay-retention`.
     fn relay_config(&self) -> consumer_core::RelayConfig {
         let mut config = consumer_core::RelayConfig::default();
         if let Some(batch) = self.relay_batch {
@@ -270,6 +274,9 @@ impl Options {
         }
         if let Some(rounds) = self.relay_rounds {
             config = config.with_rounds(rounds);
+        }
+        if let Some(secs) = self.relay_retention {
+            config = config.with_retention(std::time::Duration::from_secs(secs));
         }
         config
     }

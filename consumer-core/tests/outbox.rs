@@ -2,9 +2,10 @@
 //! effects or not at all; the relay publishes each committed message, again after a crash
 //! between its publish and its mark (and the receiving inbox runs it once); one key's
 //! messages go out in order, a failed one holding back the rest of its key and no other
-//! key, however many rows it holds back, and a slow confirm holds back its own key only; a
-//! relay waiting for the broker holds no write lock; a commit wakes the relay of its
-//! process. The PostgreSQL and broker variants are in `tests/tests/outbox_*.rs`.
+//! key, however many rows it holds back, and a slow confirm holds back its own key only;
+//! with no retention a round deletes what it published; a relay waiting for the broker holds
+//! no write lock; a commit wakes the relay of its process. The PostgreSQL and broker variants
+//! are in `tests/tests/outbox_*.rs`.
 
 // Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
@@ -215,6 +216,56 @@ async fn one_keys_messages_go_out_in_order_and_a_failed_one_holds_back_the_rest_
     .await;
     let published = ids(&publisher);
     assert_eq!(published[4..], ["a2", "a3"], "{published:?}");
+}
+
+/// With no retention a round deletes the rows it published, in its transaction; a refused
+/// row stays (counted, held back by its backoff, its key's later rows behind it) until a
+/// round publishes it. With a retention, published rows stay, marked.
+#[tokio::test]
+async fn with_no_retention_a_round_deletes_what_it_published_and_keeps_what_failed() {
+    let env = SqliteEnv::new().await;
+    let outbox = env.inbox.outbox();
+    enqueue_keyed(&env, [("a", 1), ("a", 2), ("a", 3), ("b", 1)]).await;
+    let publisher = Recording::default();
+    publisher.refuse.lock().unwrap().insert("a2".to_owned());
+    let config = RelayConfig::default()
+        .with_backoff(Duration::from_millis(1), Duration::from_millis(1))
+        .with_retention(Duration::ZERO);
+    let relay = Relay::new(outbox.clone(), publisher.clone())
+        .with_config(config)
+        .unwrap();
+
+    let round = relay.run_once().await.unwrap();
+    assert_eq!((round.published, round.failed), (2, 1));
+    let rows = outbox_rows(&env).await;
+    let left: Vec<&str> = rows.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(
+        left,
+        ["a2", "a3"],
+        "a1 and b1 deleted, a2 refused, a3 behind it"
+    );
+    assert!(rows.iter().all(|(_, published)| published.is_none()));
+    let stats = outbox.stats().await.unwrap();
+    assert_eq!((stats.pending, stats.failing, stats.published), (2, 1, 0));
+
+    wait_until("a2 and a3 are published", || async {
+        relay.run_once().await.unwrap();
+        outbox.stats().await.unwrap().pending == 0
+    })
+    .await;
+    assert!(outbox_rows(&env).await.is_empty());
+    assert_eq!(
+        *publisher.published.lock().unwrap(),
+        ["a1", "b1", "a2", "a3"]
+    );
+
+    // A relay with a retention keeps what it publishes, marked.
+    enqueue_keyed(&env, [("c", 1)]).await;
+    let keeping = Relay::new(outbox.clone(), publisher.clone());
+    assert_eq!(keeping.run_once().await.unwrap().published, 1);
+    let rows = outbox_rows(&env).await;
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].1.is_some(), "marked published");
 }
 
 /// More rows held back behind a failed row of their key than a round takes: the next round

@@ -176,6 +176,8 @@ pub struct OutboxSql {
     pub(crate) take: String,
     pub(crate) blockers: String,
     pub(crate) mark_published: String,
+    /// Deletes published rows at once (no retention).
+    pub(crate) delete_published: String,
     pub(crate) mark_failed: String,
     pub(crate) purge: String,
     pub(crate) stats: String,

@@ -32,6 +32,7 @@ impl OutboxSql {
                          AND NOT (id = ANY($3)) GROUP BY ordering_key"),
             mark_published: r("UPDATE {outbox} SET published_at = now(), due_at = NULL \
                                WHERE id = ANY($1)"),
+            delete_published: r("DELETE FROM {outbox} WHERE id = ANY($1)"),
             mark_failed: r(
                 "UPDATE {outbox} SET attempts = attempts + 1, last_error = $2, \
                             due_at = now() + $3 * interval '1 millisecond' WHERE id = $1",
@@ -83,6 +84,8 @@ impl OutboxSql {
                          GROUP BY ordering_key"),
             mark_published: r("UPDATE {outbox} SET published_at = ?1, due_at = NULL \
                                WHERE id IN (SELECT value FROM json_each(?2))"),
+            delete_published: r("DELETE FROM {outbox} \
+                                 WHERE id IN (SELECT value FROM json_each(?1))"),
             mark_failed: r(
                 "UPDATE {outbox} SET attempts = attempts + 1, last_error = ?2, \
                             due_at = ?3 WHERE id = ?1",

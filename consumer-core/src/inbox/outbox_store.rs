@@ -198,15 +198,24 @@ pub trait OutboxStore: Execute {
         })
     }
 
+    /// Settles the published rows `ids`: marks them published (kept for the retention), or
+    /// deletes them when `kept` is false (no retention: a delete writes no new row version,
+    /// where the mark writes one and an entry in each of the table's indexes).
     #[doc(hidden)]
-    fn outbox_mark_published<'a>(
+    fn outbox_settle_published<'a>(
         conn: &'a mut Self::Connection,
         names: &'a TableNames,
         ids: &'a [i64],
+        kept: bool,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            let args = [Arg::Now(Clock::read()), Arg::Ids(ids)];
-            Self::execute(conn, &names.outbox_sql.mark_published, &args).await?;
+            if kept {
+                let args = [Arg::Now(Clock::read()), Arg::Ids(ids)];
+                Self::execute(conn, &names.outbox_sql.mark_published, &args).await?;
+            } else {
+                let args = [Arg::Ids(ids)];
+                Self::execute(conn, &names.outbox_sql.delete_published, &args).await?;
+            }
             Ok(())
         })
     }

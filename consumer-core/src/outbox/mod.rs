@@ -42,12 +42,15 @@
 //!   which writers take shared when they can (then they do not notify: a notifying commit
 //!   takes PostgreSQL's notification lock, which serializes such commits server-wide through
 //!   their WAL flush); once it has the lock every writer that did not notify has ended, and
-//!   the relay looks once more. A second relay that finds the lock taken looks every 200 ms. It also polls every [`RelayConfig::poll_interval`] (1 s), which is
-//!   the only wake-up on SQLite for rows written outside a handler.
+//!   the relay looks once more. A second relay that finds the lock taken looks every 200 ms.
+//!   It also polls every [`RelayConfig::poll_interval`] (1 s), which is the only wake-up on
+//!   SQLite for rows written outside a handler.
 //! - **Failures.** A publish that fails is counted on the row with its error and tried again
 //!   after an exponential backoff; a message the broker refuses (unroutable, too large) is
-//!   logged at error level each time and never dropped. Nothing but the retention deletes a
-//!   row: published rows are deleted [`RelayConfig::retention`] after their publication.
+//!   logged at error level each time and never dropped. Only publication deletes a row:
+//!   published rows are deleted [`RelayConfig::retention`] after their publication, or, with
+//!   a retention of zero, by the round that published them (cheaper than marking them: a
+//!   delete writes no new row version and no index entry).
 //!
 //! # Layout
 //!

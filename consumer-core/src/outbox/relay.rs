@@ -264,7 +264,8 @@ impl<DB: Backend> Relay<DB> {
         failed: &[Failed],
     ) -> Result<(), Error> {
         let names = &self.outbox.names;
-        DB::outbox_mark_published(tx, names, published).await?;
+        let kept = !self.config.retention.is_zero();
+        DB::outbox_settle_published(tx, names, published, kept).await?;
         for f in failed {
             let delay = self.backoff.next_delay(f.attempts);
             DB::outbox_mark_failed(tx, names, f.id, &f.error, delay).await?;
