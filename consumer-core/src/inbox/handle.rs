@@ -72,24 +72,6 @@ impl<DB: Backend> Inbox<DB> {
         &self.names.inbox
     }
 
-    /// Writes the reply kept with (`handler`, `key`) to the outbox again, for `to` and with
-    /// the `correlation` id of the duplicate it answers, and wakes this process's relays;
-    /// whether there was one (see [`crate::Context::reply`]).
-    pub(crate) async fn resend_reply(
-        &self,
-        handler: &str,
-        key: &str,
-        to: &str,
-        correlation: Option<&str>,
-    ) -> Result<bool, sqlx::Error> {
-        let (pool, names) = (&self.pool, &self.names);
-        let resent = DB::outbox_resend_reply(pool, names, handler, key, to, correlation).await?;
-        if resent {
-            self.outbox_written();
-        }
-        Ok(resent)
-    }
-
     /// Wakes this process's relays: rows were committed to the outbox.
     pub(crate) fn outbox_written(&self) {
         self.outbox_written.notify_one();
@@ -216,28 +198,6 @@ impl<DB: Backend> Inbox<DB> {
     /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
     pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {
         Ok(DB::log_mark(&self.pool, &self.names, handler, log).await?)
-    }
-
-    /// See [`Backend::record_retry`].
-    pub(crate) async fn record_retry(
-        &self,
-        handler: &str,
-        key: &str,
-        attempt: u32,
-        scope: &str,
-        delay: Duration,
-    ) -> Result<(), sqlx::Error> {
-        DB::record_retry(&self.pool, &self.names, handler, key, attempt, scope, delay).await
-    }
-
-    /// See [`Backend::uncount_attempt`].
-    pub(crate) async fn uncount_attempt(
-        &self,
-        handler: &str,
-        key: &str,
-        attempt: u32,
-    ) -> Result<bool, sqlx::Error> {
-        DB::uncount_attempt(&self.pool, &self.names, handler, key, attempt).await
     }
 
     /// See [`Backend::advance_log_mark`].

@@ -50,11 +50,14 @@
 //! - `dead_letter_store`: the statements on the dead-letter table, also beside the inbox,
 //!   where the runtime keeps the dead letters of transports without a dead-letter
 //!   destination of their own ([`StoredDeadLetter`]).
-//! - `handle`: the [`Inbox`]; `lease`: a connection holding keys' locks; `kept`: the
-//!   connections a worker keeps between its leases, out of the pool; `locks`: the
-//!   in-process key locks (by a hash of the key seeded per process), the database lock
-//!   ids (stable across workers and versions, computed only for the counted path) and the
-//!   outbox's rest lock.
+//! - `handle`: the [`Inbox`]; `handler_inbox`: [`HandlerInbox`], the inbox of one handler,
+//!   through which its worker makes every call on the database (it holds the table names,
+//!   the handler's name, retention and attempt budget once, and picks an operation's
+//!   one-row or many-row variant by the number of items).
+//! - `lease`: a connection holding keys' locks; `kept`: the connections a worker keeps
+//!   between its leases, out of the pool; `locks`: the in-process key locks (by a hash of
+//!   the key seeded per process), the database lock ids (stable across workers and
+//!   versions, computed only for the counted path) and the outbox's rest lock.
 
 mod backend;
 mod claim;
@@ -64,6 +67,7 @@ pub(crate) mod dialect;
 mod entry;
 mod flow;
 mod handle;
+mod handler_inbox;
 mod kept;
 mod lease;
 mod locks;
@@ -82,6 +86,7 @@ pub(crate) use dead_letter_store::LetterToKeep;
 pub use dead_letter_store::StoredDeadLetter;
 pub use entry::{EntryStatus, InboxCounts, InboxEntry};
 pub use handle::Inbox;
+pub(crate) use handler_inbox::HandlerInbox;
 pub(crate) use kept::Kept;
 pub(crate) use lease::Lease;
 pub(crate) use locks::IdMap;

@@ -32,7 +32,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// The task that purges expired inbox rows every [`WorkerConfig::retention_interval`](super::WorkerConfig::retention_interval),
     /// and the handler's pending rows past [`WorkerConfig::pending_retention`](super::WorkerConfig::pending_retention).
     fn spawn_retention(&self) -> Option<tokio::task::JoinHandle<()>> {
-        let inbox = self.inner.inbox.clone();
+        let inbox = self.inner.inbox.inbox().clone();
         let batch = self.inner.retention_batch;
         let stats = self.inner.stats.clone();
         let pending = self.inner.pending_retention;
@@ -65,12 +65,11 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// every [`WorkerConfig::inbox_gauge_interval`](super::WorkerConfig::inbox_gauge_interval).
     fn spawn_inbox_gauges(&self) -> Option<tokio::task::JoinHandle<()>> {
         let inbox = self.inner.inbox.clone();
-        let name = self.inner.name.clone();
         let stats = self.inner.stats.clone();
         every(self.inner.inbox_gauge_interval?, move || {
-            let (inbox, name, stats) = (inbox.clone(), name.clone(), stats.clone());
+            let (inbox, stats) = (inbox.clone(), stats.clone());
             async move {
-                match inbox.counts(&name).await {
+                match inbox.counts().await {
                     Ok(counts) => stats.inbox.set(&counts),
                     Err(e) => tracing::debug!(error = %e, "could not count the inbox's rows"),
                 }

@@ -80,7 +80,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let acker: Box<dyn Acknowledger> = if keep && !acker.keeps_dead_letters() {
             Box::new(KeepDeadLetter {
                 acker,
-                inbox: self.inbox.clone(),
+                inbox: self.inbox.inbox().clone(),
                 message_id: delivery.message_id.clone(),
                 headers: delivery.headers.clone(),
                 payload: delivery.payload.clone(),

@@ -90,7 +90,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     self.stats.batches.bump();
                 }
                 if wrote.load(Ordering::Relaxed) {
-                    self.inbox.outbox_written();
+                    self.inbox.inbox().outbox_written();
                 }
                 None
             }
@@ -154,52 +154,33 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         fresh: bool,
         alone: &mut Vec<Job<H::Message>>,
     ) -> Result<Ended, Crash> {
-        let s = &self.settings;
-        let names = self.inbox.names();
-        let mut tx = match DB::begin_handler(conn, s.timeout).await {
+        let mut tx = match self.inbox.begin(conn).await {
             Ok(tx) => tx,
             Err(e) => return Ok(Ended::NotRun(e)),
         };
         if fresh {
-            let claimed = if jobs.len() == 1 {
-                let (key, hash) = (jobs[0].key(), jobs[0].hash.as_str());
-                DB::claim_fresh(&mut tx, names, &self.name, key, hash, s.retention)
-                    .await
-                    .map(|claimed| {
-                        if claimed {
-                            Vec::new()
-                        } else {
-                            vec![key.to_owned()]
-                        }
-                    })
-            } else {
-                let items: Vec<(&str, &str)> =
-                    jobs.iter().map(|j| (j.key(), j.hash.as_str())).collect();
-                let (name, retention) = (&self.name, s.retention);
-                let optimistic = self.claims.optimistic();
-                let claim = if optimistic {
-                    DB::claim_new_many(&mut tx, names, name, &items, retention).await
-                } else {
-                    DB::claim_fresh_many(&mut tx, names, name, &items, retention).await
-                };
-                match claim {
-                    Err(e) if optimistic && is_unique_violation(&e) => {
-                        // A key had a row after all (a republished message): that statement
-                        // failed the transaction. Claim again in a new one, keeping the keys
-                        // with rows apart.
-                        self.claims.found_rows();
-                        tracing::debug!("a fresh key of the batch had a row; claiming again");
-                        if let Err(e) = tx.rollback().await {
-                            return Ok(Ended::NotRun(e));
-                        }
-                        tx = match DB::begin_handler(conn, s.timeout).await {
-                            Ok(tx) => tx,
-                            Err(e) => return Ok(Ended::NotRun(e)),
-                        };
-                        DB::claim_fresh_many(&mut tx, names, name, &items, retention).await
+            let items: Vec<(&str, &str)> =
+                jobs.iter().map(|j| (j.key(), j.hash.as_str())).collect();
+            // A batch's keys may be claimed by the plain insert (see `Claims`); one key is
+            // claimed by a statement of its own, which tolerates a row.
+            let optimistic = items.len() > 1 && self.claims.optimistic();
+            let claimed = match self.inbox.claim_fresh(&mut tx, &items, optimistic).await {
+                Err(e) if optimistic && is_unique_violation(&e) => {
+                    // A key had a row after all (a republished message): that statement
+                    // failed the transaction. Claim again in a new one, keeping the keys
+                    // with rows apart.
+                    self.claims.found_rows();
+                    tracing::debug!("a fresh key of the batch had a row; claiming again");
+                    if let Err(e) = tx.rollback().await {
+                        return Ok(Ended::NotRun(e));
                     }
-                    claim => claim,
+                    tx = match self.inbox.begin(conn).await {
+                        Ok(tx) => tx,
+                        Err(e) => return Ok(Ended::NotRun(e)),
+                    };
+                    self.inbox.claim_fresh(&mut tx, &items, false).await
                 }
+                claimed => claimed,
             };
             match claimed {
                 Ok(taken) if taken.is_empty() => {}
@@ -227,7 +208,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         }
         if fresh {
             // On the counted path the completion below is this check.
-            if let Err(e) = DB::check_not_aborted(&mut tx).await {
+            if let Err(e) = self.inbox.check_not_aborted(&mut tx).await {
                 return Ok(self.ended_by(tx, e, jobs.len()).await);
             }
         }
@@ -235,18 +216,8 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             self.fault(FaultPoint::BeforeCommit, job.key())?;
         }
         if !fresh {
-            let completed = if jobs.len() == 1 {
-                let (key, n) = (jobs[0].key(), jobs[0].attempt);
-                DB::complete(&mut tx, names, &self.name, key, n, s.retention, unlock)
-                    .await
-                    .map(u64::from)
-            } else {
-                let keys: Vec<&str> = jobs.iter().map(|j| j.key()).collect();
-                let attempts: Vec<u32> = jobs.iter().map(|j| j.attempt).collect();
-                let (name, retention) = (&self.name, s.retention);
-                DB::complete_many(&mut tx, names, name, &keys, &attempts, retention, unlock).await
-            };
-            match completed {
+            let items: Vec<(&str, u32)> = jobs.iter().map(|j| (j.key(), j.attempt)).collect();
+            match self.inbox.complete(&mut tx, &items, unlock).await {
                 Ok(n) => {
                     *unlocked = !unlock.is_empty();
                     if n != jobs.len() as u64 {
@@ -316,7 +287,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 .collect();
             let mut ctx = BatchContext {
                 conn: &mut *tx,
-                handler: &self.name,
+                handler: self.inbox.name(),
                 members: &members,
                 names: self.inbox.names(),
                 written: Vec::new(),
@@ -337,7 +308,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 };
                 let mut ctx = Context {
                     conn: &mut *tx,
-                    handler: &self.name,
+                    handler: self.inbox.name(),
                     key: job.key(),
                     attempt: job.attempt,
                     delivery: &job.delivery,

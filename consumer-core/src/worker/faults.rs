@@ -34,7 +34,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     pub(super) fn fault(&self, point: FaultPoint, key: &str) -> Result<(), Crash> {
         #[cfg(feature = "fault-injection")]
         if let Some(faults) = &self.faults {
-            match faults.check(point, &self.name, key) {
+            match faults.check(point, self.inbox.name(), key) {
                 None => {}
                 Some(crate::fault::FaultAction::Abort) => {
                     tracing::error!(

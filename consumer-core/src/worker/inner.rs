@@ -1,7 +1,8 @@
-//! What the pipeline's stages share: the worker's [`Inner`] (the inbox, the handler, its
-//! settings, counters and the state of its claims and turns), whose stages are written in
-//! `pipeline.rs` (prepare and the run of a batch), `execute.rs`, `verdict.rs` and
-//! `settle.rs`; and [`Crash`], how a simulated crash stops a delivery.
+//! What the pipeline's stages share: the worker's [`Inner`] (the handler, its settings, the
+//! handler's inbox through which the stages reach the database, counters and the state of
+//! its claims and turns), whose stages are written in `pipeline.rs` (prepare and the run of
+//! a batch), `execute.rs`, `verdict.rs` and `settle.rs`; and [`Crash`], how a simulated
+//! crash stops a delivery.
 
 use std::sync::Arc;
 
@@ -11,17 +12,17 @@ use super::spare::SpareBatches;
 use super::turn;
 use crate::fault::point::FaultPoint;
 use crate::handler::Handler;
-use crate::inbox::{Backend, Inbox, Kept};
+use crate::inbox::{Backend, HandlerInbox, Kept};
 use crate::log_marks::Freshness;
 use crate::stats::Stats;
 
 /// What the pipeline's stages share.
 pub(super) struct Inner<DB: Backend, H: Handler<DB>> {
-    pub(super) inbox: Inbox<DB>,
+    /// The handler's inbox: the worker's only way to the database, also shared with the
+    /// acknowledgers that record retries and resend replies.
+    pub(super) inbox: HandlerInbox<DB>,
     pub(super) handler: H,
     pub(super) settings: Settings,
-    /// The handler's name, shared with the acknowledgers that record retries.
-    pub(super) name: Arc<str>,
     pub(super) concurrency: usize,
     pub(super) batch: Option<BatchConfig>,
     pub(super) retention_interval: Option<std::time::Duration>,

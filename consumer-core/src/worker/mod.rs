@@ -26,6 +26,14 @@
 //! retention purge and the gauges; [`spare`] keeps batch buffers; [`inner`] holds what the
 //! stages share (the stages' code is in `pipeline` for prepare and the run of a batch, in
 //! `execute`, `verdict` and `settle` for theirs).
+//!
+//! The worker reaches the database only through the handler's inbox, a [`HandlerInbox`]: it
+//! holds the table names, the handler's name, its retention, attempt budget and timeout, so
+//! each call passes only what varies (the connection, the keys, their hashes or attempts),
+//! and it picks an operation's one-row or many-row statement by the number of items. What is
+//! not the handler's alone (the dead-letter table, the retention purge, the outbox relays'
+//! wake-up) goes through the whole [`Inbox`] it holds. The log marks that prove a job fresh
+//! are [`Freshness`]'s.
 
 mod attempt;
 mod background;
@@ -64,7 +72,7 @@ use self::spare::SpareBatches;
 use crate::delivery::Transport;
 use crate::fault::point::FaultPoint;
 use crate::handler::Handler;
-use crate::inbox::{Backend, Inbox, Kept};
+use crate::inbox::{Backend, HandlerInbox, Inbox, Kept};
 use crate::log_marks::Freshness;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::Error;
@@ -92,16 +100,21 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
     /// A worker with `config`. Fails at once, naming the option, on an invalid setting.
     pub fn with_config(inbox: Inbox<DB>, handler: H, config: WorkerConfig) -> Result<Self, Error> {
         let settings = Settings::validate(handler.options(), &config)?;
-        let name: Arc<str> = Arc::from(settings.name.as_str());
+        let handler_inbox = HandlerInbox::new(
+            inbox.serving(&settings.aliases),
+            Arc::from(settings.name.as_str()),
+            settings.retention,
+            settings.max_attempts,
+            settings.timeout,
+        );
         let stats = Arc::new(Stats::new(&settings.name));
         Ok(Worker {
             inner: Arc::new(Inner {
                 freshness: Freshness::new(inbox.clone(), settings.name.clone()),
                 kept: Kept::new(inbox.pool.clone(), config.concurrency),
-                inbox: inbox.serving(&settings.aliases),
+                inbox: handler_inbox,
                 handler,
                 settings,
-                name,
                 concurrency: config.concurrency,
                 batch: config.batch,
                 retention_interval: config.retention_interval,
@@ -144,7 +157,7 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
 
     /// The inbox.
     pub fn inbox(&self) -> &Inbox<DB> {
-        &self.inner.inbox
+        self.inner.inbox.inbox()
     }
 
     /// Consumes `transport` until it ends or `shutdown` completes.
@@ -175,12 +188,12 @@ impl<DB: Backend, H: Handler<DB>> Worker<DB, H> {
             match self
                 .inner
                 .settings
-                .check_key_template(&self.inner.inbox)
+                .check_key_template(self.inner.inbox.inbox())
                 .await
             {
                 Ok(()) => break,
                 Err(e) if e.is_database_unavailable() => {
-                    tracing::warn!(handler = %self.inner.name, error = %e, retry_in = ?delay, "database unavailable at startup; checking again");
+                    tracing::warn!(handler = %self.inner.inbox.name(), error = %e, retry_in = ?delay, "database unavailable at startup; checking again");
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}
                         () = &mut shutdown => return Ok(()),

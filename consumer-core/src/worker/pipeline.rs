@@ -60,7 +60,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                 messaging.system = crate::trace::messaging_system(delivery.source.transport),
                 messaging.operation.type = "process",
                 messaging.message.id = delivery.message_id.as_deref(),
-                handler = %self.name,
+                handler = %self.inbox.name(),
                 source = %delivery.source,
                 key = field::Empty,
                 attempt = field::Empty,
@@ -78,7 +78,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     .map(|i| crate::trace::messaging_system(i.delivery.source.transport)),
                 messaging.operation.type = "process",
                 messaging.batch.message_count = batch.len(),
-                handler = %self.name,
+                handler = %self.inbox.name(),
                 size = batch.len()
             );
             crate::trace::link(&span, batch.iter().map(|i| &i.delivery));
@@ -94,7 +94,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         // counted as received) after the batch, and is then seen as a duplicate.
         let mut repeats = Vec::new();
         let mut seen = (batch.len() > 1).then(|| RepeatedKeys::for_batch(batch.len()));
-        let lock_id = |key: &str| self.inbox.local_lock_id(&self.name, key);
+        let lock_id = |key: &str| self.inbox.local_lock_id(key);
         for incoming in batch.drain(..) {
             #[cfg(feature = "fault-injection")]
             let incoming = self.broken_early_ack(incoming).await;
@@ -198,14 +198,13 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             .take(!fresh && jobs.iter().any(|j| j.delivery.redelivered))
             .await;
         let ids = jobs.iter().map(|j| j.lock_id).collect();
-        // Only counted jobs take the keys' database locks (see `locking` below).
+        // Only counted jobs take the keys' database locks, with the count of their attempts below.
         let db_keys: Vec<&str> = if fresh {
             Vec::new()
         } else {
             jobs.iter().map(|j| j.key()).collect()
         };
-        let kept = Some(&self.kept);
-        let mut lease = match self.inbox.lease_ids(&self.name, ids, &db_keys, kept).await {
+        let mut lease = match self.inbox.lease(ids, &db_keys, &self.kept).await {
             Ok(l) => l,
             Err(e) => {
                 self.retry_all_after_db_error(&e, jobs, settled, alone);
@@ -223,15 +222,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         scope: j.acker.copy_scope(),
                     })
                     .collect();
-                let (conn, lock_ids) = lease.locking();
-                let (names, name, max) =
-                    (self.inbox.names(), &self.name, self.settings.max_attempts);
-                match items.as_slice() {
-                    [item] => DB::begin_attempt(conn, names, name, item, max, lock_ids)
-                        .await
-                        .map(|c| vec![c]),
-                    _ => DB::begin_attempts(conn, names, name, &items, max, lock_ids).await,
-                }
+                self.inbox.begin_attempts(&mut lease, &items).await
             };
             let claims = match claims {
                 Ok(c) => c,
@@ -244,8 +235,8 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             };
             let mut to_run = Vec::with_capacity(jobs.len());
             for (mut job, claim) in jobs.into_iter().zip(claims) {
-                let on_conflict = self.settings.on_conflict;
-                match claim::decide(&self.name, &job.delivery, job.key(), claim, on_conflict) {
+                let (name, on_conflict) = (self.inbox.name(), self.settings.on_conflict);
+                match claim::decide(name, &job.delivery, job.key(), claim, on_conflict) {
                     Decision::Run { attempt } => {
                         job.attempt = attempt;
                         to_run.push(job);
@@ -270,7 +261,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         }
                         self.stats.quarantined.bump();
                         let verdict = Verdict::dead_letter(
-                            &self.name,
+                            self.inbox.name(),
                             &job.delivery,
                             reason,
                             Some(job.key()),

@@ -4,7 +4,6 @@
 //! are applied together ([`settle_all`]) and its outcomes counted ([`Inner::count_all`]).
 //! How an attempt's end becomes a verdict is [`super::verdict`]'s.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -14,7 +13,7 @@ use super::inner::Inner;
 use super::job::{Job, Outcome, Verdict};
 use crate::delivery::{Acknowledger, Settlement, REPLY_TO_HEADER};
 use crate::handler::Handler;
-use crate::inbox::{Backend, Inbox};
+use crate::inbox::{Backend, HandlerInbox};
 use crate::outbox::reply;
 use crate::TransportError;
 
@@ -99,8 +98,7 @@ pub(super) async fn settle_all(
 /// written, a redelivery of this delivery runs once more, as it would without it.
 pub(super) struct RecordRetry<DB: Backend> {
     acker: Box<dyn Acknowledger>,
-    inbox: Inbox<DB>,
-    handler: Arc<str>,
+    inbox: HandlerInbox<DB>,
     key: String,
     attempt: u32,
     scope: String,
@@ -116,17 +114,13 @@ impl<DB: Backend> Acknowledger for RecordRetry<DB> {
             let RecordRetry {
                 acker,
                 inbox,
-                handler,
                 key,
                 attempt,
                 scope,
                 delay,
             } = *self;
             acker.settle(settlement).await?;
-            if let Err(e) = inbox
-                .record_retry(&handler, &key, attempt, &scope, delay)
-                .await
-            {
+            if let Err(e) = inbox.record_retry(&key, attempt, &scope, delay).await {
                 tracing::debug!(error = %e, "could not record the retry copy in the inbox");
             }
             Ok(())
@@ -144,8 +138,7 @@ impl<DB: Backend> Acknowledger for RecordRetry<DB> {
 /// after `delay` instead, so that the requester still gets its answer.
 pub(super) struct ResendReply<DB: Backend> {
     acker: Box<dyn Acknowledger>,
-    inbox: Inbox<DB>,
-    handler: Arc<str>,
+    inbox: HandlerInbox<DB>,
     key: String,
     /// The duplicate's reply address and correlation id.
     to: String,
@@ -163,7 +156,6 @@ impl<DB: Backend> Acknowledger for ResendReply<DB> {
             let ResendReply {
                 acker,
                 inbox,
-                handler,
                 key,
                 to,
                 correlation,
@@ -171,7 +163,7 @@ impl<DB: Backend> Acknowledger for ResendReply<DB> {
                 delay,
             } = *self;
             let correlation = correlation.as_deref();
-            match inbox.resend_reply(&handler, &key, &to, correlation).await {
+            match inbox.resend_reply(&key, &to, correlation).await {
                 Ok(_) => acker.settle(settlement).await,
                 Err(e) => {
                     tracing::warn!(error = %e, "could not answer a duplicate request with its reply; it comes back later");
@@ -200,7 +192,6 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         key: job.key().to_owned(),
                         acker: job.acker,
                         inbox: self.inbox.clone(),
-                        handler: self.name.clone(),
                         attempt: *attempt,
                         scope,
                         delay: *delay,
@@ -218,7 +209,6 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                         key: job.key().to_owned(),
                         acker: job.acker,
                         inbox: self.inbox.clone(),
-                        handler: self.name.clone(),
                     }),
                     None => job.acker,
                 }

@@ -63,15 +63,8 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
             Attempted::Failed(failure) => {
                 if job.fresh {
                     // The fresh claim rolled back with the failure: count the attempt now.
-                    if let Err(e) = DB::count_fresh_failure(
-                        conn,
-                        self.inbox.names(),
-                        &self.name,
-                        job.key(),
-                        job.hash.as_str(),
-                    )
-                    .await
-                    {
+                    let (key, hash) = (job.key(), job.hash.as_str());
+                    if let Err(e) = self.inbox.count_fresh_failure(conn, key, hash).await {
                         self.stats.db_errors.bump();
                         tracing::warn!(key = job.key(), error = %e, "could not count a failed attempt");
                     }
@@ -158,9 +151,8 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         error: &str,
     ) -> Result<(), Verdict> {
         let text = dead_text(reason, error);
-        let names = self.inbox.names();
-        let (dead, retention) = (reason.is_some(), self.settings.retention);
-        match DB::record_failure(conn, names, &self.name, key, &text, dead, retention).await {
+        let dead = reason.is_some();
+        match self.inbox.record_failure(conn, key, &text, dead).await {
             Ok(()) => Ok(()),
             Err(e) if dead => {
                 tracing::warn!(key, error = %e, "could not mark the key dead: retried instead of dead-lettered");
@@ -179,7 +171,7 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
     /// If the database cannot be reached yet, the count stays: the message then has one
     /// attempt fewer, as after a crash.
     async fn give_back(&self, key: &str, attempt: u32) {
-        match self.inbox.uncount_attempt(&self.name, key, attempt).await {
+        match self.inbox.uncount_attempt(key, attempt).await {
             Ok(given_back) => {
                 tracing::debug!(
                     key,
