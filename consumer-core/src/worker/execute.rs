@@ -34,8 +34,21 @@ enum Ended {
     Failed(HandlerError),
     /// A key was overtaken at the completion: rolled back.
     Overtaken,
-    Committed,
+    /// Committed; `wrote`: a handler wrote to the outbox, whose relays are then woken.
+    Committed {
+        wrote: bool,
+    },
     CommitFailed(sqlx::Error),
+}
+
+/// What a group's transaction leaves to its caller.
+struct Transacted<M> {
+    ended: Ended,
+    /// The fresh jobs whose keys had a row already, taken out of the group before the
+    /// handlers ran: each takes the counted path by itself after the batch.
+    had_rows: Vec<Job<M>>,
+    /// The completion released the lease's database locks.
+    unlocked: bool,
 }
 
 impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
@@ -70,26 +83,23 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         let together = jobs.len() > 1;
         let (conn, held) = lease.held();
         let held = if first { held } else { &[] };
-        let mut unlocked = false;
-        let wrote = AtomicBool::new(false);
-        let ended = self
-            .transaction(conn, held, &mut unlocked, &wrote, &mut jobs, fresh, alone)
-            .await;
-        if unlocked {
+        let transacted = self.transaction(conn, held, &mut jobs, fresh).await?;
+        if transacted.unlocked {
             lease.released_in_db();
         }
-        let failed = match ended? {
+        alone.extend(transacted.had_rows);
+        let failed = match transacted.ended {
             Ended::Nothing => return Ok(()),
             Ended::NotRun(e) => {
                 lease.spoil();
                 self.retry_all_after_db_error(&e, jobs, settled, alone);
                 return Ok(());
             }
-            Ended::Committed => {
+            Ended::Committed { wrote } => {
                 if together {
                     self.stats.batches.bump();
                 }
-                if wrote.load(Ordering::Relaxed) {
+                if wrote {
                     self.inbox.inbox().outbox_written();
                 }
                 None
@@ -139,103 +149,111 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
         Ok(())
     }
 
-    /// One transaction over `jobs`: claim the fresh keys (those that have a row already move
-    /// to `alone`), run the handlers, complete the counted keys (releasing the database locks
-    /// `unlock` in that statement, then setting `unlocked`), commit. A handler that writes to
-    /// the outbox sets `wrote`.
-    #[allow(clippy::too_many_arguments)]
+    /// One transaction over `jobs`: claim the fresh keys (those that have a row already
+    /// leave `jobs`, see [`Transacted::had_rows`]), run the handlers, complete the counted
+    /// keys (releasing the database locks `unlock` in that statement), commit.
     async fn transaction(
         &self,
         conn: &mut DB::Connection,
         unlock: &[i64],
-        unlocked: &mut bool,
-        wrote: &AtomicBool,
         jobs: &mut Vec<Job<H::Message>>,
         fresh: bool,
-        alone: &mut Vec<Job<H::Message>>,
-    ) -> Result<Ended, Crash> {
-        let mut tx = match self.inbox.begin(conn).await {
-            Ok(tx) => tx,
-            Err(e) => return Ok(Ended::NotRun(e)),
-        };
-        if fresh {
-            let items: Vec<(&str, &str)> =
-                jobs.iter().map(|j| (j.key(), j.hash.as_str())).collect();
-            // A batch's keys may be claimed by the plain insert (see `Claims`); one key is
-            // claimed by a statement of its own, which tolerates a row.
-            let optimistic = items.len() > 1 && self.claims.optimistic();
-            let claimed = match self.inbox.claim_fresh(&mut tx, &items, optimistic).await {
-                Err(e) if optimistic && is_unique_violation(&e) => {
-                    // A key had a row after all (a republished message): that statement
-                    // failed the transaction. Claim again in a new one, keeping the keys
-                    // with rows apart.
-                    self.claims.found_rows();
-                    tracing::debug!("a fresh key of the batch had a row; claiming again");
-                    if let Err(e) = tx.rollback().await {
-                        return Ok(Ended::NotRun(e));
-                    }
-                    tx = match self.inbox.begin(conn).await {
-                        Ok(tx) => tx,
-                        Err(e) => return Ok(Ended::NotRun(e)),
-                    };
-                    self.inbox.claim_fresh(&mut tx, &items, false).await
-                }
-                claimed => claimed,
+    ) -> Result<Transacted<H::Message>, Crash> {
+        let mut had_rows = Vec::new();
+        let mut unlocked = false;
+        // Each way the transaction ends leaves this block with its `Ended`.
+        let ended = 'ended: {
+            let mut tx = match self.inbox.begin(conn).await {
+                Ok(tx) => tx,
+                Err(e) => break 'ended Ended::NotRun(e),
             };
-            match claimed {
-                Ok(taken) if taken.is_empty() => {}
-                Ok(taken) => {
-                    let (rest, had_rows) = std::mem::take(jobs)
-                        .into_iter()
-                        .partition(|j| !taken.iter().any(|t| t == j.key()));
-                    *jobs = rest;
-                    alone.extend(had_rows);
-                }
-                Err(e) => return Ok(Ended::NotRun(e)),
-            }
-            if jobs.is_empty() {
-                if let Err(e) = tx.rollback().await {
-                    tracing::debug!(error = %e, "rollback failed");
-                }
-                return Ok(Ended::Nothing);
-            }
-        }
-        if let Err(failure) = self.run_handlers(&mut tx, wrote, jobs).await? {
-            if let Err(rb) = tx.rollback().await {
-                tracing::warn!(error = %rb, "rollback failed");
-            }
-            return Ok(Ended::Failed(failure));
-        }
-        if fresh {
-            // On the counted path the completion below is this check.
-            if let Err(e) = self.inbox.check_not_aborted(&mut tx).await {
-                return Ok(self.ended_by(tx, e, jobs.len()).await);
-            }
-        }
-        for job in jobs.iter() {
-            self.fault(FaultPoint::BeforeCommit, job.key())?;
-        }
-        if !fresh {
-            let items: Vec<(&str, u32)> = jobs.iter().map(|j| (j.key(), j.attempt)).collect();
-            match self.inbox.complete(&mut tx, &items, unlock).await {
-                Ok(n) => {
-                    *unlocked = !unlock.is_empty();
-                    if n != jobs.len() as u64 {
-                        // A key was overtaken by another worker: its handler's writes must
-                        // not commit.
-                        if let Err(rb) = tx.rollback().await {
-                            tracing::warn!(error = %rb, "rollback failed");
+            if fresh {
+                let items: Vec<(&str, &str)> =
+                    jobs.iter().map(|j| (j.key(), j.hash.as_str())).collect();
+                // A batch's keys may be claimed by the plain insert (see `Claims`); one key is
+                // claimed by a statement of its own, which tolerates a row.
+                let optimistic = items.len() > 1 && self.claims.optimistic();
+                let claimed = match self.inbox.claim_fresh(&mut tx, &items, optimistic).await {
+                    Err(e) if optimistic && is_unique_violation(&e) => {
+                        // A key had a row after all (a republished message): that statement
+                        // failed the transaction. Claim again in a new one, keeping the keys
+                        // with rows apart.
+                        self.claims.found_rows();
+                        tracing::debug!("a fresh key of the batch had a row; claiming again");
+                        if let Err(e) = tx.rollback().await {
+                            break 'ended Ended::NotRun(e);
                         }
-                        return Ok(Ended::Overtaken);
+                        tx = match self.inbox.begin(conn).await {
+                            Ok(tx) => tx,
+                            Err(e) => break 'ended Ended::NotRun(e),
+                        };
+                        self.inbox.claim_fresh(&mut tx, &items, false).await
                     }
+                    claimed => claimed,
+                };
+                match claimed {
+                    Ok(taken) if taken.is_empty() => {}
+                    Ok(taken) => {
+                        let rest;
+                        (rest, had_rows) = std::mem::take(jobs)
+                            .into_iter()
+                            .partition(|j| !taken.iter().any(|t| t == j.key()));
+                        *jobs = rest;
+                    }
+                    Err(e) => break 'ended Ended::NotRun(e),
                 }
-                Err(e) => return Ok(self.ended_by(tx, e, jobs.len()).await),
+                if jobs.is_empty() {
+                    if let Err(e) = tx.rollback().await {
+                        tracing::debug!(error = %e, "rollback failed");
+                    }
+                    break 'ended Ended::Nothing;
+                }
             }
-        }
-        Ok(match tx.commit().await {
-            Ok(()) => Ended::Committed,
-            Err(e) if refused_writes(&e) => Ended::Failed(HandlerError::transient(Refused(e))),
-            Err(e) => Ended::CommitFailed(e),
+            let wrote = AtomicBool::new(false);
+            if let Err(failure) = self.run_handlers(&mut tx, &wrote, jobs).await? {
+                if let Err(rb) = tx.rollback().await {
+                    tracing::warn!(error = %rb, "rollback failed");
+                }
+                break 'ended Ended::Failed(failure);
+            }
+            if fresh {
+                // On the counted path the completion below is this check.
+                if let Err(e) = self.inbox.check_not_aborted(&mut tx).await {
+                    break 'ended self.ended_by(tx, e, jobs.len()).await;
+                }
+            }
+            for job in jobs.iter() {
+                self.fault(FaultPoint::BeforeCommit, job.key())?;
+            }
+            if !fresh {
+                let items: Vec<(&str, u32)> = jobs.iter().map(|j| (j.key(), j.attempt)).collect();
+                match self.inbox.complete(&mut tx, &items, unlock).await {
+                    Ok(n) => {
+                        unlocked = !unlock.is_empty();
+                        if n != jobs.len() as u64 {
+                            // A key was overtaken by another worker: its handler's writes must
+                            // not commit.
+                            if let Err(rb) = tx.rollback().await {
+                                tracing::warn!(error = %rb, "rollback failed");
+                            }
+                            break 'ended Ended::Overtaken;
+                        }
+                    }
+                    Err(e) => break 'ended self.ended_by(tx, e, jobs.len()).await,
+                }
+            }
+            match tx.commit().await {
+                Ok(()) => Ended::Committed {
+                    wrote: wrote.load(Ordering::Relaxed),
+                },
+                Err(e) if refused_writes(&e) => Ended::Failed(HandlerError::transient(Refused(e))),
+                Err(e) => Ended::CommitFailed(e),
+            }
+        };
+        Ok(Transacted {
+            ended,
+            had_rows,
+            unlocked,
         })
     }
 
