@@ -56,7 +56,7 @@ impl<H> Fw<'static, H> {
 /// process's CPU: the worker (its counters `s`) must have completed every message.
 pub(crate) fn framework_figures(
     o: &Options,
-    s: &consumer_core::StatsSnapshot,
+    s: &consumer_core::stats::StatsSnapshot,
     end: &relay::End,
     cpu: Duration,
     acks: &Acks,
@@ -75,7 +75,7 @@ pub(crate) fn framework_figures(
 /// Fails unless the worker (its counters `s`) completed every message of the arm.
 pub(crate) fn ensure_completed(
     o: &Options,
-    s: &consumer_core::StatsSnapshot,
+    s: &consumer_core::stats::StatsSnapshot,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
         s.completed == o.messages as u64,

@@ -7,7 +7,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use consumer_core::{Handler, Inbox, Settlement};
+use consumer_core::transport::Settlement;
+use consumer_core::{Handler, Inbox};
 use consumer_kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher, ProcessingOrder};
 use futures::StreamExt;
 use rdkafka::admin::{AdminClient, AdminOptions};

@@ -2,7 +2,8 @@
 //! both modes. Each arm fills a broker of its own before its clock starts.
 
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{BatchConfig, Handler, Inbox, Settlement};
+use consumer_core::transport::Settlement;
+use consumer_core::{BatchConfig, Handler, Inbox};
 use futures::StreamExt;
 use sqlx::{PgPool, Postgres};
 

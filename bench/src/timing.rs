@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use consumer_core::{Acknowledger, Incoming, Settlement, TransportError};
+use consumer_core::transport::{Acknowledger, Incoming, Settlement, TransportError};
 use futures::future::BoxFuture;
 
 /// Whether the framework arms record each delivery's latency (8 bytes a message: off for the
@@ -90,7 +90,8 @@ fn sampled(seq: u64) -> bool {
 /// ([`timed`]). A settlement its acknowledger applies at once (a Kafka ack) is recorded at
 /// once, with nothing boxed. A batch settled together is timed together, with one clock read:
 /// whole when its first acknowledger is timed; otherwise the transport's
-/// [`consumer_core::ack_together`] acks the timed ones apart, as a second run of the batch.
+/// [`consumer_core::transport::ack_together`] acks the timed ones apart, as a second run of the
+/// batch.
 struct Timed {
     inner: Box<dyn Acknowledger>,
     delivered: Instant,
@@ -110,7 +111,7 @@ impl Acknowledger for Timed {
             Some(result) => {
                 acks.settled(delivered);
                 match result {
-                    Ok(()) => consumer_core::settled_now(),
+                    Ok(()) => consumer_core::transport::settled_now(),
                     Err(e) => Box::pin(std::future::ready(Err(e))),
                 }
             }
@@ -127,7 +128,7 @@ impl Acknowledger for Timed {
     fn ack_with(
         self: Box<Self>,
         others: Vec<Box<dyn Acknowledger>>,
-    ) -> BoxFuture<'static, consumer_core::AckResults> {
+    ) -> BoxFuture<'static, consumer_core::transport::AckResults> {
         use futures::FutureExt as _;
         let Timed {
             inner,
@@ -139,7 +140,7 @@ impl Acknowledger for Timed {
         let inners = others
             .into_iter()
             .map(
-                |other| match consumer_core::downcast_acker::<Timed>(other) {
+                |other| match consumer_core::transport::downcast_acker::<Timed>(other) {
                     Ok(timed) => {
                         times.push(timed.delivered);
                         timed.inner
@@ -149,7 +150,7 @@ impl Acknowledger for Timed {
             )
             .collect();
         let mut acking = inner.ack_with(inners);
-        let timed = move |results: consumer_core::AckResults| {
+        let timed = move |results: consumer_core::transport::AckResults| {
             acks.all_settled(&times);
             results
         };

@@ -11,7 +11,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::BasicProperties;
 
-use consumer_core::{
+use consumer_core::transport::{
     AckResults, Acknowledger, DeadLetter, Delivery, Incoming, Location, MessageId, Origin,
     Settlement, Source, TransportError,
 };
@@ -154,7 +154,7 @@ impl Acknowledger for AmqpAcker {
     ) -> BoxFuture<'static, AckResults> {
         let link = self.link.clone();
         let same_channel = |a: &AmqpAcker, b: &AmqpAcker| Arc::ptr_eq(&a.link, &b.link);
-        consumer_core::ack_together(self, others, same_channel, |run| {
+        consumer_core::transport::ack_together(self, others, same_channel, |run| {
             Box::pin(ack_run(link, run))
         })
     }

@@ -1,4 +1,4 @@
-//! The consumer: a [`consumer_core::Transport`] that survives connection loss.
+//! The consumer: a [`consumer_core::transport::Transport`] that survives connection loss.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -12,7 +12,7 @@ use lapin::types::FieldTable;
 use lapin::Connection;
 use tokio::sync::{mpsc, watch};
 
-use consumer_core::{Incoming, TransportError};
+use consumer_core::transport::{Incoming, TransportError};
 
 use crate::acker;
 use crate::config::AmqpConfig;
@@ -118,8 +118,8 @@ enum Item {
     Error(TransportError),
 }
 
-/// Consumes one queue: a [`consumer_core::Transport`] (a stream of [`Incoming`]) to hand to
-/// [`consumer_core::Worker::run`].
+/// Consumes one queue: a [`consumer_core::transport::Transport`] (a stream of [`Incoming`]) to hand
+/// to [`consumer_core::Worker::run`].
 ///
 /// A background task owns the connection. When the connection or channel is lost, or the
 /// broker cancels the consumer (the queue was deleted), it logs why, reconnects with
@@ -190,7 +190,7 @@ impl AmqpConsumer {
         worker: &consumer_core::Worker<DB, H>,
     ) -> Result<Self, Error>
     where
-        DB: consumer_core::Backend,
+        DB: consumer_core::inbox::Backend,
         H: consumer_core::Handler<DB>,
     {
         config.validate()?;

@@ -124,7 +124,7 @@ impl Error {
     }
 
     /// The error and its chain of sources, `: `-separated, for log lines and
-    /// [`consumer_core::TransportError`] messages.
+    /// [`consumer_core::transport::TransportError`] messages.
     pub(crate) fn chain(&self) -> String {
         let mut text = self.to_string();
         let mut source = std::error::Error::source(self);
@@ -141,9 +141,9 @@ impl Error {
     }
 }
 
-impl From<Error> for consumer_core::TransportError {
+impl From<Error> for consumer_core::transport::TransportError {
     fn from(e: Error) -> Self {
-        consumer_core::TransportError::new(e.chain(), e)
+        consumer_core::transport::TransportError::new(e.chain(), e)
     }
 }
 

@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use consumer_core::Headers;
+use consumer_core::transport::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 
@@ -59,8 +59,8 @@ pub(crate) const DEAD_LETTER: &[&str] = &[
 /// decimal, booleans as `true`/`false`, timestamps as seconds, arrays and tables, e.g.
 /// RabbitMQ's `x-death`, as JSON), plus the request's reply address and correlation id from
 /// the `reply_to` and `correlation_id` properties, under the names a handler's reply reads
-/// ([`consumer_core::REPLY_TO_HEADER`], [`consumer_core::CORRELATION_ID_HEADER`]); those
-/// two win over headers of the same name.
+/// ([`consumer_core::header_names::REPLY_TO`], [`consumer_core::header_names::CORRELATION_ID`]);
+/// those two win over headers of the same name.
 ///
 /// Text values are borrowed from the table, not copied: the one block of the [`Headers`] is
 /// the only lasting allocation.
@@ -77,11 +77,14 @@ pub(crate) fn to_headers(
         })
         .unwrap_or_default();
     if let Some(to) = properties.reply_to() {
-        text.push((consumer_core::REPLY_TO_HEADER, Cow::Borrowed(to.as_str())));
+        text.push((
+            consumer_core::header_names::REPLY_TO,
+            Cow::Borrowed(to.as_str()),
+        ));
     }
     if let Some(id) = properties.correlation_id() {
         text.push((
-            consumer_core::CORRELATION_ID_HEADER,
+            consumer_core::header_names::CORRELATION_ID,
             Cow::Borrowed(id.as_str()),
         ));
     }
@@ -359,8 +362,14 @@ mod tests {
         assert_eq!(h.get("b"), Some("false"));
         assert_eq!(h.get("x-death"), Some(r#"[{"count":2,"queue":"q"}]"#));
         // The properties win over a header of the same name.
-        assert_eq!(h.get(consumer_core::REPLY_TO_HEADER), Some("replies"));
-        assert_eq!(h.get(consumer_core::CORRELATION_ID_HEADER), Some("c-1"));
+        assert_eq!(
+            h.get(consumer_core::header_names::REPLY_TO),
+            Some("replies")
+        );
+        assert_eq!(
+            h.get(consumer_core::header_names::CORRELATION_ID),
+            Some("c-1")
+        );
         assert_eq!(h.len(), 6);
         assert_eq!(
             to_headers(None, &lapin::BasicProperties::default()),

@@ -4,7 +4,8 @@
 //!   reconnection. [`AmqpConfig::validate`] rejects a bad value at startup, naming the field
 //!   (`amqp.prefetch`, …). The URL is a [`RedactedUrl`]: credentials never reach a log line
 //!   or an error.
-//! - [`AmqpConsumer`]: a [`consumer_core::Transport`] for [`consumer_core::Worker::run`].
+//! - [`AmqpConsumer`]: a [`consumer_core::transport::Transport`] for
+//!   [`consumer_core::Worker::run`].
 //! - [`AmqpPublisher`]: publishes with a message id, waits for the confirm, reports
 //!   unroutable messages.
 //! - [`headers`]: the names of the headers on retry and dead-letter copies.
@@ -113,8 +114,8 @@
 //!
 //! # Message identity
 //!
-//! [`consumer_core::Delivery::message_id`] is the AMQP `message_id` property; the runtime
-//! prefers the handler's key template, then the message id, then (if allowed) a payload
+//! [`consumer_core::transport::Delivery::message_id`] is the AMQP `message_id` property; the
+//! runtime prefers the handler's key template, then the message id, then (if allowed) a payload
 //! hash. `attempt` comes from [`headers::ATTEMPT`] (1 when absent), `redelivered` from the
 //! AMQP flag, and the source reads `amqp:<queue> (exchange="…", routing_key="…")`.
 //!

@@ -251,7 +251,7 @@ fn properties(
         p = p.with_message_id(id);
     }
     // A reply's correlation id goes in the property its requester reads.
-    if let Some(c) = headers.get(consumer_core::CORRELATION_ID_HEADER) {
+    if let Some(c) = headers.get(consumer_core::header_names::CORRELATION_ID) {
         let id = ShortString::try_new(c.as_str())
             .map_err(|e| Error::InvalidMessage(format!("correlation id: {e}")))?;
         p = p.with_correlation_id(id);

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::ValueEnum;
-use consumer_core::{EntryStatus, Inbox, InboxCounts};
+use consumer_core::inbox::{EntryStatus, InboxCounts};
+use consumer_core::Inbox;
 use serde::Serialize;
 use sqlx::Postgres;
 

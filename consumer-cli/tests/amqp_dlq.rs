@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use consumer_core::EntryStatus;
+use consumer_core::inbox::EntryStatus;
 use consumer_tests::amqp::{self, wait_for, Rabbit};
 use consumer_tests::common::PgEnv;
 use serde_json::json;

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use consumer_amqp::{headers, AmqpPublisher};
-use consumer_core::{handler, Context, EntryStatus, HandlerError, Worker};
+use consumer_core::inbox::EntryStatus;
+use consumer_core::{handler, Context, HandlerError, Worker};
 use consumer_tests::amqp::{self, config, init_tracing, wait_for, worker_config, Rabbit, Running};
 use consumer_tests::common::PgEnv;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};

@@ -1,6 +1,6 @@
 //! Acking a batch's deliveries together ([`Acknowledger::ack_with`]): the pieces a transport
 //! or a wrapper overrides it with (the default, which settles each delivery on its own, is
-//! [`crate::settle_each`], beside the trait).
+//! [`crate::transport::settle_each`], beside the trait).
 
 use std::any::Any;
 
@@ -8,7 +8,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 
 use crate::delivery::{AckResults, Acknowledger};
-use crate::TransportError;
+use crate::error::TransportError;
 
 /// `acker` as the acknowledger type `T` it is, or back as it was: for an
 /// [`Acknowledger::ack_with`] that settles the deliveries of its own kind together.
@@ -85,7 +85,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::{settled_now, Settlement};
+    use crate::delivery::{settled_now, Settlement};
 
     /// Settles at once, refusing if it was built so, and records what it was asked.
     struct Probe {

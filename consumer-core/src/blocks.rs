@@ -6,8 +6,8 @@ use bytes::{Bytes, BytesMut};
 const BLOCK: usize = 8 * 1024;
 
 /// Shared blocks that a transport copies the bytes of many messages into (their keys,
-/// payloads and [`Headers`](crate::Headers)), when the client's buffers must be let go as
-/// soon as a message is read (librdkafka's, say): each copy is a [`Bytes`] slice of the
+/// payloads and [`Headers`](crate::transport::Headers)), when the client's buffers must be let go
+/// as soon as a message is read (librdkafka's, say): each copy is a [`Bytes`] slice of the
 /// current block, with no allocation of its own.
 ///
 /// A block is shared by the copies made into it and reused in place, or freed, once the last

@@ -1,5 +1,5 @@
 //! Whether a payload's bytes are already its canonical JSON (the form
-//! [`canonical_hash`](crate::canonical_hash) hashes), so that its hash is the hash of the
+//! [`canonical_hash`](crate::key::canonical_hash) hashes), so that its hash is the hash of the
 //! bytes as they are and the message can be decoded from them directly, without a
 //! `serde_json::Value` tree in between.
 //!

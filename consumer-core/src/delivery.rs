@@ -17,16 +17,9 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream};
 
-use crate::{Headers, MessageId, TransportError};
-
-/// The delivery header naming where a request's reply goes (a queue, a topic): RabbitMQ's
-/// `reply_to` property, a Kafka header of this name. See
-/// [`Context::reply`](crate::Context::reply).
-pub const REPLY_TO_HEADER: &str = "reply-to";
-
-/// The delivery header carrying a request's correlation id (RabbitMQ's `correlation_id`
-/// property, a Kafka header of this name); a reply carries it back.
-pub const CORRELATION_ID_HEADER: &str = "correlation-id";
+use crate::error::TransportError;
+use crate::headers::Headers;
+use crate::message_id::MessageId;
 
 /// Where a delivery came from, for dead-letter reasons and logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -197,7 +190,7 @@ pub enum DeadLetterReason {
     /// not allowed).
     MissingKey,
     /// The derived key cannot be stored: it is empty, longer than
-    /// [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES) or holds a control character, or the inbox
+    /// [`MAX_KEY_BYTES`](crate::key::MAX_KEY_BYTES) or holds a control character, or the inbox
     /// database refused it (a data exception or a program limit, named by its SQLSTATE).
     InvalidKey,
     /// The key was seen before with a different payload.
@@ -299,11 +292,11 @@ pub trait Acknowledger: std::any::Any + Send {
     /// them, on the acknowledger of the first ([`Acknowledger::settle`] applies every other
     /// settlement, and a lone ack). Each result means what `settle`'s would: success once
     /// that delivery's ack is applied. The default settles each on its own
-    /// with [`Settlement::Ack`], all under way at once. A transport for which acking several deliveries is one step (RabbitMQ's
-    /// `multiple` ack) overrides it: it takes from `others` those of its own kind and channel
-    /// ([`crate::ack_together`]) and acks them together, and settles the rest on their own. A
-    /// wrapper around another acknowledger overrides it to pass the batch on
-    /// ([`crate::downcast_acker`]).
+    /// with [`Settlement::Ack`], all under way at once. A transport for which acking several
+    /// deliveries is one step (RabbitMQ's `multiple` ack) overrides it: it takes from `others`
+    /// those of its own kind and channel ([`crate::transport::ack_together`]) and acks them
+    /// together, and settles the rest on their own. A wrapper around another acknowledger overrides
+    /// it to pass the batch on ([`crate::transport::downcast_acker`]).
     fn ack_with(
         self: Box<Self>,
         others: Vec<Box<dyn Acknowledger>>,

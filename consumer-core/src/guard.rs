@@ -15,8 +15,13 @@ use crate::ident::Identifier;
 use crate::inbox::Backend;
 use crate::Error;
 
-pub use crate::inbox::GuardValue;
-pub use crate::key::idempotency_key;
+pub use crate::inbox::backend::GuardValue;
+
+/// A stable idempotency key for `effect` of message `key` in `handler`: 64 hex characters
+/// prefixed by `ik-`, the same on every attempt and redelivery.
+pub fn idempotency_key(handler: &str, key: &str, effect: &str) -> String {
+    crate::key::idempotency_key(handler, key, effect)
+}
 
 /// `UPDATE table SET flag = true WHERE id_column = $1 AND flag = false`: sets a boolean flag
 /// once. Returns whether this call set it (won), so the effect it guards runs exactly once

@@ -408,15 +408,15 @@ impl<'c, DB: Backend> Context<'c, DB> {
     }
 
     /// Replies to this request with `body`, through the outbox in this handler's
-    /// transaction: the reply goes to the request's reply address ([`REPLY_TO_HEADER`]:
+    /// transaction: the reply goes to the request's reply address ([`header_names::REPLY_TO`]:
     /// RabbitMQ's `reply_to`, a Kafka header) with the request's correlation id
-    /// ([`CORRELATION_ID_HEADER`], else its message id), once the transaction commits. It is
+    /// ([`header_names::CORRELATION_ID`], else its message id), once the transaction commits. It is
     /// also kept with the key: a duplicate of the request is answered with the same reply
     /// again, byte for byte, instead of being acked in silence. Fails if the request names no
     /// reply address, or this run replied already. Returns the reply's message id.
     ///
-    /// [`REPLY_TO_HEADER`]: crate::REPLY_TO_HEADER
-    /// [`CORRELATION_ID_HEADER`]: crate::CORRELATION_ID_HEADER
+    /// [`header_names::REPLY_TO`]: crate::header_names::REPLY_TO
+    /// [`header_names::CORRELATION_ID`]: crate::header_names::CORRELATION_ID
     pub async fn reply(&mut self, body: impl Into<bytes::Bytes>) -> Result<String, Error> {
         self.run_outbox().reply(body.into()).await
     }

@@ -67,8 +67,8 @@ impl Headers {
     }
 
     /// The value of header `name` as bytes of its own, for a value that outlives these
-    /// headers (a [`MessageId`](crate::MessageId), say). Headers a transport built in one
-    /// of its shared blocks hand out a slice of that block (no copy); others a copy.
+    /// headers (a [`MessageId`](crate::transport::MessageId), say). Headers a transport built in
+    /// one of its shared blocks hand out a slice of that block (no copy); others a copy.
     pub fn get_bytes(&self, name: &str) -> Option<Bytes> {
         let value = self.raw(name)?;
         Some(match &self.block {

@@ -266,9 +266,9 @@ pub(crate) fn sha256_hex(parts: &[&[u8]]) -> String {
     hex::encode(sha256(parts))
 }
 
-/// A stable idempotency key for `effect` of message `key` in `handler`: 64 hex characters
-/// prefixed by `ik-`, the same on every attempt and redelivery.
-pub fn idempotency_key(handler: &str, key: &str, effect: &str) -> String {
+/// The key [`idempotency_key`](crate::guard::idempotency_key) returns: SHA-256 of the
+/// length-prefixed parts, in hex, after `ik-`.
+pub(crate) fn idempotency_key(handler: &str, key: &str, effect: &str) -> String {
     format!(
         "ik-{}",
         sha256_hex(&[handler.as_bytes(), key.as_bytes(), effect.as_bytes()])

@@ -5,14 +5,15 @@
 //! - [`handler`] turns an `async fn(&mut Context<'_, DB>, Message)` into a [`Handler`].
 //! - [`Inbox`] remembers each (handler, key) in PostgreSQL or SQLite. The key is the
 //!   handler's key template, else the message id, else (if allowed) a hash of the payload.
-//! - [`Worker`] takes [`Incoming`] deliveries from a [`Transport`], claims the key, runs the
-//!   handler in the same transaction that marks the key completed, commits, and only then
-//!   settles the delivery through its [`Acknowledger`]. Duplicates are acked without running
-//!   the handler; failures are retried with [`ExponentialBackoff`] through the broker, then
-//!   dead-lettered with a [`DeadLetterReason`]: to the broker's dead-letter destination, or,
-//!   for a transport without one ([`Acknowledger::keeps_dead_letters`]), whole into the
-//!   inbox's dead-letter table ([`Inbox::dead_letters`], [`StoredDeadLetter`]) before it is
-//!   settled.
+//! - [`Worker`] takes deliveries from a transport, claims the key, runs the handler in the
+//!   same transaction that marks the key completed, commits, and only then settles the
+//!   delivery. Duplicates are acked without running the handler; failures are retried with
+//!   [`ExponentialBackoff`] through the broker, then dead-lettered with a
+//!   [`DeadLetterReason`]: to the broker's dead-letter destination, or, for a transport
+//!   without one
+//!   ([`Acknowledger::keeps_dead_letters`](transport::Acknowledger::keeps_dead_letters)), whole
+//!   into the inbox's dead-letter table ([`Inbox::dead_letters`], [`inbox::StoredDeadLetter`])
+//!   before it is settled.
 //! - [`guard`] holds the tools for effects outside the database: [`FlagGuard`],
 //!   [`Transition`] and [`idempotency_key`].
 //! - [`memory`] is an in-memory broker with real at-least-once behaviour, the embedded
@@ -28,12 +29,27 @@
 //!
 //! # Layout
 //!
-//! - `delivery`: what a transport hands the runtime ([`Delivery`], [`Incoming`]) and how
-//!   the runtime hands it back ([`Acknowledger`], [`Settlement`]); `acks`: a batch's acks
-//!   handed back together ([`Acknowledger::ack_with`], [`ack_together`]); `headers`: a delivery's
-//!   text [`Headers`], one shared block per message; `blocks`: [`Blocks`], shared blocks a
-//!   transport copies many messages' bytes into; `message_id`: a delivery's [`MessageId`],
-//!   which can share such a block.
+//! The crate's root holds what a handler author needs: the handler and its contexts, the
+//! inbox, the worker and the app, the outbox, the retry policy, the guards, and the errors.
+//! The public modules hold the rest, by role:
+//!
+//! - [`transport`] is for transport authors: what a transport hands the runtime
+//!   ([`Delivery`](transport::Delivery), [`Incoming`](transport::Incoming) from a
+//!   [`Transport`](transport::Transport)) and how the runtime hands it back
+//!   ([`Acknowledger`](transport::Acknowledger), [`Settlement`](transport::Settlement)).
+//! - [`inbox`]: the inbox's rows, counts and dead letters as an operator reads them, and the
+//!   sealed database [`Backend`](inbox::Backend); [`key`]: key templates and the canonical
+//!   payload hash; [`retry`]: the backoff policy and its jitter; [`stats`]: a worker's
+//!   counts; [`app`]: [`App`] and its health view; [`guard`], [`outbox`], [`memory`],
+//!   [`migrate`], [`trace`] and [`header_names`] as above and in their own docs.
+//!
+//! Inside, the modules are:
+//!
+//! - `delivery`: what a transport hands the runtime and how the runtime hands it back;
+//!   `acks`: a batch's acks handed back together; `headers`: a delivery's text headers, one
+//!   shared block per message; `blocks`: shared blocks a transport copies many messages'
+//!   bytes into; `message_id`: a delivery's message id, which can share such a block. The
+//!   [`transport`] module re-exports them.
 //! - `worker`: the runtime. `worker` itself is its public face ([`Worker`] and its run
 //!   loop); `worker::pipeline` runs each batch through one pipeline in four stages:
 //!   `worker::job` prepares (decode and key once), `worker::claim` decides what a claim
@@ -77,7 +93,7 @@
 //!
 //! # Metrics
 //!
-//! Every count of [`Stats`] is also exported through the [`metrics`] facade. The library
+//! Every count of [`stats::Stats`] is also exported through the [`metrics`] facade. The library
 //! never installs a recorder: install one (e.g. `metrics-exporter-prometheus`) **before**
 //! building the [`Worker`] (or adding its handler to an [`App`]), whose handles are
 //! registered when it is built; without one,
@@ -124,7 +140,7 @@
 //!   application installs the `tracing-opentelemetry` layer and its exporter.
 
 mod acks;
-mod app;
+pub mod app;
 mod blocks;
 mod canonical;
 mod delivery;
@@ -138,41 +154,29 @@ mod handler;
 pub mod header_names;
 mod headers;
 mod ident;
-mod inbox;
-mod key;
+pub mod inbox;
+pub mod key;
 mod log_marks;
 pub mod memory;
 mod message_id;
 pub mod migrate;
 pub mod outbox;
-mod retry;
-mod stats;
+pub mod retry;
+pub mod stats;
 pub mod trace;
+pub mod transport;
 mod worker;
 
-pub use acks::{ack_together, downcast_acker};
-pub use app::{App, AppHealth, HandlerHealth, PartState};
-pub use blocks::Blocks;
+pub use app::{App, AppHealth};
 pub use consumer_macros::handler;
-pub use delivery::{
-    settle_each, settled_now, AckResults, Acknowledger, DeadLetter, DeadLetterReason, Delivery,
-    Incoming, Location, LogPosition, Origin, Settlement, Source, Transport, CORRELATION_ID_HEADER,
-    REPLY_TO_HEADER,
-};
-pub use error::{Error, ErrorKind, HandlerError, TransportError};
-pub use guard::{idempotency_key, FlagGuard, GuardValue, Transition};
+pub use delivery::DeadLetterReason;
+pub use error::{Error, ErrorKind, HandlerError};
+pub use guard::{idempotency_key, FlagGuard, Transition};
 pub use handler::{BatchContext, ConflictPolicy, Context, Handler, HandlerOptions};
-pub use headers::{HeaderIter, Headers};
-pub use ident::{Identifier, MAX_IDENTIFIER_LEN};
-pub use inbox::{
-    is_aborted, Backend, EntryStatus, Inbox, InboxConfig, InboxCounts, InboxEntry, StoredDeadLetter,
-};
-pub use key::{canonical_hash, KeyTemplate, MAX_KEY_BYTES};
-pub use message_id::MessageId;
+pub use inbox::{Inbox, InboxConfig};
 pub use outbox::{Outbox, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
-pub use retry::{ExponentialBackoff, Jitter, NoJitter};
-pub use stats::{Stats, StatsSnapshot};
-pub use worker::{BatchConfig, Worker, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};
+pub use retry::ExponentialBackoff;
+pub use worker::{BatchConfig, Worker, WorkerConfig};
 
 /// Re-exports for code generated by `#[handler]`. Not a public API.
 #[doc(hidden)]

@@ -2,7 +2,7 @@
 //!
 //! Per handler and log, the database keeps a mark: at least the highest offset the handler
 //! may ever have been handed there. A process reads and raises it in one serialised step
-//! ([`Backend::advance_log_mark`](crate::Backend)), a [`MARK_STEP`] past the record in hand,
+//! ([`Backend::advance_log_mark`](crate::inbox::Backend)), a [`MARK_STEP`] past the record in hand,
 //! and commits that before it runs the record. The offsets from the mark it read up to the
 //! mark it set are then its own: no one ran them before (the old mark says so) and no one
 //! else runs them as fresh (anyone else reads the new mark). [`LogWindows`] remembers that

@@ -20,7 +20,9 @@ use tokio::sync::Notify;
 use crate::delivery::{
     Acknowledger, DeadLetter, Delivery, Incoming, Location, Origin, Settlement, Source,
 };
-use crate::{Headers, MessageId, TransportError};
+use crate::error::TransportError;
+use crate::headers::Headers;
+use crate::message_id::MessageId;
 
 /// A message to publish.
 #[derive(Debug, Clone, Default)]
@@ -359,7 +361,7 @@ fn take(shared: &Arc<Shared>, names: &Arc<ConsumerNames>, link: &Link) -> Option
     })
 }
 
-/// A consumer of one queue: a [`crate::Transport`].
+/// A consumer of one queue: a [`crate::transport::Transport`].
 pub struct MemoryConsumer {
     connection: Connection,
     stream: BoxStream<'static, Result<Incoming, TransportError>>,

@@ -15,8 +15,8 @@ use bytestring::ByteString;
 /// neither copies the id nor allocates for it; built from a `String` it takes that string's
 /// buffer over.
 ///
-/// [`Delivery::message_id`]: crate::Delivery::message_id
-/// [`Headers::get_bytes`]: crate::Headers::get_bytes
+/// [`Delivery::message_id`]: crate::transport::Delivery::message_id
+/// [`Headers::get_bytes`]: crate::transport::Headers::get_bytes
 #[derive(Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MessageId(ByteString);
 

@@ -1,4 +1,4 @@
-//! The counts a worker keeps: each one has one owner, a [`Count`], which is read in process
+//! The counts a worker keeps: each one has one owner, a `Count`, which is read in process
 //! ([`Stats::snapshot`]) and exported through the [`metrics`] facade under the name and
 //! labels of the table below (the crate doc's "Metrics" section lists every metric).
 //!
@@ -132,7 +132,7 @@ counters! {
     duplicates => (DELIVERIES, "duplicate"),
     /// Deliveries acked without running because a newer retry copy of their message was
     /// already with the broker (a replay of an attempt that failed and was retried; see
-    /// [`crate::Acknowledger::copy_scope`]). No attempt is counted for them.
+    /// [`crate::transport::Acknowledger::copy_scope`]). No attempt is counted for them.
     superseded => (DELIVERIES, "superseded"),
     /// Key conflicts (same key, different payload), dead-lettered or skipped.
     conflicts => "consumer_conflicts_total",
@@ -209,7 +209,7 @@ impl InboxGauges {
     }
 
     /// Sets the gauges from `counts`.
-    pub(crate) fn set(&self, counts: &crate::InboxCounts) {
+    pub(crate) fn set(&self, counts: &crate::inbox::InboxCounts) {
         // Row counts far below 2^53: exact as f64.
         #[allow(clippy::cast_precision_loss)]
         {

@@ -26,7 +26,7 @@ pub const TRACEPARENT: &str = "traceparent";
 /// The W3C vendor trace state header, carried with [`TRACEPARENT`].
 pub const TRACESTATE: &str = "tracestate";
 
-/// The OpenTelemetry `messaging.system` of a transport ([`crate::Source::transport`]):
+/// The OpenTelemetry `messaging.system` of a transport ([`crate::transport::Source::transport`]):
 /// `amqp` is `rabbitmq`, the others keep their name (`kafka`, `memory`).
 pub fn messaging_system(transport: &'static str) -> &'static str {
     match transport {

@@ -10,9 +10,10 @@ mod common;
 
 use std::sync::Arc;
 
+use consumer_core::app::PartState;
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{App, AppHealth, Error, PartState, WorkerConfig};
+use consumer_core::{App, AppHealth, Error, WorkerConfig};
 use consumer_scenarios::env::{wait_until, SqliteEnv, DEADLINE};
 use serde_json::json;
 use sqlx::Sqlite;

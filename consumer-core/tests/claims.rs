@@ -19,10 +19,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use consumer_core::inbox::EntryStatus;
 use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::retry::NoJitter;
 use consumer_core::{
-    handler, Context, DeadLetterReason, EntryStatus, Error, Handler, HandlerError, Inbox, NoJitter,
-    Worker, WorkerConfig,
+    handler, Context, DeadLetterReason, Error, Handler, HandlerError, Inbox, Worker, WorkerConfig,
 };
 use consumer_scenarios::env::{self as common, SqliteEnv, DEADLINE};
 use serde::Deserialize;

@@ -10,10 +10,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use consumer_core::inbox::EntryStatus;
 use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::retry::NoJitter;
+use consumer_core::stats::StatsSnapshot;
 use consumer_core::{
-    handler, BatchConfig, Context, EntryStatus, Error, Handler, HandlerError, Inbox, NoJitter,
-    StatsSnapshot, Worker, WorkerConfig,
+    handler, BatchConfig, Context, Error, Handler, HandlerError, Inbox, Worker, WorkerConfig,
 };
 use consumer_scenarios::env::{run_until, unique, SqliteEnv};
 use serde_json::json;

@@ -17,11 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
+use consumer_core::header_names::{CORRELATION_ID, REPLY_TO};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
-use consumer_core::{
-    handler, Context, Error, Handler, HandlerError, Worker, CORRELATION_ID_HEADER, REPLY_TO_HEADER,
-};
+use consumer_core::{handler, Context, Error, Handler, HandlerError, Worker};
 use consumer_scenarios::env::{wait_until, SqliteEnv, DEADLINE};
 use futures::future::BoxFuture;
 use serde_json::json;
@@ -463,9 +462,9 @@ fn request(id: &str, correlation: &str) -> Message {
 
 fn request_to(id: &str, correlation: &str, to: &str) -> Message {
     let mut m = Message::json(id, &json!({"item": "lamp"}));
-    m.headers.insert(REPLY_TO_HEADER.to_owned(), to.to_owned());
+    m.headers.insert(REPLY_TO.to_owned(), to.to_owned());
     m.headers
-        .insert(CORRELATION_ID_HEADER.to_owned(), correlation.to_owned());
+        .insert(CORRELATION_ID.to_owned(), correlation.to_owned());
     m
 }
 
@@ -497,7 +496,7 @@ async fn a_duplicate_request_is_answered_with_the_same_reply() {
     assert_eq!(replies[0].payload, replies[1].payload, "byte-identical");
     assert_eq!(replies[0].id, replies[1].id);
     for r in &replies {
-        assert_eq!(r.headers[CORRELATION_ID_HEADER], "c-1");
+        assert_eq!(r.headers[CORRELATION_ID], "c-1");
     }
 }
 
@@ -515,7 +514,7 @@ async fn the_reply(broker: &MemoryBroker, queue: &str) -> Message {
     };
     incoming
         .acker
-        .settle(consumer_core::Settlement::Ack)
+        .settle(consumer_core::transport::Settlement::Ack)
         .await
         .unwrap();
     reply
@@ -544,8 +543,8 @@ async fn a_resent_reply_carries_the_duplicates_correlation_id_and_address() {
         the_reply(&broker, "replies-a").await,
         the_reply(&broker, "replies-b").await,
     );
-    assert_eq!(first.headers[CORRELATION_ID_HEADER], "corr-A");
-    assert_eq!(resent.headers[CORRELATION_ID_HEADER], "corr-B");
+    assert_eq!(first.headers[CORRELATION_ID], "corr-A");
+    assert_eq!(resent.headers[CORRELATION_ID], "corr-B");
     assert_eq!(first.payload, resent.payload, "the same answer");
 }
 

@@ -32,7 +32,9 @@ fn published(id: &str, ago: Duration) -> Message {
     }
 }
 
-async fn run(dead_letter_too_old: bool) -> (MemoryBroker, String, consumer_core::StatsSnapshot) {
+async fn run(
+    dead_letter_too_old: bool,
+) -> (MemoryBroker, String, consumer_core::stats::StatsSnapshot) {
     let env = SqliteEnv::new().await;
     let broker = MemoryBroker::new();
     let queue = unique("dated");

@@ -431,7 +431,7 @@ where
             tracing::warn!("an idempotent request's claim was gone when its answer was stored");
             return Ok(unavailable());
         }
-        Err(e) if consumer_core::is_aborted(&e) => {
+        Err(e) if consumer_core::inbox::is_aborted(&e) => {
             // A statement of the handler's failed and aborted the transaction (PostgreSQL):
             // its writes cannot commit, so its answer must not be given as a success.
             tracing::warn!(error = %e, "the handler's transaction was aborted by an earlier error it ignored");

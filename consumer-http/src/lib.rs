@@ -40,7 +40,7 @@
 //!   as its own, and is never a replay of, or a 422 against, someone else's record. A
 //!   request the function names no caller for → 401, before anything runs.
 //! - The request's **fingerprint** is its method, path and query, and body: a JSON body by
-//!   its canonical form (object keys sorted, [`consumer_core::canonical_hash`], the one the
+//!   its canonical form (object keys sorted, [`consumer_core::key::canonical_hash`], the one the
 //!   inbox hashes message payloads with), any other body by its bytes.
 //! - First request: the key is claimed (in progress), the handler runs, its status, selected
 //!   headers (`content-type` and a configured list) and body are stored, and it is answered.
@@ -195,14 +195,14 @@
 //!    `t` is further than the tolerance (default 5 min) from this server's clock, in the past
 //!    or the future → 401.
 //! 3. A body that is not JSON, or no usable event id (missing, not a string or integer,
-//!    empty, over [`MAX_KEY_BYTES`](consumer_core::MAX_KEY_BYTES), holding a control
+//!    empty, over [`MAX_KEY_BYTES`](consumer_core::key::MAX_KEY_BYTES), holding a control
 //!    character) → 400.
 //!
-//! The event then becomes a [`Delivery`](consumer_core::Delivery): the event id as message
-//! id, the body as payload, the headers `content-type`, `user-agent`, `traceparent`,
+//! The event then becomes a [`Delivery`](consumer_core::transport::Delivery): the event id as
+//! message id, the body as payload, the headers `content-type`, `user-agent`, `traceparent`,
 //! `tracestate` (the trace context joins the delivery's span), the event id header when the
 //! id comes from one, and [`webhook-timestamp`](webhook::WEBHOOK_TIMESTAMP); attempt 1,
-//! origin [`Unknown`](consumer_core::Origin::Unknown) (any request may be a resend, so
+//! origin [`Unknown`](consumer_core::transport::Origin::Unknown) (any request may be a resend, so
 //! every event takes the counted path), source `webhook:<route>`. It waits in a bounded
 //! buffer for the worker, and the request waits for its settlement:
 //!

@@ -115,7 +115,7 @@ pub(crate) fn caller_part(caller: Option<&str>) -> String {
 
 /// The request's fingerprint, SHA-256 (hex) of the length-prefixed method, path and query,
 /// and body. A JSON body (`application/json` or `+json`, and parsable) counts by its
-/// canonical form ([`consumer_core::canonical_hash`]: key order and white space do not
+/// canonical form ([`consumer_core::key::canonical_hash`]: key order and white space do not
 /// matter); any other body by its bytes.
 pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> String {
     let target = parts
@@ -124,7 +124,7 @@ pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> String {
         .map(|p| p.as_str())
         .unwrap_or("/");
     let body_form = match json_body(parts, body) {
-        Some(value) => format!("json:{}", consumer_core::canonical_hash(&value)),
+        Some(value) => format!("json:{}", consumer_core::key::canonical_hash(&value)),
         None => format!("raw:{}", hex::encode(Sha256::digest(body))),
     };
     let mut h = Sha256::new();

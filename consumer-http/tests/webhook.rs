@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::webhook::{assert_problem, now, signature, Ingress, HANDLER, OLD_SECRET, SECRET};
 use common::{wait_until, Answer};
-use consumer_core::EntryStatus;
+use consumer_core::inbox::EntryStatus;
 use consumer_http::webhook::DEFAULT_SIGNATURE_HEADER;
 use consumer_http::WebhookIngressBuilder;
 use futures::StreamExt;

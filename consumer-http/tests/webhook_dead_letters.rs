@@ -15,9 +15,8 @@ use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
 use common::{database_url, unique, Answer};
-use consumer_core::{
-    handler, Context, HandlerError, Inbox, InboxConfig, StoredDeadLetter, Worker, WorkerConfig,
-};
+use consumer_core::inbox::StoredDeadLetter;
+use consumer_core::{handler, Context, HandlerError, Inbox, InboxConfig, Worker, WorkerConfig};
 use consumer_http::webhook::DEFAULT_SIGNATURE_HEADER;
 use consumer_http::WebhookIngress;
 use hmac::{Hmac, Mac};

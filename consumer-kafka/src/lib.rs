@@ -7,10 +7,10 @@
 //! - [`KafkaConfig`] says what to consume and how; [`KafkaConfig::validate`] fails naming
 //!   the field, and credentials are redacted from `Debug` output and errors.
 //!   [`KafkaConfig::from_env`] builds one from `KAFKA_*` variables.
-//! - [`KafkaConsumer`] is a [`consumer_core::Transport`]. A poll thread owns the librdkafka
-//!   consumer and keeps polling whatever the handlers do (so `max.poll.interval.ms` is never
-//!   exceeded); a full partition is left unread, not the loop. Records are handed out in offset
-//!   order per partition ([`ProcessingOrder::Partition`]) or per key
+//! - [`KafkaConsumer`] is a [`consumer_core::transport::Transport`]. A poll thread owns the
+//!   librdkafka consumer and keeps polling whatever the handlers do (so `max.poll.interval.ms` is
+//!   never exceeded); a full partition is left unread, not the loop. Records are handed out in
+//!   offset order per partition ([`ProcessingOrder::Partition`]) or per key
 //!   ([`ProcessingOrder::Key`]). Each acknowledger marks its offset settled, and the
 //!   transport commits only up to the last contiguous settled record of each partition this
 //!   member owns.

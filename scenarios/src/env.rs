@@ -68,9 +68,9 @@ pub async fn run_until<DB, H, T, F, Fut>(
     what: &str,
     done: F,
 ) where
-    DB: consumer_core::Backend,
+    DB: consumer_core::inbox::Backend,
     H: consumer_core::Handler<DB>,
-    T: consumer_core::Transport,
+    T: consumer_core::transport::Transport,
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {

@@ -6,11 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use consumer_core::inbox::Backend;
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    Backend, BatchConfig, Error, Handler, Inbox, InboxConfig, LogPosition, NoJitter, Origin,
-    StatsSnapshot, Worker, WorkerConfig,
-};
+use consumer_core::retry::NoJitter;
+use consumer_core::stats::StatsSnapshot;
+use consumer_core::transport::{LogPosition, Origin};
+use consumer_core::{BatchConfig, Error, Handler, Inbox, InboxConfig, Worker, WorkerConfig};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use sqlx::Sqlite;

@@ -4,8 +4,9 @@
 //! failed statement alone and commits the rest. Either way nothing may be lost: the job's
 //! effect commits once, or the job is dead-lettered once, with the reason.
 
+use consumer_core::inbox::{Backend, EntryStatus};
 use consumer_core::memory::MemoryBroker;
-use consumer_core::{Backend, DeadLetterReason, EntryStatus, Handler, Worker};
+use consumer_core::{DeadLetterReason, Handler, Worker};
 use serde_json::json;
 
 use crate::env::unique;

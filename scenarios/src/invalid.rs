@@ -6,10 +6,12 @@
 
 use std::time::Duration;
 
+use consumer_core::inbox::Backend;
 use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::retry::NoJitter;
 use consumer_core::{
-    handler, Backend, BatchConfig, Context, DeadLetterReason, Handler, HandlerError, Inbox,
-    NoJitter, Worker, WorkerConfig,
+    handler, BatchConfig, Context, DeadLetterReason, Handler, HandlerError, Inbox, Worker,
+    WorkerConfig,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -102,7 +104,7 @@ pub async fn drain<DB: Backend, H: Handler<DB>>(
     batch: Option<BatchConfig>,
     broker: &MemoryBroker,
     queue: &str,
-) -> consumer_core::StatsSnapshot {
+) -> consumer_core::stats::StatsSnapshot {
     let worker = Worker::with_config(inbox, handler, config(batch)).unwrap();
     let run = worker.run(broker.consume(queue), broker.drained(queue));
     match tokio::time::timeout(DRAIN_LIMIT, run).await {

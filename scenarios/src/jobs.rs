@@ -3,9 +3,8 @@
 
 use std::time::Duration;
 
-use consumer_core::{
-    handler, Backend, BatchContext, Context, FlagGuard, HandlerError, Inbox, Transition,
-};
+use consumer_core::inbox::Backend;
+use consumer_core::{handler, BatchContext, Context, FlagGuard, HandlerError, Inbox, Transition};
 use futures::future::BoxFuture;
 use serde::Deserialize;
 use sqlx::{Postgres, Sqlite};

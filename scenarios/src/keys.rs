@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use consumer_core::inbox::{Backend, EntryStatus};
 use consumer_core::memory::{MemoryBroker, MemoryConsumer};
-use consumer_core::{
-    Backend, DeadLetterReason, EntryStatus, Handler, Incoming, Origin, Transport, Worker,
-};
+use consumer_core::transport::{Incoming, Origin, Transport};
+use consumer_core::{DeadLetterReason, Handler, Worker};
 use futures::StreamExt;
 use serde_json::json;
 

@@ -40,8 +40,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
+use consumer_core::inbox::{Backend, EntryStatus};
 use consumer_core::memory::MemoryBroker;
-use consumer_core::{Backend, DeadLetterReason, EntryStatus, Error, Handler, Origin, Worker};
+use consumer_core::transport::Origin;
+use consumer_core::{DeadLetterReason, Error, Handler, Worker};
 use futures::{FutureExt, StreamExt};
 use serde_json::json;
 

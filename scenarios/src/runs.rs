@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use consumer_core::fault::{CrashAlways, CrashOnce, FaultAction, FaultPoint};
+use consumer_core::inbox::{Backend, EntryStatus};
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    Backend, DeadLetterReason, EntryStatus, Error, Handler, Origin, StatsSnapshot, Worker,
-};
+use consumer_core::stats::StatsSnapshot;
+use consumer_core::transport::Origin;
+use consumer_core::{DeadLetterReason, Error, Handler, Worker};
 use futures::StreamExt;
 use serde_json::json;
 

@@ -14,7 +14,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use consumer_amqp::{AmqpConfig, AmqpConsumer, ConsumerHealth, OriginSecret};
-use consumer_core::{Error, Handler, Inbox, InboxConfig, NoJitter, Worker, WorkerConfig};
+use consumer_core::retry::NoJitter;
+use consumer_core::{Error, Handler, Inbox, InboxConfig, Worker, WorkerConfig};
 use invoices::provider::EmailProvider;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions,
@@ -170,7 +171,7 @@ impl<H: Handler<Postgres>> Running<H> {
     }
 
     /// Stops it gracefully and waits until its connection is closed.
-    pub async fn stop(self) -> consumer_core::StatsSnapshot {
+    pub async fn stop(self) -> consumer_core::stats::StatsSnapshot {
         let _ = self.stop.send(());
         tokio::time::timeout(LONG, self.task)
             .await

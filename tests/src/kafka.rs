@@ -8,9 +8,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use consumer_core::{
-    handler, Context, Handler, HandlerError, NoJitter, StatsSnapshot, Worker, WorkerConfig,
-};
+use consumer_core::retry::NoJitter;
+use consumer_core::stats::StatsSnapshot;
+use consumer_core::{handler, Context, Handler, HandlerError, Worker, WorkerConfig};
 use consumer_kafka::{ClientProperties, KafkaConfig, KafkaConsumer, KafkaObserver, KafkaPublisher};
 use futures::StreamExt;
 use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};

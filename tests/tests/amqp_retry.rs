@@ -6,7 +6,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use consumer_amqp::AmqpPublisher;
-use consumer_core::{handler, Context, EntryStatus, HandlerError, Worker};
+use consumer_core::inbox::EntryStatus;
+use consumer_core::{handler, Context, HandlerError, Worker};
 use consumer_tests::amqp::{
     self, config, init_tracing, wait_for, worker_config, Rabbit, Running, LONG,
 };

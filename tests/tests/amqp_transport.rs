@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, RedactedUrl};
-use consumer_core::{Incoming, Settlement};
+use consumer_core::transport::{Incoming, Settlement};
 use consumer_tests::amqp::{
     self, close_connections_matching, config, init_tracing, wait_for, Rabbit, LONG,
 };

@@ -1,5 +1,5 @@
-//! A batch's acks handed back together ([`consumer_core::Acknowledger::ack_with`]), on each
-//! broker: the deliveries of one RabbitMQ channel or one Kafka consumer are acked together,
+//! A batch's acks handed back together ([`consumer_core::transport::Acknowledger::ack_with`]), on
+//! each broker: the deliveries of one RabbitMQ channel or one Kafka consumer are acked together,
 //! each result lands on its own delivery (also beside an acknowledger of another kind), and
 //! nothing held back is acked with them: no `multiple` ack covers an older delivery in
 //! flight, and no committed offset passes a record held back.
@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher};
-use consumer_core::{Acknowledger, Incoming, Location, Settlement, TransportError};
+use consumer_core::transport::{Acknowledger, Incoming, Location, Settlement, TransportError};
 use consumer_kafka::{KafkaConsumer, ProcessingOrder};
 use consumer_tests::amqp::{self, config, init_tracing, wait_for, Rabbit, LONG};
 use consumer_tests::kafka::{publish_all, KafkaEnv};

@@ -16,10 +16,12 @@
 
 use std::time::Duration;
 
+use consumer_core::inbox::EntryStatus;
 use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::retry::NoJitter;
+use consumer_core::transport::Origin;
 use consumer_core::{
-    handler, BatchConfig, Context, DeadLetterReason, EntryStatus, HandlerError, Inbox, NoJitter,
-    Origin, Worker, WorkerConfig,
+    handler, BatchConfig, Context, DeadLetterReason, HandlerError, Inbox, Worker, WorkerConfig,
 };
 use consumer_tests::common::{self, run_until, PgEnv};
 use futures::StreamExt;

@@ -10,10 +10,10 @@
 // Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
+use consumer_core::inbox::EntryStatus;
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    handler, Context, DeadLetterReason, EntryStatus, HandlerError, NoJitter, Worker, WorkerConfig,
-};
+use consumer_core::retry::NoJitter;
+use consumer_core::{handler, Context, DeadLetterReason, HandlerError, Worker, WorkerConfig};
 use consumer_tests::common::{self, run_until, PgEnv};
 use serde::Deserialize;
 use serde_json::json;

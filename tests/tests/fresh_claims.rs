@@ -12,10 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    handler, BatchConfig, Context, HandlerError, Inbox, NoJitter, StatsSnapshot, Worker,
-    WorkerConfig,
-};
+use consumer_core::retry::NoJitter;
+use consumer_core::stats::StatsSnapshot;
+use consumer_core::{handler, BatchConfig, Context, HandlerError, Inbox, Worker, WorkerConfig};
 use consumer_tests::common::{self, PgEnv};
 use serde::Deserialize;
 use serde_json::json;

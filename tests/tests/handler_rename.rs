@@ -10,10 +10,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use consumer_core::inbox::EntryStatus;
 use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::retry::NoJitter;
+use consumer_core::stats::StatsSnapshot;
 use consumer_core::{
-    handler, BatchConfig, Context, EntryStatus, Handler, HandlerError, Inbox, NoJitter,
-    StatsSnapshot, Worker, WorkerConfig,
+    handler, BatchConfig, Context, Handler, HandlerError, Inbox, Worker, WorkerConfig,
 };
 use consumer_tests::common::{self, PgEnv};
 use serde::Deserialize;

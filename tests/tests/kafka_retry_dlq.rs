@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use consumer_core::{handler, Context, EntryStatus, HandlerError};
+use consumer_core::inbox::EntryStatus;
+use consumer_core::{handler, Context, HandlerError};
 use consumer_kafka::{headers, RetryMode};
 use consumer_tests::kafka::{
     self, committed_offsets, header, read_topic, wait_for, worker_config, Job, KafkaEnv, Running,

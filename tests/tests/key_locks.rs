@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{handler, BatchConfig, Context, HandlerError, NoJitter, Worker, WorkerConfig};
+use consumer_core::retry::NoJitter;
+use consumer_core::{handler, BatchConfig, Context, HandlerError, Worker, WorkerConfig};
 use consumer_tests::common::{self, PgEnv};
 use serde::Deserialize;
 use serde_json::json;

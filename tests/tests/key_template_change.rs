@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    handler, Context, Error, Handler, HandlerError, Inbox, NoJitter, Worker, WorkerConfig,
-};
+use consumer_core::retry::NoJitter;
+use consumer_core::{handler, Context, Error, Handler, HandlerError, Inbox, Worker, WorkerConfig};
 use consumer_tests::common::{self, PgEnv};
 use serde::Deserialize;
 use serde_json::json;
@@ -88,7 +87,11 @@ async fn a_new_template_under_a_name_with_no_keys_is_recorded() {
     // Recorded, then its keys purged: nothing would run again.
     run(&inbox, before, WorkerConfig::default()).await.unwrap();
     let deleted = inbox
-        .purge_older(consumer_core::EntryStatus::Completed, Duration::ZERO, false)
+        .purge_older(
+            consumer_core::inbox::EntryStatus::Completed,
+            Duration::ZERO,
+            false,
+        )
         .await
         .unwrap();
     assert_eq!(deleted, 1);

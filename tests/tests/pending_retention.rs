@@ -12,10 +12,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use consumer_core::inbox::EntryStatus;
 use consumer_core::memory::{MemoryBroker, Message};
-use consumer_core::{
-    handler, Context, EntryStatus, HandlerError, Inbox, NoJitter, Worker, WorkerConfig,
-};
+use consumer_core::retry::NoJitter;
+use consumer_core::{handler, Context, HandlerError, Inbox, Worker, WorkerConfig};
 use consumer_tests::common::{self, run_until, PgEnv};
 use serde_json::json;
 use sqlx::Postgres;

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use consumer_amqp::{AmqpConsumer, AmqpPublisher};
-use consumer_core::Settlement;
+use consumer_core::transport::Settlement;
 use consumer_kafka::{KafkaConfig, KafkaConsumer};
 use consumer_tests::amqp::{self, close_connections_matching, config, init_tracing, Rabbit, LONG};
 use consumer_tests::common::wait_for;
@@ -106,7 +106,7 @@ async fn rabbitmq_reports_unacked_deliveries_and_reconnections() {
 }
 
 /// The next record of `consumer`.
-async fn next(consumer: &mut KafkaConsumer) -> consumer_core::Incoming {
+async fn next(consumer: &mut KafkaConsumer) -> consumer_core::transport::Incoming {
     tokio::time::timeout(LONG, consumer.next())
         .await
         .expect("a record in time")

@@ -1,8 +1,8 @@
 //! Dead letters kept in the inbox's dead-letter table (`<inbox table>_dead_letters`, beside
 //! the inbox): those of the transports with no dead-letter destination of their own, the
 //! webhook ingress and the in-memory broker (see
-//! [`consumer_core::Acknowledger::keeps_dead_letters`]). Each row keeps the whole message:
-//! body bytes, headers, message id, handler, route or queue, reason, error, attempts, and
+//! [`consumer_core::transport::Acknowledger::keeps_dead_letters`]). Each row keeps the whole
+//! message: body bytes, headers, message id, handler, route or queue, reason, error, attempts, and
 //! how often the same message was dead-lettered.
 //!
 //! **Reading.** `list` and `show` read the table through [`consumer_core::Inbox`]; nothing
@@ -26,7 +26,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context as _};
-use consumer_core::{Inbox, StoredDeadLetter};
+use consumer_core::inbox::StoredDeadLetter;
+use consumer_core::Inbox;
 use sqlx::Postgres;
 
 use super::letter::DeadLetter;

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::time::Duration;
 
-use consumer_core::{handler, Context, EntryStatus, HandlerError, Inbox};
+use consumer_core::inbox::EntryStatus;
+use consumer_core::{handler, Context, HandlerError, Inbox};
 use consumer_tests::amqp::{self, config, init_tracing, wait_for, worker_config, Rabbit, Running};
 use consumer_tests::common::PgEnv;
 use serde::Deserialize;

@@ -22,11 +22,12 @@ pub use health::{AppHealth, HandlerHealth, PartState};
 
 use self::health::{HandlerEntry, StateCell};
 use crate::delivery::Transport;
+use crate::error::TransportError;
 use crate::handler::Handler;
 use crate::inbox::{Backend, Inbox};
 use crate::outbox::{Publisher, Relay, RelayConfig};
 use crate::worker::{Worker, WorkerConfig};
-use crate::{Error, TransportError};
+use crate::Error;
 
 /// Starts a part: given the signal that tells it to stop, the future that runs it to its end.
 type Start = Box<dyn FnOnce(watch::Receiver<bool>) -> BoxFuture<'static, Result<(), Error>> + Send>;

@@ -5,8 +5,9 @@ use std::sync::Mutex;
 
 use super::point::FaultPoint;
 use crate::delivery::{Acknowledger, Settlement};
+use crate::error::TransportError;
 use crate::retry::{Jitter, ThreadSafeRng};
-use crate::{Error, TransportError};
+use crate::Error;
 
 /// What a triggered fault point does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

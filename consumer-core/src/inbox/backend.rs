@@ -101,8 +101,8 @@ pub trait Backend: Execute + OutboxStore + DeadLetterStore {
     /// Takes the key's database lock (`lock_ids`: sorted, distinct; empty on SQLite), then
     /// counts an attempt, durably for a worker crash, before the handler runs. The item's
     /// `attempt` is the delivery's own attempt number
-    /// ([`Delivery::attempt`](crate::Delivery::attempt)): a delivery that the row's newest
-    /// retry copy supersedes ([`InboxEntry::superseded`]) is not counted.
+    /// ([`Delivery::attempt`](crate::transport::Delivery::attempt)): a delivery that the row's
+    /// newest retry copy supersedes ([`InboxEntry::superseded`]) is not counted.
     #[doc(hidden)]
     fn begin_attempt<'a>(
         conn: &'a mut Self::Connection,
@@ -171,10 +171,11 @@ pub trait Backend: Execute + OutboxStore + DeadLetterStore {
         })
     }
 
-    /// For a delivery never delivered before ([`Delivery::fresh`](crate::Delivery::fresh)),
-    /// in the handler's transaction: inserts the key as completed (1 attempt) unless the key
-    /// has a row, waiting for a transaction that is inserting it. `true` if this transaction
-    /// inserted it; then its commit is the completion, and a rollback leaves no trace.
+    /// For a delivery never delivered before
+    /// ([`Delivery::fresh`](crate::transport::Delivery::fresh)), in the handler's transaction:
+    /// inserts the key as completed (1 attempt) unless the key has a row, waiting for a transaction
+    /// that is inserting it. `true` if this transaction inserted it; then its commit is the
+    /// completion, and a rollback leaves no trace.
     #[doc(hidden)]
     fn claim_fresh<'a>(
         conn: &'a mut Self::Connection,

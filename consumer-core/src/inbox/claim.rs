@@ -13,7 +13,7 @@ pub struct AttemptItem<'a> {
     pub(crate) key: &'a str,
     pub(crate) hash: &'a str,
     pub(crate) attempt: u32,
-    /// [`Acknowledger::copy_scope`](crate::Acknowledger::copy_scope) of the delivery.
+    /// [`Acknowledger::copy_scope`](crate::transport::Acknowledger::copy_scope) of the delivery.
     pub(crate) scope: Option<&'a str>,
 }
 

@@ -74,7 +74,7 @@ pub struct TableNames {
     pub(crate) inbox: String,
     /// `"schema"."table_migrations"`.
     pub(crate) migrations: String,
-    /// `"schema"."table_log_marks"` (see [`crate::LogPosition`]).
+    /// `"schema"."table_log_marks"` (see [`crate::transport::LogPosition`]).
     pub(crate) log_marks: String,
     /// `"schema"."table_key_templates"`: each handler name's key template (see
     /// `Inbox::check_key_template`).
@@ -89,7 +89,8 @@ pub struct TableNames {
     /// `"schema"."table_outbox"`: the outbox lives beside its inbox (see [`crate::Outbox`]).
     pub(crate) outbox: String,
     /// `"schema"."table_dead_letters"`: the dead letters of transports without a
-    /// dead-letter destination of their own (see [`crate::Acknowledger::keeps_dead_letters`]).
+    /// dead-letter destination of their own (see
+    /// [`crate::transport::Acknowledger::keeps_dead_letters`]).
     pub(crate) dead_letters: String,
     /// `"table_outbox_due"`: the outbox's unpublished rows by id.
     outbox_due_index: String,

@@ -1,8 +1,8 @@
 //! The dead-letter table's statements on each database, behind one sealed trait that
-//! [`Backend`](crate::Backend) requires: where the runtime keeps the dead letters of a
+//! [`Backend`](crate::inbox::Backend) requires: where the runtime keeps the dead letters of a
 //! transport that has no dead-letter destination of its own (see
-//! [`Acknowledger::keeps_dead_letters`](crate::Acknowledger::keeps_dead_letters)). The table
-//! is created by the inbox's migrations, beside the inbox. The operations are written once,
+//! [`Acknowledger::keeps_dead_letters`](crate::transport::Acknowledger::keeps_dead_letters)). The
+//! table is created by the inbox's migrations, beside the inbox. The operations are written once,
 //! on each database's statements through [`Execute`]; each database supplies its SQL.
 
 use std::collections::BTreeMap;
@@ -16,7 +16,7 @@ use sqlx::{Pool, Postgres, Sqlite};
 use super::config::{DeadLetterSql, TableNames};
 use super::dialect::{Arg, Clock, DeadLetterRaw, Execute};
 use crate::delivery::DeadLetter;
-use crate::Headers;
+use crate::headers::Headers;
 
 /// A dead letter as the inbox's dead-letter table keeps it: the whole message, where it
 /// came from, and why it was dead-lettered.
@@ -27,7 +27,7 @@ pub struct StoredDeadLetter {
     pub id: i64,
     /// The handler's stable name.
     pub handler: String,
-    /// The transport it came through ([`Source::transport`](crate::Source::transport):
+    /// The transport it came through ([`Source::transport`](crate::transport::Source::transport):
     /// `webhook`, `memory`).
     pub transport: String,
     /// Where in that transport: the webhook route, the in-memory queue.
@@ -107,7 +107,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// The dead-letter operations of a database. Sealed (its supertrait cannot be named outside
-/// the crate): part of [`Backend`](crate::Backend), not a public API.
+/// the crate): part of [`Backend`](crate::inbox::Backend), not a public API.
 pub trait DeadLetterStore: Execute {
     /// The statements on the dead-letter table of the inbox `names` describes.
     #[doc(hidden)]

@@ -108,7 +108,7 @@ pub(crate) type DeadLetterRaw = (
 pub(crate) type OutboxStatsRaw = (i64, i64, Option<i64>, i64);
 
 /// What differs between the databases below their SQL text. A supertrait of
-/// [`Backend`](crate::Backend) (through [`Execute`]) that only this crate can name, so it
+/// [`Backend`](crate::inbox::Backend) (through [`Execute`]) that only this crate can name, so it
 /// also seals that trait.
 pub trait Dialect: Database {
     /// The arguments of a statement, bound in order the database's way (see [`Arg`]).

@@ -41,7 +41,7 @@ pub struct InboxEntry {
     /// ([`InboxEntry::retry_scope`]) before the copy is overdue.
     pub retried_to: u32,
     /// Where that copy went: the consumers that will read it
-    /// ([`Acknowledger::copy_scope`](crate::Acknowledger::copy_scope)).
+    /// ([`Acknowledger::copy_scope`](crate::transport::Acknowledger::copy_scope)).
     pub retry_scope: Option<String>,
     /// Milliseconds until that copy is due, by the database's clock (negative once it is
     /// overdue); `None` without a recorded copy.

@@ -88,8 +88,8 @@ impl<DB: Backend> Inbox<DB> {
 
     /// The dead letters kept in this inbox's dead-letter table, oldest first: those of the
     /// transports that have no dead-letter destination of their own (the webhook ingress,
-    /// the in-memory broker; see [`crate::Acknowledger::keeps_dead_letters`]). Each keeps the
-    /// whole message until it is discarded ([`Inbox::discard_dead_letter`]).
+    /// the in-memory broker; see [`crate::transport::Acknowledger::keeps_dead_letters`]). Each
+    /// keeps the whole message until it is discarded ([`Inbox::discard_dead_letter`]).
     pub async fn dead_letters(&self) -> Result<Vec<StoredDeadLetter>, Error> {
         Ok(DB::dead_letter_list(&self.pool, &self.names).await?)
     }
@@ -195,7 +195,7 @@ impl<DB: Backend> Inbox<DB> {
     }
 
     /// The log mark of (`handler`, `log`): at least the highest offset of that log the
-    /// handler may have been handed (see [`crate::LogPosition`]); `None` if never set.
+    /// handler may have been handed (see [`crate::transport::LogPosition`]); `None` if never set.
     pub async fn log_mark(&self, handler: &str, log: &str) -> Result<Option<i64>, Error> {
         Ok(DB::log_mark(&self.pool, &self.names, handler, log).await?)
     }

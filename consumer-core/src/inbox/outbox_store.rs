@@ -1,7 +1,7 @@
 //! The outbox's operations on each database (see [`crate::outbox`]), behind one sealed
-//! trait that [`Backend`](crate::Backend) requires; their SQL is in `outbox_sql`. The table is created by the inbox's
-//! migrations, beside the inbox. The operations are written once, on each database's
-//! statements through [`Execute`]; each database supplies its SQL, how its relay's
+//! trait that [`Backend`](crate::inbox::Backend) requires; their SQL is in `outbox_sql`. The table
+//! is created by the inbox's migrations, beside the inbox. The operations are written once, on each
+//! database's statements through [`Execute`]; each database supplies its SQL, how its relay's
 //! transaction begins, and how it hears of commits.
 
 use std::collections::{BTreeMap, HashMap};
@@ -58,7 +58,7 @@ pub struct OutboxStats {
 }
 
 /// The outbox operations of a database. Sealed (its supertrait cannot be named outside the
-/// crate): part of [`Backend`](crate::Backend), not a public API.
+/// crate): part of [`Backend`](crate::inbox::Backend), not a public API.
 pub trait OutboxStore: Execute {
     /// The statements on the outbox of the inbox `names` describes.
     #[doc(hidden)]

@@ -74,7 +74,7 @@ pub(crate) mod reply;
 mod schedule;
 mod wakeups;
 
-pub use crate::inbox::OutboxStats;
+pub use crate::inbox::outbox_store::OutboxStats;
 pub use config::RelayConfig;
 pub use handle::Outbox;
 pub(crate) use handle::{insert, insert_all};

@@ -5,7 +5,8 @@ use bytes::Bytes;
 
 use super::handle::insert;
 use super::message::OutboxMessage;
-use crate::delivery::{Delivery, CORRELATION_ID_HEADER, REPLY_TO_HEADER};
+use crate::delivery::Delivery;
+use crate::header_names::{CORRELATION_ID, REPLY_TO};
 use crate::inbox::{Backend, TableNames};
 use crate::Error;
 
@@ -20,15 +21,15 @@ pub(crate) async fn write<DB: Backend>(
     delivery: &Delivery,
     body: Bytes,
 ) -> Result<String, Error> {
-    let Some(to) = delivery.headers.get(REPLY_TO_HEADER) else {
+    let Some(to) = delivery.headers.get(REPLY_TO) else {
         return Err(Error::Message(format!(
-            "the request names no reply address (no `{REPLY_TO_HEADER}` header)"
+            "the request names no reply address (no `{REPLY_TO}` header)"
         )));
     };
     let id = crate::key::idempotency_key(handler, key, "reply");
     let mut reply = OutboxMessage::new(to, body).message_id(id.clone());
     if let Some(c) = correlation(delivery) {
-        reply = reply.header(CORRELATION_ID_HEADER, c);
+        reply = reply.header(CORRELATION_ID, c);
     }
     insert::<DB>(
         conn,
@@ -48,6 +49,6 @@ pub(crate) async fn write<DB: Backend>(
 pub(crate) fn correlation(delivery: &Delivery) -> Option<&str> {
     delivery
         .headers
-        .get(CORRELATION_ID_HEADER)
+        .get(CORRELATION_ID)
         .or(delivery.message_id.as_deref())
 }

@@ -10,10 +10,6 @@ use crate::key::KeyTemplate;
 use crate::retry::{ExponentialBackoff, Jitter};
 use crate::Error;
 
-/// The default of [`WorkerConfig::max_payload_bytes`]: 1 MiB. Transports size what they
-/// must be able to copy (a retry or dead-letter copy of any payload the worker runs) from it.
-pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
-
 /// Runtime settings of a worker (the handler's own settings come from `#[handler]`).
 ///
 /// Start from [`WorkerConfig::default`] and change what you need with the `with_*` methods
@@ -69,7 +65,8 @@ pub struct WorkerConfig {
     /// retention instead of running it (default `false`: it runs, and is counted in
     /// `consumer_too_old_total`). Its key's row may have been purged, so the inbox may not
     /// know it ran: running it again could repeat its effect. Only deliveries whose
-    /// transport knows when they were published ([`Delivery::published_at`](crate::Delivery::published_at)) can be told.
+    /// transport knows when they were published
+    /// ([`Delivery::published_at`](crate::transport::Delivery::published_at)) can be told.
     pub dead_letter_too_old: bool,
     /// Replaces the backoff's randomness (deterministic tests).
     pub jitter: Option<Arc<dyn Jitter>>,
@@ -102,7 +99,7 @@ impl Default for WorkerConfig {
             allow_key_template_change: false,
             dead_letter_too_old: false,
             jitter: None,
-            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_payload_bytes: Self::DEFAULT_MAX_PAYLOAD_BYTES,
             batch: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
@@ -113,6 +110,11 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// The default of [`WorkerConfig::max_payload_bytes`]: 1 MiB. Transports size what they
+    /// must be able to copy (a retry or dead-letter copy of any payload the worker runs) from
+    /// it.
+    pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
     /// Sets [`WorkerConfig::concurrency`].
     pub fn with_concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;

@@ -8,9 +8,11 @@ use super::job::Verdict;
 use super::settle::Settled;
 use super::Inner;
 use crate::delivery::{Acknowledger, Delivery, Settlement};
+use crate::error::TransportError;
 use crate::handler::Handler;
+use crate::headers::Headers;
 use crate::inbox::{Backend, Inbox, LetterToKeep};
-use crate::{Headers, MessageId, TransportError};
+use crate::message_id::MessageId;
 
 /// Settles a dead letter of a transport without a dead-letter destination: first keeps the
 /// message in the inbox's dead-letter table, then settles. If the letter cannot be kept,

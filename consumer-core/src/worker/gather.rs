@@ -51,9 +51,9 @@ mod tests {
 
     use super::gather;
     use crate::delivery::Incoming;
+    use crate::error::TransportError;
     use crate::memory::{MemoryBroker, Message};
     use crate::BatchConfig;
-    use crate::TransportError;
 
     /// `n` deliveries of the in-memory broker.
     async fn deliveries(n: usize) -> Vec<Incoming> {

@@ -272,10 +272,10 @@ fn decode<M: serde::de::DeserializeOwned>(
 mod tests {
     use super::*;
     use crate::delivery::{Location, Origin, Source};
+    use crate::error::TransportError;
     use crate::handler::HandlerOptions;
     use crate::key::canonical_hash;
     use crate::worker::WorkerConfig;
-    use crate::TransportError;
 
     struct Unused;
 
@@ -284,7 +284,7 @@ mod tests {
             self: Box<Self>,
             _: Settlement,
         ) -> futures::future::BoxFuture<'static, Result<(), TransportError>> {
-            crate::settled_now()
+            crate::delivery::settled_now()
         }
     }
 
@@ -293,7 +293,7 @@ mod tests {
             delivery: Delivery {
                 message_id: None,
                 payload: bytes::Bytes::copy_from_slice(payload.as_bytes()),
-                headers: crate::Headers::new(),
+                headers: crate::headers::Headers::new(),
                 redelivered: false,
                 attempt: 1,
                 origin: Origin::Unknown,

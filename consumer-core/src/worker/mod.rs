@@ -62,7 +62,7 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
-pub use config::{BatchConfig, WorkerConfig, DEFAULT_MAX_PAYLOAD_BYTES};
+pub use config::{BatchConfig, WorkerConfig};
 
 use self::claim::Claims;
 use self::config::Settings;

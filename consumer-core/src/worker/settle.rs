@@ -11,11 +11,12 @@ use futures::FutureExt;
 
 use super::inner::Inner;
 use super::job::{Job, Outcome, Verdict};
-use crate::delivery::{Acknowledger, Settlement, REPLY_TO_HEADER};
+use crate::delivery::{Acknowledger, Settlement};
+use crate::error::TransportError;
 use crate::handler::Handler;
+use crate::header_names::REPLY_TO;
 use crate::inbox::{Backend, HandlerInbox};
 use crate::outbox::reply;
-use crate::TransportError;
 
 /// A verdict waiting to be applied, with its acknowledger.
 pub(super) struct Settled {
@@ -199,20 +200,18 @@ impl<DB: Backend, H: Handler<DB>> Inner<DB, H> {
                     None => job.acker,
                 }
             }
-            (Settlement::Ack, Outcome::Duplicate) => {
-                match job.delivery.headers.get(REPLY_TO_HEADER) {
-                    Some(to) => Box::new(ResendReply {
-                        to: to.to_owned(),
-                        correlation: reply::correlation(&job.delivery).map(str::to_owned),
-                        attempt: job.delivery.attempt,
-                        delay: self.settings.backoff.next_delay(1),
-                        key: job.key().to_owned(),
-                        acker: job.acker,
-                        inbox: self.inbox.clone(),
-                    }),
-                    None => job.acker,
-                }
-            }
+            (Settlement::Ack, Outcome::Duplicate) => match job.delivery.headers.get(REPLY_TO) {
+                Some(to) => Box::new(ResendReply {
+                    to: to.to_owned(),
+                    correlation: reply::correlation(&job.delivery).map(str::to_owned),
+                    attempt: job.delivery.attempt,
+                    delay: self.settings.backoff.next_delay(1),
+                    key: job.key().to_owned(),
+                    acker: job.acker,
+                    inbox: self.inbox.clone(),
+                }),
+                None => job.acker,
+            },
             _ => job.acker,
         };
         self.keep_dead_letter(&job.delivery, acker, verdict)
@@ -293,10 +292,10 @@ mod tests {
         fn ack_with(
             self: Box<Self>,
             others: Vec<Box<dyn Acknowledger>>,
-        ) -> BoxFuture<'static, crate::AckResults> {
+        ) -> BoxFuture<'static, crate::delivery::AckResults> {
             let mut ids = vec![self.id];
             for other in others {
-                let Ok(other) = crate::downcast_acker::<Grouping>(other) else {
+                let Ok(other) = crate::acks::downcast_acker::<Grouping>(other) else {
                     panic!("a batch of one kind");
                 };
                 ids.push(other.id);

@@ -11,11 +11,13 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::Sqlite;
 
+use crate::delivery::{Acknowledger, Incoming, Settlement};
+use crate::error::TransportError;
 use crate::memory::{MemoryBroker, Message};
+use crate::stats::StatsSnapshot;
 use crate::{
-    Acknowledger, BatchConfig, BatchContext, Context, DeadLetterReason, Handler, HandlerError,
-    HandlerOptions, Inbox, Incoming, Settlement, StatsSnapshot, TransportError, Worker,
-    WorkerConfig,
+    BatchConfig, BatchContext, Context, DeadLetterReason, Handler, HandlerError, HandlerOptions,
+    Inbox, Worker, WorkerConfig,
 };
 
 /// A job: `fail` transient failures before it succeeds, or a permanent failure.
@@ -461,7 +463,10 @@ async fn an_operator_lists_the_handlers_and_purges_old_rows_by_status() {
     ];
     run(&handler, &inbox, None, &jobs).await;
     assert_eq!(inbox.handlers().await.unwrap(), [("unit".to_owned(), 3)]);
-    let (dead, completed) = (crate::EntryStatus::Dead, crate::EntryStatus::Completed);
+    let (dead, completed) = (
+        crate::inbox::EntryStatus::Dead,
+        crate::inbox::EntryStatus::Completed,
+    );
     let long = Duration::from_secs(3600);
     // Nothing is an hour old; a zero age takes every row, even one updated this millisecond.
     assert_eq!(inbox.purge_older(dead, long, true).await.unwrap(), 0);
@@ -480,7 +485,7 @@ async fn an_operator_lists_the_handlers_and_purges_old_rows_by_status() {
     assert_eq!(inbox.purge_older(completed, long, false).await.unwrap(), 0);
     assert_eq!(inbox.handlers().await.unwrap(), [("unit".to_owned(), 2)]);
     let pending = inbox
-        .purge_older(crate::EntryStatus::Pending, long, false)
+        .purge_older(crate::inbox::EntryStatus::Pending, long, false)
         .await;
     assert!(pending.unwrap_err().to_string().contains("status"));
 }

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use consumer_core::outbox::OutboxMessage;
-use consumer_core::{handler, Context, HandlerError, NoJitter, WorkerConfig};
+use consumer_core::retry::NoJitter;
+use consumer_core::{handler, Context, HandlerError, WorkerConfig};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Sqlite;

@@ -72,7 +72,7 @@ impl WebhookIngressBuilder {
             tolerance: Duration::from_secs(300),
             event_id: EventIdFrom::Field(DEFAULT_EVENT_ID_FIELD.to_owned()),
             payload_hash_ids: false,
-            max_body_bytes: consumer_core::DEFAULT_MAX_PAYLOAD_BYTES,
+            max_body_bytes: consumer_core::WorkerConfig::DEFAULT_MAX_PAYLOAD_BYTES,
             buffer: 64,
             answer_within: Duration::from_secs(10),
         }

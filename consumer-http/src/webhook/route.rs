@@ -9,7 +9,8 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::response::Response;
 use bytes::Bytes;
-use consumer_core::{Delivery, Incoming, Origin, Settlement, Source, MAX_KEY_BYTES};
+use consumer_core::key::MAX_KEY_BYTES;
+use consumer_core::transport::{Delivery, Incoming, Origin, Settlement, Source};
 use http::request::Parts;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use serde_json::Value;
@@ -151,7 +152,7 @@ fn missing_id(source: &EventIdSource) -> String {
 /// The id of an event that has none, with [`payload_hash_ids`](super::WebhookIngressBuilder::payload_hash_ids):
 /// the canonical hash of its body (the inbox's payload hash).
 fn payload_id(body: &Value) -> String {
-    format!("payload-{}", consumer_core::canonical_hash(body))
+    format!("payload-{}", consumer_core::key::canonical_hash(body))
 }
 
 /// The delivery of a verified event: the event id as its message id, the body as its

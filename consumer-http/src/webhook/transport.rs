@@ -4,16 +4,16 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use consumer_core::{Acknowledger, Incoming, Settlement, TransportError};
+use consumer_core::transport::{Acknowledger, Incoming, Settlement, TransportError};
 use futures::future::BoxFuture;
 use futures::Stream;
 use tokio::sync::{mpsc, oneshot};
 
-/// The [`Source::transport`](consumer_core::Source::transport) of a webhook delivery.
+/// The [`Source::transport`](consumer_core::transport::Source::transport) of a webhook delivery.
 pub const WEBHOOK_TRANSPORT: &str = "webhook";
 
 /// The verified events of a [`WebhookIngress`](super::WebhookIngress), as a
-/// [`Transport`](consumer_core::Transport) for a [`Worker`](consumer_core::Worker).
+/// [`Transport`](consumer_core::transport::Transport) for a [`Worker`](consumer_core::Worker).
 ///
 /// It ends when the ingress's router (every clone of it) is dropped and the events it
 /// buffered are taken. Dropping it (the worker stopped) makes the router answer 503 to new

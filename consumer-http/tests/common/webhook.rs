@@ -6,9 +6,8 @@
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
-use consumer_core::{
-    handler, Context, EntryStatus, HandlerError, Inbox, InboxConfig, Worker, WorkerConfig,
-};
+use consumer_core::inbox::EntryStatus;
+use consumer_core::{handler, Context, HandlerError, Inbox, InboxConfig, Worker, WorkerConfig};
 use consumer_http::webhook::DEFAULT_SIGNATURE_HEADER;
 use consumer_http::{WebhookIngress, WebhookIngressBuilder};
 use hmac::{Hmac, Mac};

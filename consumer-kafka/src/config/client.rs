@@ -119,7 +119,8 @@ pub(crate) fn producer_client_config(
 /// below that: a record of 1 MiB could be run but never copied. Raise both together (and
 /// the topics' `max.message.bytes` on the broker). A copy larger still is dead-lettered
 /// with a reference to the original instead of its body (reason `copy_too_large`).
-pub const COPY_MAX_BYTES: usize = consumer_core::DEFAULT_MAX_PAYLOAD_BYTES + COPY_HEADER_ROOM;
+pub const COPY_MAX_BYTES: usize =
+    consumer_core::WorkerConfig::DEFAULT_MAX_PAYLOAD_BYTES + COPY_HEADER_ROOM;
 
 /// Room for the key and headers in [`COPY_MAX_BYTES`].
 pub const COPY_HEADER_ROOM: usize = 64 * 1024;

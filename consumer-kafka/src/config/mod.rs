@@ -23,7 +23,7 @@ pub enum ProcessingOrder {
     Key,
 }
 
-/// What a [`consumer_core::Settlement::Retry`] does.
+/// What a [`consumer_core::transport::Settlement::Retry`] does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RetryMode {
     /// Write a copy to the retry topic (`<topic><retry_topic_suffix>`) with its due time and

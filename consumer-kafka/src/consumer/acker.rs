@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use consumer_core::{AckResults, Acknowledger, Settlement, TransportError};
+use consumer_core::transport::{AckResults, Acknowledger, Settlement, TransportError};
 use futures::future::BoxFuture;
 use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
@@ -30,7 +30,7 @@ impl Acknowledger for KafkaAcker {
             let marked = this.shared.mark_settled(this.generation, &this.record);
             this.done = true;
             return match marked {
-                Ok(()) => consumer_core::settled_now(),
+                Ok(()) => consumer_core::transport::settled_now(),
                 Err(e) => Box::pin(std::future::ready(Err(e))),
             };
         }
@@ -48,7 +48,7 @@ impl Acknowledger for KafkaAcker {
         others: Vec<Box<dyn Acknowledger>>,
     ) -> BoxFuture<'static, AckResults> {
         let same_consumer = |a: &KafkaAcker, b: &KafkaAcker| Arc::ptr_eq(&a.shared, &b.shared);
-        consumer_core::ack_together(self, others, same_consumer, |run| {
+        consumer_core::transport::ack_together(self, others, same_consumer, |run| {
             let shared = run[0].shared.clone();
             Box::pin(std::future::ready(shared.mark_all_settled(run)))
         })

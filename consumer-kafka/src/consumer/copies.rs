@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use consumer_core::{DeadLetter, DeadLetterReason};
+use consumer_core::transport::DeadLetter;
+use consumer_core::DeadLetterReason;
 
 use super::partitions::Settings;
 use super::record::{unix_millis, RawHeaders, Record};

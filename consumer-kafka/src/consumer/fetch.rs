@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use consumer_core::{Blocks, TransportError};
+use consumer_core::transport::{Blocks, TransportError};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::types::RDKafkaErrorCode;
 

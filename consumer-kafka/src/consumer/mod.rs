@@ -27,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use consumer_core::{Incoming, LogPosition, TransportError};
+use consumer_core::transport::{Incoming, LogPosition, TransportError};
 use crossbeam_utils::CachePadded;
 use futures::Stream;
 use tokio::sync::watch;
@@ -52,7 +52,7 @@ mod record;
 #[cfg(test)]
 mod tests;
 
-/// A Kafka consumer as a [`consumer_core::Transport`]: give it to
+/// A Kafka consumer as a [`consumer_core::transport::Transport`]: give it to
 /// [`consumer_core::Worker::run`].
 ///
 /// Dropping it (the worker does, when it stops) stops the poll thread, which commits what is

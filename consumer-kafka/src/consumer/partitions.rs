@@ -10,7 +10,7 @@ use std::task::Waker;
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use consumer_core::{AckResults, TransportError};
+use consumer_core::transport::{AckResults, TransportError};
 use crossbeam_utils::CachePadded;
 use tokio::sync::watch;
 
@@ -25,7 +25,7 @@ use crate::tracker::PartitionTracker;
 pub(super) struct Partition {
     pub(super) generation: u64,
     /// `group/topic/partition`: the log its deliveries'
-    /// [`LogPosition`](consumer_core::LogPosition)s name.
+    /// [`LogPosition`](consumer_core::transport::LogPosition)s name.
     pub(super) log: Arc<str>,
     pub(super) tracker: PartitionTracker<Handout>,
     pub(super) revoking: bool,

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use consumer_core::{Blocks, TransportError};
+use consumer_core::transport::{Blocks, TransportError};
 use rdkafka::consumer::{BaseConsumer, CommitMode as RdCommitMode, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;

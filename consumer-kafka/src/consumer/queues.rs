@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use consumer_core::Blocks;
+use consumer_core::transport::Blocks;
 use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::BaseConsumer;
 

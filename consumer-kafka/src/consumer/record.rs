@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use consumer_core::{Blocks, Delivery, Headers, Location, LogPosition, MessageId, Origin, Source};
+use consumer_core::transport::{Blocks, Delivery, Headers, Location, LogPosition, MessageId};
 
 use crate::headers;
 use crate::tracker::{KeyId, Weigh};
@@ -201,8 +201,8 @@ impl Record {
             attempt,
             // A record past the committed offset may have been processed by a member that
             // then died: Kafka cannot say. Its position lets the runtime tell.
-            origin: Origin::Log(position),
-            source: Source {
+            origin: consumer_core::transport::Origin::Log(position),
+            source: consumer_core::transport::Source {
                 transport: "kafka",
                 // Formatted only if shown: no text is built per delivery.
                 location: self.place(),

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use consumer_core::{Incoming, Settlement};
+use consumer_core::transport::{Incoming, Settlement};
 use futures::{FutureExt as _, StreamExt as _};
 use tokio::sync::watch;
 

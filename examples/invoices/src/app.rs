@@ -436,7 +436,7 @@ impl StatsRecorder {
 
     async fn write_one(
         &self,
-        handler: &consumer_core::HandlerHealth,
+        handler: &consumer_core::app::HandlerHealth,
         redelivered: u64,
     ) -> Result<(), sqlx::Error> {
         let s = &handler.stats;

@@ -14,7 +14,8 @@ use std::str::FromStr;
 
 use anyhow::{bail, Context as _};
 use consumer_amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, ExchangeType};
-use consumer_core::{Incoming, OutboxMessage, PublishError, Publisher, TransportError};
+use consumer_core::transport::{Incoming, TransportError};
+use consumer_core::{OutboxMessage, PublishError, Publisher};
 use consumer_kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher};
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;

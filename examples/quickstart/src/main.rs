@@ -21,8 +21,9 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
 use consumer_core::memory::{MemoryBroker, Message};
+use consumer_core::stats::StatsSnapshot;
 use consumer_core::{
-    handler, Context, Error, FlagGuard, HandlerError, Inbox, StatsSnapshot, Worker, WorkerConfig,
+    handler, Context, Error, FlagGuard, HandlerError, Inbox, Worker, WorkerConfig,
 };
 use serde::Deserialize;
 use sqlx::Sqlite;

@@ -6,7 +6,7 @@ struct InvoiceJob {
 }
 
 #[handler]
-async fn send_invoice<DB: consumer_core::Backend>(ctx: &mut Context<'_, DB>, job: InvoiceJob) -> Result<(), HandlerError> {
+async fn send_invoice<DB: consumer_core::inbox::Backend>(ctx: &mut Context<'_, DB>, job: InvoiceJob) -> Result<(), HandlerError> {
     let _ = (ctx.key(), job.order_id);
     Ok(())
 }

@@ -33,7 +33,7 @@ pub async fn refund<'a, 'c: 'a>(
     Ok(())
 }
 
-fn is_handler<DB: consumer_core::Backend, H: Handler<DB>>(_: H) {}
+fn is_handler<DB: consumer_core::inbox::Backend, H: Handler<DB>>(_: H) {}
 
 fn main() {
     is_handler::<sqlx::Sqlite, _>(refund);
