@@ -1,4 +1,6 @@
-//! Identifiers from configuration (schema, table and queue names): validated, then quoted.
+//! Names of database objects from configuration (schemas, tables): validated, then quoted.
+//! The inbox, the HTTP layer's store and an application's own configuration check the names
+//! they are given with [`Identifier::parse`].
 
 use crate::Error;
 

@@ -40,7 +40,8 @@
 //! - [`inbox`]: the inbox's rows, counts and dead letters as an operator reads them, and the
 //!   sealed database [`Backend`](inbox::Backend); [`key`]: key templates and the canonical
 //!   payload hash; [`retry`]: the backoff policy and its jitter; [`stats`]: a worker's
-//!   counts; [`app`]: [`App`] and its health view; [`guard`], [`outbox`], [`memory`],
+//!   counts; [`app`]: [`App`] and its health view; [`ident`]: the check of database names
+//!   from configuration (schemas, tables); [`guard`], [`outbox`], [`memory`],
 //!   [`migrate`], [`trace`] and [`header_names`] as above and in their own docs.
 //!
 //! Inside, the modules are:
@@ -153,7 +154,7 @@ pub mod guard;
 mod handler;
 pub mod header_names;
 mod headers;
-mod ident;
+pub mod ident;
 pub mod inbox;
 pub mod key;
 mod log_marks;

@@ -13,8 +13,7 @@
 //! [`Source`] and its [`Location`] say where a delivery came from, for logs and dead letters;
 //! [`Origin`] (for a record in a log, its [`LogPosition`]) is what the transport knows of the
 //! delivery's past, from which the runtime decides whether it is fresh. A transport's failures
-//! are [`TransportError`]s, and the names it takes from configuration (queues, schemas) are
-//! checked as [`Identifier`]s.
+//! are [`TransportError`]s.
 //!
 //! A handler author needs none of this: the crate's root holds what a handler and the
 //! application around it use.
@@ -27,5 +26,4 @@ pub use crate::delivery::{
 };
 pub use crate::error::TransportError;
 pub use crate::headers::{HeaderIter, Headers};
-pub use crate::ident::{Identifier, MAX_IDENTIFIER_LEN};
 pub use crate::message_id::MessageId;

@@ -28,7 +28,7 @@ impl Error {
         }
     }
 
-    /// A name rejected by [`consumer_core::transport::Identifier::parse`], as this crate's error.
+    /// A name rejected by [`consumer_core::ident::Identifier::parse`], as this crate's error.
     pub(crate) fn from_core(e: consumer_core::Error) -> Self {
         match e {
             consumer_core::Error::Config { field, reason } => Error::Config { field, reason },

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use axum::routing::{get, post};
 use axum::Router;
-use consumer_core::transport::Identifier;
+use consumer_core::ident::Identifier;
 use tokio::sync::Mutex;
 
 use crate::output::Output;

@@ -1,7 +1,7 @@
 //! Where the store lives: [`StoreConfig`], and the validated names and the statements
 //! rendered on them.
 
-use consumer_core::transport::Identifier;
+use consumer_core::ident::Identifier;
 
 use crate::Error;
 

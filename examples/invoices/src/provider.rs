@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use consumer_core::transport::Identifier;
+use consumer_core::ident::Identifier;
 use sqlx::PgPool;
 
 /// One email as the provider receives it.

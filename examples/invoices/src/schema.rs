@@ -1,7 +1,7 @@
 //! The tables of the example: `orders`, `invoices` and `provider_calls`, and the chaos
 //! suite's `effect_ledger` and `worker_stats`.
 
-use consumer_core::transport::Identifier;
+use consumer_core::ident::Identifier;
 use sqlx::PgPool;
 
 /// The tables, in schema `{schema}`.

@@ -260,7 +260,7 @@ async fn serve_metrics(addr: &str) -> anyhow::Result<std::net::SocketAddr> {
 /// and the example's tables.
 async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<PgPool> {
     let schema = schema
-        .map(|s| consumer_core::transport::Identifier::parse("DB_SCHEMA", s))
+        .map(|s| consumer_core::ident::Identifier::parse("DB_SCHEMA", s))
         .transpose()?;
     let mut options = PgConnectOptions::from_str(url).context("DATABASE_URL is not a valid URL")?;
     if let Some(schema) = &schema {
