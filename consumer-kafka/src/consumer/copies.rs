@@ -7,7 +7,8 @@ use consumer_core::transport::DeadLetter;
 use consumer_core::DeadLetterReason;
 
 use super::partitions::Settings;
-use super::record::{unix_millis, RawHeaders, Record};
+use super::record::{unix_millis, Record};
+use super::record_headers::RawHeaders;
 use crate::headers;
 use crate::producer::OutgoingRecord;
 

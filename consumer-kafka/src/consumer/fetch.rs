@@ -10,7 +10,8 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::types::RDKafkaErrorCode;
 
 use super::partitions::{Settings, Shared};
-use super::record::{key_id, read_headers, unix_millis, Handout, IdSource, Record, Spares};
+use super::record::{key_id, unix_millis, Handout, IdSource, Record, Spares};
+use super::record_headers::read_headers;
 use crate::headers;
 use crate::tracker::KeyId;
 

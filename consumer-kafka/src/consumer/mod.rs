@@ -49,6 +49,7 @@ mod poll;
 mod queues;
 mod rebalance;
 mod record;
+mod record_headers;
 #[cfg(test)]
 mod tests;
 
