@@ -4,8 +4,8 @@
 //! messages go out in order, a failed one holding back the rest of its key and no other
 //! key, however many rows it holds back, and a slow confirm holds back its own key only;
 //! with no retention a round deletes what it published; a relay waiting for the broker holds
-//! no write lock; a commit wakes the relay of its process. The PostgreSQL and broker variants
-//! are in `tests/tests/outbox_*.rs`.
+//! no write lock; a commit wakes the relay of its process. Replies are in `replies.rs`; the
+//! PostgreSQL and broker variants in `tests/tests/outbox_*.rs`.
 
 // Test code may panic: a panic is how a test fails.
 #![allow(clippy::unwrap_used)]
@@ -17,34 +17,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use consumer_core::fault::{CrashOnce, FaultAction, FaultPoint};
-use consumer_core::header_names::{CORRELATION_ID, REPLY_TO};
 use consumer_core::memory::{MemoryBroker, Message};
 use consumer_core::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
-use consumer_core::{handler, Context, Error, Handler, HandlerError, Worker};
-use consumer_scenarios::env::{wait_until, SqliteEnv, DEADLINE};
+use consumer_core::Error;
+use consumer_scenarios::env::{wait_until, SqliteEnv};
 use futures::future::BoxFuture;
 use serde_json::json;
-use sqlx::Sqlite;
 
-use common::{config, count_event, place_order};
-
-/// Runs `handler` on `queue` until the queue is drained.
-async fn drain<H: Handler<Sqlite>>(
-    env: &SqliteEnv,
-    broker: &MemoryBroker,
-    handler: H,
-    queue: &str,
-) -> Worker<Sqlite, H> {
-    let worker = Worker::with_config(env.inbox.clone(), handler, config()).unwrap();
-    tokio::time::timeout(
-        DEADLINE,
-        worker.run(broker.consume(queue), broker.drained(queue)),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    worker
-}
+use common::{count_event, drain, place_order};
 
 async fn outbox_rows(env: &SqliteEnv) -> Vec<(String, Option<i64>)> {
     sqlx::query_as(&format!(
@@ -436,128 +416,6 @@ async fn a_commit_that_published_wakes_the_relay_of_its_process() {
     .await;
     stop.send(()).unwrap();
     relay.await.unwrap().unwrap();
-}
-
-/// Runs of `quote`: a second run would answer with another number.
-static QUOTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Answers a quote request with a price and its run's number.
-#[handler(name = "quote")]
-async fn quote(
-    ctx: &mut Context<'_, Sqlite>,
-    request: serde_json::Value,
-) -> Result<(), HandlerError> {
-    let run = QUOTES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let body = json!({"item": request["item"], "price": 42, "run": run});
-    // A request without a reply address will never get one: no retry can help.
-    ctx.reply(body.to_string())
-        .await
-        .map_err(HandlerError::permanent)?;
-    Ok(())
-}
-
-fn request(id: &str, correlation: &str) -> Message {
-    request_to(id, correlation, "replies")
-}
-
-fn request_to(id: &str, correlation: &str, to: &str) -> Message {
-    let mut m = Message::json(id, &json!({"item": "lamp"}));
-    m.headers.insert(REPLY_TO.to_owned(), to.to_owned());
-    m.headers
-        .insert(CORRELATION_ID.to_owned(), correlation.to_owned());
-    m
-}
-
-#[tokio::test]
-async fn a_duplicate_request_is_answered_with_the_same_reply() {
-    let env = SqliteEnv::new().await;
-    let broker = MemoryBroker::new();
-    broker.publish("quotes", request("q-1", "c-1"));
-    broker.publish("quotes", request("q-1", "c-1"));
-    let worker = drain(&env, &broker, quote, "quotes").await;
-    let stats = worker.snapshot();
-    assert_eq!((stats.completed, stats.duplicates), (1, 1));
-    assert_eq!(
-        QUOTES.load(std::sync::atomic::Ordering::Relaxed),
-        1,
-        "the handler ran once"
-    );
-
-    let relay = Relay::new(env.inbox.outbox(), broker.clone());
-    wait_until("both replies are relayed", || async {
-        relay.run_once().await.unwrap();
-        broker.depth("replies").ready == 2
-    })
-    .await;
-    let replies = [
-        the_reply(&broker, "replies").await,
-        the_reply(&broker, "replies").await,
-    ];
-    assert_eq!(replies[0].payload, replies[1].payload, "byte-identical");
-    assert_eq!(replies[0].id, replies[1].id);
-    for r in &replies {
-        assert_eq!(r.headers[CORRELATION_ID], "c-1");
-    }
-}
-
-/// The next reply waiting in `queue`, acked.
-async fn the_reply(broker: &MemoryBroker, queue: &str) -> Message {
-    use futures::StreamExt;
-    let mut consumer = broker.consume(queue);
-    let incoming = consumer.next().await.unwrap().unwrap();
-    let d = &incoming.delivery;
-    let reply = Message {
-        id: d.message_id.clone().map(String::from),
-        payload: d.payload.clone(),
-        headers: d.headers.to_map(),
-        published_at: d.published_at,
-    };
-    incoming
-        .acker
-        .settle(consumer_core::transport::Settlement::Ack)
-        .await
-        .unwrap();
-    reply
-}
-
-/// A duplicate of a request, sent again by another requester (or the same one after a
-/// restart) with a correlation id and a reply address of its own, is answered there and
-/// with its own correlation id: the requester matches replies by it.
-#[tokio::test]
-async fn a_resent_reply_carries_the_duplicates_correlation_id_and_address() {
-    let env = SqliteEnv::new().await;
-    let broker = MemoryBroker::new();
-    broker.publish("quotes-2", request_to("q-2", "corr-A", "replies-a"));
-    broker.publish("quotes-2", request_to("q-2", "corr-B", "replies-b"));
-    let worker = drain(&env, &broker, quote, "quotes-2").await;
-    let stats = worker.snapshot();
-    assert_eq!((stats.completed, stats.duplicates), (1, 1));
-
-    let relay = Relay::new(env.inbox.outbox(), broker.clone());
-    wait_until("both replies are relayed", || async {
-        relay.run_once().await.unwrap();
-        broker.depth("replies-a").ready == 1 && broker.depth("replies-b").ready == 1
-    })
-    .await;
-    let (first, resent) = (
-        the_reply(&broker, "replies-a").await,
-        the_reply(&broker, "replies-b").await,
-    );
-    assert_eq!(first.headers[CORRELATION_ID], "corr-A");
-    assert_eq!(resent.headers[CORRELATION_ID], "corr-B");
-    assert_eq!(first.payload, resent.payload, "the same answer");
-}
-
-#[tokio::test]
-async fn a_reply_needs_a_reply_address() {
-    let env = SqliteEnv::new().await;
-    let broker = MemoryBroker::new();
-    broker.publish("quotes", Message::json("q-2", &json!({"item": "lamp"})));
-    drain(&env, &broker, quote, "quotes").await;
-    let dead = broker.dead_letters("quotes");
-    assert_eq!(dead.len(), 1);
-    let error = &dead[0].dead_letter.error;
-    assert!(error.contains("no reply address"), "{error}");
 }
 
 #[tokio::test]

@@ -1,14 +1,16 @@
-//! Shared by the outbox and app tests: two handlers linked by the outbox (`place_order`
-//! publishes an event to the `events` queue, `count_event` records each event it receives)
-//! and the worker configuration they run with.
+//! Shared by the outbox, replies and app tests: two handlers linked by the outbox
+//! (`place_order` publishes an event to the `events` queue, `count_event` records each event
+//! it receives), the worker configuration they run with, and [`drain`].
 
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
 
+use consumer_core::memory::MemoryBroker;
 use consumer_core::outbox::OutboxMessage;
 use consumer_core::retry::NoJitter;
-use consumer_core::{handler, Context, HandlerError, WorkerConfig};
+use consumer_core::{handler, Context, Handler, HandlerError, Worker, WorkerConfig};
+use consumer_scenarios::env::{SqliteEnv, DEADLINE};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Sqlite;
@@ -58,4 +60,22 @@ pub fn config() -> WorkerConfig {
     WorkerConfig::default()
         .with_retention_interval(None)
         .with_jitter(Arc::new(NoJitter))
+}
+
+/// Runs `handler` on `queue` until the queue is drained.
+pub async fn drain<H: Handler<Sqlite>>(
+    env: &SqliteEnv,
+    broker: &MemoryBroker,
+    handler: H,
+    queue: &str,
+) -> Worker<Sqlite, H> {
+    let worker = Worker::with_config(env.inbox.clone(), handler, config()).unwrap();
+    tokio::time::timeout(
+        DEADLINE,
+        worker.run(broker.consume(queue), broker.drained(queue)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    worker
 }
