@@ -109,6 +109,7 @@ mod http;
 mod kafka;
 mod measure;
 mod memory;
+mod options;
 mod outbox;
 mod outbox_latency;
 mod postgres;
@@ -121,23 +122,14 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use arms::ArmFilter;
 use consumer_core::{BatchConfig, Inbox, InboxConfig};
 use framework::Fw;
 use measure::{rss_kib, Figures, ThreadTimes, PERF_CTL, THREAD_CPU};
+use options::{MetricsMode, Options};
 use outbox::OutboxArm;
 use postgres::{db_floor, record, record_each, reset, Floor, BATCH_WAIT};
 use sqlx::postgres::PgPoolOptions;
 use timing::RECORD_LATENCY;
-
-/// Whether a metrics recorder is installed (`--metrics`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum MetricsMode {
-    /// No recorder: the framework's metrics are no-ops.
-    Off,
-    /// A Prometheus recorder, rendered every second.
-    On,
-}
 
 /// Installs a Prometheus recorder for the whole process and renders it every second on a
 /// thread of its own (a scrape's cost, and the upkeep that drains its histograms).
@@ -153,133 +145,6 @@ fn install_recorder() -> anyhow::Result<()> {
             std::hint::black_box(handle.render());
         })?;
     Ok(())
-}
-
-/// The command line, parsed by clap (`--help` lists it).
-#[derive(Debug, clap::Parser)]
-#[command(
-    name = "bench",
-    about = "Throughput of the framework next to raw clients and the database floor, \
-             interleaved arms in one process (BENCHMARKS.md describes them)."
-)]
-struct Options {
-    /// Messages per arm and repetition.
-    #[arg(long, default_value_t = 10_000)]
-    messages: usize,
-    /// Repetitions; every repetition runs every arm once, in turn, and the report shows
-    /// the medians and their spread. With `--compare`: the rounds.
-    #[arg(long, default_value_t = 5)]
-    reps: usize,
-    /// Compare with another build of the bench (the "before", e.g. built from an earlier
-    /// commit): it and this binary run alternately, one repetition each per round, with
-    /// the other arguments given here, and both are reported side by side.
-    #[arg(long, value_name = "BEFORE_BINARY", conflicts_with = "compare_metrics")]
-    compare: Option<std::path::PathBuf>,
-    /// A pair of this binary with `--metrics off` (before) and `--metrics on` (after),
-    /// alternating as `--compare` does: what exporting the metrics costs.
-    #[arg(long)]
-    compare_metrics: bool,
-    /// `on`: a Prometheus recorder is installed before the arms run (as in a worker that
-    /// serves `/metrics`) and its text rendered every second, as a scrape would; `off`: no
-    /// recorder, so every metric the framework records is a no-op.
-    #[arg(long, value_enum, default_value = "off")]
-    metrics: MetricsMode,
-    /// Also write every repetition's figures to this file as JSON.
-    #[arg(long, value_name = "PATH")]
-    json: Option<std::path::PathBuf>,
-    /// Payload size in bytes.
-    #[arg(long, value_name = "BYTES", default_value_t = 256)]
-    size: usize,
-    /// Messages per transaction in the batched arms (framework and hand-written).
-    #[arg(long, default_value_t = 64)]
-    batch: usize,
-    /// Partitions of the topic the Kafka arms consume (its records spread over them by key).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(i32).range(1..))]
-    partitions: i32,
-    /// Records each partition of the framework's Kafka arms buffers at most
-    /// (`KafkaConfig::max_buffered_per_partition`); the transport's default if not given.
-    #[arg(long, value_name = "RECORDS")]
-    kafka_max_buffered: Option<std::num::NonZeroUsize>,
-    /// Handlers (or hand-written transactions) running at once.
-    #[arg(long, default_value_t = 8)]
-    concurrency: usize,
-    /// RabbitMQ prefetch (unacked deliveries the broker hands out at once).
-    #[arg(long, default_value_t = 256)]
-    prefetch: u16,
-    /// Only the arms whose name contains one of these strings (e.g. `--arms 'memory: fw'`),
-    /// or, for one ending in `$`, ends in the rest (`--arms 'kafka: fw batched$'`); every
-    /// arm if not given.
-    /// A comma followed by a space is part of a name (`--arms 'db floor, 1/tx$,memory: fw'`).
-    #[arg(long, value_name = "NAME[,NAME...]", value_parser = ArmFilter::parse)]
-    arms: Option<ArmFilter>,
-    /// Print this process's RSS to stderr every this many milliseconds (0: never).
-    #[arg(long, value_name = "MS", default_value_t = 0)]
-    rss_every_ms: u64,
-    /// A perf control FIFO (`perf record --control fifo:PATH -D -1`): `enable` is written to
-    /// it when an arm's clock starts and `disable` when it stops, so a profile holds the
-    /// arms alone, not the filling of their queues.
-    #[arg(long, value_name = "FIFO")]
-    perf_ctl: Option<std::path::PathBuf>,
-    /// Print to stderr, for every arm, this process's CPU time per message by thread name
-    /// (from /proc/self/task, to the nanosecond): which threads an arm's CPU goes to.
-    #[arg(long)]
-    thread_cpu: bool,
-    /// Record per-delivery latencies (1) or not (0, for long RSS runs).
-    #[arg(long, value_name = "0|1", default_value_t = 1,
-          value_parser = clap::value_parser!(u8).range(0..=1))]
-    latency: u8,
-    /// Rows a relay round takes in the `+ outbox` arms (`RelayConfig::batch`; its default
-    /// unless given).
-    #[arg(long, value_name = "N")]
-    relay_batch: Option<u32>,
-    /// Relay rounds in progress at once in the `+ outbox` arms (`RelayConfig::rounds`; its
-    /// default unless given).
-    #[arg(long, value_name = "N")]
-    relay_rounds: Option<u32>,
-    /// How long the `+ outbox` arms' relays keep published rows, in seconds
-    /// (`RelayConfig::retention`; its default unless given; 0 deletes a row when published).
-    #[arg(long, value_name = "SECS", env = "BENCH_RELAY_RETENTION")]
-    relay_retention: Option<u64>,
-    /// Instead of the arms: this many samples, on each broker, of the time from the commit of
-    /// a message the application wrote to the outbox (on a pool of its own, so only
-    /// PostgreSQL's NOTIFY wakes the relay) to the broker's confirm and to its consumption,
-    /// the relay polling every 1 s (0: the arms run).
-    #[arg(long, value_name = "SAMPLES", default_value_t = 0,
-          conflicts_with_all = ["compare", "compare_metrics"])]
-    outbox_latency: usize,
-    /// Instead of the arms: the `Idempotency-Key` layer's cost on a trivial POST, this many
-    /// requests a case (no layer; PostgreSQL store, first requests and replays; the same
-    /// with the Redis fast path of `REDIS_URL`), `--reps` times (0: the arms run).
-    #[arg(long, value_name = "REQUESTS", default_value_t = 0,
-          conflicts_with_all = ["compare", "compare_metrics", "outbox_latency"])]
-    http: usize,
-    /// The PostgreSQL to measure (`eval "$(scripts/postgres.sh env)"` sets it).
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
-    /// RabbitMQ for the `amqp:` arms; they are skipped without it.
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: Option<String>,
-    /// Kafka bootstrap servers for the `kafka:` arms; they are skipped without it.
-    #[arg(long, env = "KAFKA_BROKERS")]
-    kafka_brokers: Option<String>,
-}
-
-impl Options {
-    /// The relay of the `+ outbox` arms: the defaults (a poll every 1 s), `--relay-batch`,
-    /// `--relay-rounds`, `--relay-retention`.
-    fn relay_config(&self) -> consumer_core::RelayConfig {
-        let mut config = consumer_core::RelayConfig::default();
-        if let Some(batch) = self.relay_batch {
-            config = config.with_batch(batch);
-        }
-        if let Some(rounds) = self.relay_rounds {
-            config = config.with_rounds(rounds);
-        }
-        if let Some(secs) = self.relay_retention {
-            config = config.with_retention(std::time::Duration::from_secs(secs));
-        }
-        config
-    }
 }
 
 /// Runs the pair of `--compare` or `--compare-metrics`, or else installs the recorder of
